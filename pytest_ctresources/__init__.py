@@ -1,0 +1,33 @@
+"""pytest-ctresources: run GPU-bound circuit-tracer experiment suites safely on any GPU.
+
+Public API (importing this package never imports torch, matplotlib or circuit_tracer):
+
+- :class:`CircuitTracerConfig`: the typed, layered config of one experiment.
+- :class:`CtSession` / :class:`ModelCache`: what the ``ct_session`` fixture wraps.
+- :func:`load_experiment_yaml`: read a flat experiment YAML.
+- :func:`cleanup_python_cuda` and :func:`safe_clean_cuda`: memory cleanup outside pytest.
+- :func:`detect_gpus`: the GPUs this process will see, without creating a CUDA context.
+- :mod:`pytest_ctresources.testing`: tiny offline ReplacementModels for CPU smoke tests.
+"""
+
+from pytest_ctresources.cleanup import cleanup_python_cuda, safe_clean_cuda
+from pytest_ctresources.config import CircuitTracerConfig, ConfigError
+from pytest_ctresources.experiment_yaml import load_experiment_yaml
+from pytest_ctresources.gpus import GpuFacts, GpuInfo, detect_gpus
+from pytest_ctresources.session import CtSession, ModelCache
+from pytest_ctresources.sources import Source
+
+__all__ = [
+    "CircuitTracerConfig",
+    "ConfigError",
+    "CtSession",
+    "GpuFacts",
+    "GpuInfo",
+    "ModelCache",
+    "Source",
+    "cleanup_python_cuda",
+    "detect_gpus",
+    "load_experiment_yaml",
+    "safe_clean_cuda",
+]
+__version__ = "0.1.0"

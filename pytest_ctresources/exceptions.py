@@ -1,0 +1,13 @@
+"""Warning classes of the plugin, so users can filter them (``-W ignore::...``)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+class CtResourcesWarning(pytest.PytestWarning):
+    """Base class of every warning pytest-ctresources issues."""
+
+
+class AllocConfIneffectiveWarning(CtResourcesWarning):
+    """PYTORCH_CUDA_ALLOC_CONF was set after CUDA had already initialised."""

@@ -1,0 +1,44 @@
+"""The ``ct_config`` and ``ct_session`` fixtures: thin wrappers over public classes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from pytest_ctresources.config import CircuitTracerConfig
+from pytest_ctresources.markers import MarkerError
+from pytest_ctresources.runtime import runtime_of
+from pytest_ctresources.session import CtSession
+
+
+@pytest.fixture
+def ct_config(request: pytest.FixtureRequest) -> CircuitTracerConfig:
+    """The resolved :class:`~pytest_ctresources.CircuitTracerConfig` of this test.
+
+    Layers, lowest to highest: defaults < ini < experiment YAML < ``ct_config`` marker <
+    ``CT_*`` environment < ``--ct-*`` options. ``ct_config.source_of("batch_size")`` says
+    where a value came from.
+    """
+    try:
+        return runtime_of(request.config).config_for(request.node)  # type: ignore[arg-type]
+    except MarkerError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture
+def ct_session(
+    request: pytest.FixtureRequest, ct_config: CircuitTracerConfig
+) -> Iterator[CtSession]:
+    """A :class:`~pytest_ctresources.CtSession` for this test.
+
+    ``ct_session.cfg`` is the test's config; ``ct_session.load_model()`` builds its
+    ReplacementModel once per session (a different model evicts the previous one);
+    ``ct_session.attribute(prompt)`` runs ``circuit_tracer.attribute`` with the config's
+    arguments. After the test, the per-test cleanup (``ct_cleanup``) returns its memory.
+    """
+    session = CtSession(ct_config, runtime_of(request.config).model_cache)
+    try:
+        yield session
+    finally:
+        session.close()

@@ -1,0 +1,127 @@
+"""Where the plugin's command-line options, ini keys and environment variables are declared.
+
+Every session setting has up to three spellings: an option ``--ct-*``, an ini key ``ct_*``
+and an environment variable ``CT_*``. :data:`SETTINGS` lists them in one table that
+``pytest_addoption`` and :mod:`pytest_ctresources.settings` both read, so a new setting is
+added in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from pytest_ctresources.config import ConfigError, parse_text
+
+GROUP = "ctresources"
+CLEANUP_MODES: tuple[str, ...] = ("auto", "always", "never")
+DEFAULT_ALLOC_CONF = "expandable_segments:True"
+
+
+def positive_number(text: str) -> float:
+    """Parse a positive float (GiB); raise ``ValueError`` with a user-facing message."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"must be a positive number of GiB, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"must be a positive number of GiB, got {text!r}")
+    return value
+
+
+def _field_parser(field: str) -> Callable[[str], object]:
+    def parse(text: str) -> object:
+        try:
+            return parse_text(field, text)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+
+    return parse
+
+
+@dataclass(frozen=True)
+class SettingSpec:
+    """One session setting: its option, ini key, env var, parser and help."""
+
+    dest: str
+    option: str
+    ini: str
+    env: str | None
+    metavar: str
+    help: str
+    parse: Callable[[str], object]
+    field: str | None = None  # the CircuitTracerConfig field it sets, if any
+
+
+SETTINGS: tuple[SettingSpec, ...] = (
+    SettingSpec(
+        "ct_batch_size", "--ct-batch-size", "ct_batch_size", "CT_BATCH_SIZE", "N",
+        "batch size of circuit-tracer attribution for every test (overrides YAML and markers)",
+        _field_parser("batch_size"), field="batch_size",
+    ),
+    SettingSpec(
+        "ct_max_feature_nodes", "--ct-max-feature-nodes", "ct_max_feature_nodes",
+        "CT_MAX_FEATURE_NODES", "N",
+        "max_feature_nodes of circuit-tracer attribution for every test",
+        _field_parser("max_feature_nodes"), field="max_feature_nodes",
+    ),
+    SettingSpec(
+        "ct_config", "--ct-config", "ct_config", "CT_CONFIG", "PATH",
+        "flat experiment YAML (MODEL_NAME, BATCH_SIZE, ...) applied to every test's config",
+        str,
+    ),
+    SettingSpec(
+        "ct_vram_capacity", "--ct-vram-capacity", "ct_vram_capacity", "CT_VRAM_CAPACITY", "GIB",
+        "act as if the GPU had GIB of memory: used in skip decisions, and the CUDA allocator "
+        "of this process is capped at it",
+        positive_number,
+    ),
+)
+
+INI_ONLY: tuple[tuple[str, str, str], ...] = (
+    (
+        "ct_cleanup",
+        "after each test: 'auto' (gc + empty_cache when CUDA was used, close open "
+        "matplotlib figures), 'always' (also gc.collect when CUDA was not used) or 'never'",
+        "auto",
+    ),
+    (
+        "ct_alloc_conf",
+        "PYTORCH_CUDA_ALLOC_CONF set (if unset) before CUDA can initialise; empty disables",
+        DEFAULT_ALLOC_CONF,
+    ),
+)
+
+
+def argparse_type(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """Wrap a parser so argparse reports its message as ``argument --ct-x: message``."""
+
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def add_options(parser: pytest.Parser) -> None:
+    """Declare the ``ctresources`` option group and the ``ct_*`` ini keys."""
+    group = parser.getgroup(GROUP, "circuit-tracer GPU resources (pytest-ctresources)")
+    for spec in SETTINGS:
+        env = f" [env {spec.env}]" if spec.env else ""
+        group.addoption(
+            spec.option,
+            dest=spec.dest,
+            metavar=spec.metavar,
+            type=argparse_type(spec.parse),
+            default=None,
+            help=f"{spec.help}{env}",
+        )
+        parser.addini(spec.ini, f"{spec.help} (same as {spec.option})", type="string", default=None)
+    for name, help_text, default in INI_ONLY:
+        # default=None tells "unset" from "set to the default" (or to empty, for ct_alloc_conf)
+        parser.addini(name, f"{help_text} [default: {default}]", type="string", default=None)

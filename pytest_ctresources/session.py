@@ -1,0 +1,145 @@
+"""CtSession: one test's handle on circuit-tracer, and the session-wide model cache.
+
+Usable without pytest: ``CtSession(cfg, ModelCache())`` gives the same ``load_model`` and
+``attribute`` as the ``ct_session`` fixture.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pytest_ctresources.cleanup import cleanup_python_cuda
+from pytest_ctresources.config import FIELDS, CircuitTracerConfig, ConfigError, validate_typed
+
+if TYPE_CHECKING:
+    import torch
+
+
+def default_device() -> str:
+    """``cuda`` when torch sees a CUDA GPU, else ``cpu``."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_model(cfg: CircuitTracerConfig, device: str | torch.device) -> Any:
+    """Build the ReplacementModel ``cfg`` names: a bundled offline model, or from the hub."""
+    from pytest_ctresources import testing
+
+    kwargs = cfg.from_pretrained_kwargs()
+    if testing.is_bundled_model(kwargs["model_name"]):
+        return testing.build_named_model(
+            kwargs["model_name"],
+            kwargs["transcoder_set"],
+            dtype=kwargs["dtype"],
+            device=device,
+            backend=kwargs["backend"],
+        )
+    from circuit_tracer import ReplacementModel
+
+    return ReplacementModel.from_pretrained(**kwargs, device=device)
+
+
+class ModelCache:
+    """Holds the one ReplacementModel of the session, keyed by what identifies it.
+
+    Tests whose configs name the same model, transcoders, backend and dtype share a single
+    load; a test that needs another model evicts the previous one and frees its memory
+    first, so two models are never resident at once.
+    """
+
+    def __init__(self) -> None:
+        self._key: Hashable | None = None
+        self._model: Any = None
+        self.loads = 0
+
+    def get(self, cfg: CircuitTracerConfig, device: str | torch.device) -> Any:
+        key = (*cfg.model_key(), str(device))
+        if self._model is not None and key == self._key:
+            return self._model
+        self.evict()
+        self._model = build_model(cfg, device)
+        self._key = key
+        self.loads += 1
+        return self._model
+
+    @property
+    def key(self) -> Hashable | None:
+        """The key of the resident model, or None."""
+        return self._key
+
+    def evict(self) -> None:
+        """Drop the resident model and return its memory."""
+        if self._model is None:
+            return
+        self._model = None
+        self._key = None
+        cleanup_python_cuda()
+
+
+@dataclass(frozen=True)
+class AttributionCall:
+    """The keyword arguments one ``attribute()`` call received."""
+
+    kwargs: dict[str, Any]
+
+
+def _attribute_parameters() -> set[str]:
+    from circuit_tracer import attribute
+
+    return set(inspect.signature(attribute).parameters) - {"prompt", "model"}
+
+
+class CtSession:
+    """A test's circuit-tracer session: its config, its model, its attributions.
+
+    Attributes:
+        cfg: the resolved :class:`~pytest_ctresources.config.CircuitTracerConfig` of the test.
+        calls: every :meth:`attribute` call's keyword arguments, in order.
+    """
+
+    def __init__(self, cfg: CircuitTracerConfig, cache: ModelCache | None = None) -> None:
+        self.cfg = cfg
+        self.calls: list[AttributionCall] = []
+        self._cache = cache if cache is not None else ModelCache()
+
+    def load_model(self, device: str | torch.device | None = None) -> Any:
+        """The ReplacementModel of ``cfg``, loaded once per session (see :class:`ModelCache`)."""
+        return self._cache.get(self.cfg, device if device is not None else default_device())
+
+    def attribute(self, prompt: Any, model: Any = None, **overrides: Any) -> Any:
+        """Run ``circuit_tracer.attribute(prompt, model, **kwargs)`` with this test's config.
+
+        ``kwargs`` are :meth:`CircuitTracerConfig.attribute_kwargs`, updated with
+        ``overrides`` (config fields are validated as in a marker; other ``attribute()``
+        parameters such as ``attribution_targets`` pass through). ``model`` defaults to
+        :meth:`load_model`.
+        """
+        kwargs = self.cfg.attribute_kwargs()
+        unknown = set(overrides) - _attribute_parameters()
+        if unknown:
+            raise TypeError(
+                f"attribute() got unexpected keyword argument(s) {', '.join(sorted(unknown))}; "
+                f"accepted: {', '.join(sorted(_attribute_parameters()))}"
+            )
+        for name, value in overrides.items():
+            if name in FIELDS and value is not None:
+                try:
+                    value = validate_typed(name, value)
+                except ConfigError as exc:
+                    raise ValueError(f"attribute({name}=...): {exc}") from None
+            kwargs[name] = value
+        if model is None:
+            model = self.load_model()
+        from circuit_tracer import attribute
+
+        self.calls.append(AttributionCall(dict(kwargs)))
+        return attribute(prompt, model, **kwargs)
+
+    def close(self) -> None:
+        """Drop this session's references; the model stays cached for the next test."""
+        self.calls.clear()
+

@@ -1,0 +1,190 @@
+"""Where session settings are resolved: once per run, into a frozen :class:`Settings`.
+
+Order, lowest to highest, for the config fields (batch size, max feature nodes):
+built-in default < ini ``ct_*`` < experiment YAML < ``@pytest.mark.ct_config`` <
+environment ``CT_*`` < command-line ``--ct-*``. Session-only settings (the YAML path, the
+emulated capacity) take the highest of ini < environment < option. Each value keeps its
+:class:`~pytest_ctresources.sources.Source`; any bad value raises ``pytest.UsageError``
+naming that source.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pytest_ctresources.config import CircuitTracerConfig, ConfigError
+from pytest_ctresources.experiment_yaml import ExperimentFile, load_experiment_yaml
+from pytest_ctresources.options import CLEANUP_MODES, INI_ONLY, SETTINGS, SettingSpec
+from pytest_ctresources.sources import Source, Sourced
+
+_INI_DEFAULTS = {name: default for name, _help, default in INI_ONLY}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the plugin was told for this run, each value with its source."""
+
+    ini_layer: Mapping[str, Sourced[object]]
+    experiment: ExperimentFile | None
+    experiment_source: Source | None
+    env_layer: Mapping[str, Sourced[object]]
+    option_layer: Mapping[str, Sourced[object]]
+    vram_capacity_gib: Sourced[float] | None
+    cleanup: Sourced[str]
+    alloc_conf: Sourced[str]
+
+    def config_below_markers(self) -> CircuitTracerConfig:
+        """Defaults < ini < experiment YAML: the layers a test's markers go on top of."""
+        cfg = _apply(CircuitTracerConfig.defaults(), self.ini_layer)
+        return self.experiment.apply(cfg) if self.experiment else cfg
+
+    def config_above_markers(self, cfg: CircuitTracerConfig) -> CircuitTracerConfig:
+        """``cfg`` with the environment and then the command line laid over it."""
+        return _apply(_apply(cfg, self.env_layer), self.option_layer)
+
+    def session_config(self) -> CircuitTracerConfig:
+        """The config of a test with no ``ct_config`` marker."""
+        return self.config_above_markers(self.config_below_markers())
+
+    def header_lines(self) -> list[str]:
+        """Lines for the ``pytest -v`` header: effective settings and their sources."""
+        cfg = self.session_config()
+        lines = [
+            "ctresources: "
+            + ", ".join(
+                f"{name}={getattr(cfg, name)} ({cfg.source_of(name)})"
+                for name in ("batch_size", "max_feature_nodes", "dtype", "backend")
+            )
+        ]
+        if self.experiment is not None:
+            lines.append(f"ctresources: experiment config {self.experiment.path} "
+                         f"({self.experiment_source})")
+        if cfg.model_name:
+            lines.append(f"ctresources: model {cfg.model_name} ({cfg.source_of('model_name')}), "
+                         f"transcoders {cfg.transcoder_set}")
+        capacity = (
+            f"{self.vram_capacity_gib.value:g} GiB ({self.vram_capacity_gib.source})"
+            if self.vram_capacity_gib else "as detected"
+        )
+        alloc = self.alloc_conf.value or "(not set)"
+        lines.append(
+            f"ctresources: vram capacity {capacity}, cleanup={self.cleanup.value} "
+            f"({self.cleanup.source}), PYTORCH_CUDA_ALLOC_CONF={alloc} ({self.alloc_conf.source})"
+        )
+        return lines
+
+
+def _apply(cfg: CircuitTracerConfig, layer: Mapping[str, Sourced[object]]) -> CircuitTracerConfig:
+    if not layer:
+        return cfg
+    return cfg.layered(
+        {name: item.value for name, item in layer.items()}, lambda name: layer[name].source
+    )
+
+
+def _parse(spec: SettingSpec, text: str, source: Source) -> object:
+    try:
+        return spec.parse(text)
+    except (ValueError, ConfigError) as exc:
+        raise pytest.UsageError(f"{source}: {exc}") from None
+
+
+def resolve_settings(
+    options: Mapping[str, object],
+    ini: Mapping[str, str | None],
+    environ: Mapping[str, str],
+    inifile: str | None,
+    invocation_dir: Path,
+) -> Settings:
+    """Resolve every session setting from its three spellings.
+
+    ``options`` maps option dests to parsed values (None when not given), ``ini`` maps ini
+    keys to their raw text (None when unset). Pure: testable without a pytest run.
+    """
+    ini_layer: dict[str, Sourced[object]] = {}
+    env_layer: dict[str, Sourced[object]] = {}
+    option_layer: dict[str, Sourced[object]] = {}
+    session: dict[str, Sourced[object]] = {}
+    ini_dir = Path(inifile).parent if inifile else invocation_dir
+    for spec in SETTINGS:
+        layers: list[tuple[dict[str, Sourced[object]], Sourced[object]]] = []
+        raw_ini = (ini.get(spec.ini) or "").strip()
+        if raw_ini:
+            source = Source.ini(spec.ini, inifile)
+            value = _parse(spec, raw_ini, source)
+            if spec.dest == "ct_config":
+                value = str(ini_dir / str(value))
+            layers.append((ini_layer, Sourced(value, source)))
+        raw_env = environ.get(spec.env, "").strip() if spec.env else ""
+        if spec.env and raw_env:
+            source = Source.env(spec.env)
+            layers.append((env_layer, Sourced(_parse(spec, raw_env, source), source)))
+        if options.get(spec.dest) is not None:
+            layers.append((option_layer, Sourced(options[spec.dest], Source.option(spec.option))))
+        for layer, item in layers:
+            if spec.field is not None:
+                layer[spec.field] = item
+        if layers:
+            session[spec.dest] = layers[-1][1]
+
+    experiment = None
+    experiment_source = None
+    if "ct_config" in session:
+        experiment_source = session["ct_config"].source
+        try:
+            experiment = load_experiment_yaml(str(session["ct_config"].value))
+        except ConfigError as exc:
+            raise pytest.UsageError(f"{experiment_source}: {exc}") from None
+
+    cleanup_text = ini.get("ct_cleanup")
+    if cleanup_text is not None:
+        cleanup = Sourced(cleanup_text.strip(), Source.ini("ct_cleanup", inifile))
+        if cleanup.value not in CLEANUP_MODES:
+            raise pytest.UsageError(
+                f"{cleanup.source}: must be one of {', '.join(CLEANUP_MODES)}; "
+                f"got {cleanup.value!r}"
+            )
+    else:
+        cleanup = Sourced(_INI_DEFAULTS["ct_cleanup"], Source.default())
+
+    alloc_text = ini.get("ct_alloc_conf")
+    alloc_conf = (
+        Sourced(alloc_text.strip(), Source.ini("ct_alloc_conf", inifile))
+        if alloc_text is not None
+        else Sourced(_INI_DEFAULTS["ct_alloc_conf"], Source.default())
+    )
+    capacity = session.get("ct_vram_capacity")
+    return Settings(
+        ini_layer=ini_layer,
+        experiment=experiment,
+        experiment_source=experiment_source,
+        env_layer=env_layer,
+        option_layer=option_layer,
+        vram_capacity_gib=Sourced(float(capacity.value), capacity.source)  # type: ignore[arg-type]
+        if capacity
+        else None,
+        cleanup=cleanup,
+        alloc_conf=alloc_conf,
+    )
+
+
+def ini_values(config: pytest.Config) -> dict[str, str | None]:
+    """The raw text of every ``ct_*`` ini key, None where unset."""
+    keys = [spec.ini for spec in SETTINGS] + [name for name, _h, _d in INI_ONLY]
+    return {key: config.getini(key) for key in keys}
+
+
+def settings_from_config(config: pytest.Config) -> Settings:
+    """Resolve :class:`Settings` for a pytest run (raises ``pytest.UsageError``)."""
+    return resolve_settings(
+        options={spec.dest: config.getoption(spec.dest) for spec in SETTINGS},
+        ini=ini_values(config),
+        environ=os.environ,
+        inifile=str(config.inipath) if config.inipath else None,
+        invocation_dir=config.invocation_params.dir,
+    )

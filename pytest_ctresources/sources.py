@@ -1,0 +1,57 @@
+"""Where a setting came from: the provenance every resolved value carries.
+
+Error messages, the ``pytest -v`` header and reports all name a value's source the same
+way, so the formatting lives here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generic, Literal, TypeVar
+
+SourceKind = Literal["default", "ini", "yaml", "marker", "env", "option"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One origin of a setting: its layer (``kind``) and the precise place within it."""
+
+    kind: SourceKind
+    where: str
+
+    def __str__(self) -> str:
+        return self.where
+
+    @classmethod
+    def default(cls) -> Source:
+        return cls("default", "default")
+
+    @classmethod
+    def option(cls, flag: str) -> Source:
+        return cls("option", flag)
+
+    @classmethod
+    def env(cls, name: str) -> Source:
+        return cls("env", f"env {name}")
+
+    @classmethod
+    def ini(cls, key: str, inifile: str | None) -> Source:
+        return cls("ini", f"ini {key}" + (f" in {inifile}" if inifile else ""))
+
+    @classmethod
+    def yaml(cls, path: str, key: str) -> Source:
+        return cls("yaml", f"{key} in {path}")
+
+    @classmethod
+    def marker(cls, name: str, nodeid: str) -> Source:
+        return cls("marker", f"@pytest.mark.{name} on {nodeid}")
+
+
+@dataclass(frozen=True)
+class Sourced(Generic[T]):
+    """A value together with the source it was resolved from."""
+
+    value: T
+    source: Source

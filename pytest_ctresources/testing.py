@@ -1,0 +1,709 @@
+"""Small random circuit-tracer models that build fully offline.
+
+This module is public: besides serving the plugin's own tests, it is meant for users' CPU smoke
+tests and for GPU tests that need a model of a *real* size without downloading any weights.
+
+It builds :mod:`circuit_tracer` replacement models of two real architectures -- Gemma-2
+(``Gemma2ForCausalLM``) and Llama (``LlamaForCausalLM``) -- with randomly initialised weights,
+random JumpReLU single-layer transcoders, and a small word-level tokenizer written to a local
+directory. Nothing touches the Hugging Face Hub.
+
+Typical use in a CPU smoke test::
+
+    from circuit_tracer import attribute
+    from pytest_ctresources.testing import TINY_GEMMA2_DIMS, build_replacement_model
+
+    model = build_replacement_model(TINY_GEMMA2_DIMS, device="cpu")
+    graph = attribute("the capital of france is", model, batch_size=8, max_feature_nodes=32)
+
+Bundled names (:data:`TINY_GEMMA2`, :data:`TINY_LLAMA`, :data:`RANDOM_TRANSCODERS`) let an
+experiment config refer to these models the way it would refer to real ones::
+
+    MODEL_NAME: ctresources/tiny-gemma-2
+    TRANSCODER_SET: ctresources/random-jumprelu
+
+and :func:`build_named_model` turns such a pair into a model.
+
+Heavy libraries (torch, transformers, tokenizers, circuit_tracer) are imported lazily inside
+the functions, so importing this module -- and the plugin package -- does not need torch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import torch
+    from circuit_tracer.replacement_model.replacement_model_nnsight import (
+        NNSightReplacementModel,
+    )
+    from circuit_tracer.replacement_model.replacement_model_transformerlens import (
+        TransformerLensReplacementModel,
+    )
+    from circuit_tracer.transcoder import TranscoderSet
+
+    #: What the builders return: one of circuit-tracer's two backend classes. (circuit-tracer's
+    #: ``ReplacementModel`` is only a factory; its ``from_*`` methods return these classes.)
+    AnyReplacementModel: TypeAlias = NNSightReplacementModel | TransformerLensReplacementModel
+
+__all__ = [
+    "BUNDLED_MODELS",
+    "BUNDLED_TRANSCODER_SETS",
+    "GEMMA_2_2B_DIMS",
+    "RANDOM_TRANSCODERS",
+    "TINY_GEMMA2",
+    "TINY_GEMMA2_DIMS",
+    "TINY_LLAMA",
+    "TINY_LLAMA_DIMS",
+    "Architecture",
+    "ModelDims",
+    "build_named_model",
+    "build_replacement_model",
+    "default_device",
+    "is_bundled_model",
+    "model_dims_of",
+    "write_local_tokenizer",
+]
+
+#: Name of the bundled tiny random Gemma-2 model (for ``MODEL_NAME`` in experiment configs).
+TINY_GEMMA2: Final = "ctresources/tiny-gemma-2"
+#: Name of the bundled tiny random Llama model.
+TINY_LLAMA: Final = "ctresources/tiny-llama"
+#: Name of the bundled random JumpReLU transcoder set (for ``TRANSCODER_SET``); it fits any
+#: bundled model, because its transcoders are generated to match the model's dimensions.
+RANDOM_TRANSCODERS: Final = "ctresources/random-jumprelu"
+
+#: Architectures :func:`build_replacement_model` can build.
+Architecture = Literal["gemma2", "llama"]
+
+_HF_ARCHITECTURE: Final[Mapping[str, str]] = MappingProxyType(
+    {"gemma2": "Gemma2ForCausalLM", "llama": "LlamaForCausalLM"}
+)
+
+# Hook points the transcoders read from / write to, per architecture. They mirror the public
+# transcoders circuit-tracer ships configs for, so the random models exercise the same nnsight
+# code paths as real runs: GemmaScope (gemma-2-2b) reads the normalised MLP input
+# ("ln2.hook_normalized", resolved through nnsight's ``.source`` tracing inside the RMSNorm);
+# the Llama transcoders read the residual stream before the MLP. Both write the MLP output.
+_DEFAULT_HOOKS: Final[Mapping[str, tuple[str, str]]] = MappingProxyType(
+    {
+        "gemma2": ("ln2.hook_normalized", "hook_mlp_out"),
+        "llama": ("hook_resid_mid", "hook_mlp_out"),
+    }
+)
+
+# Special tokens and their ids. The ids match Gemma's (pad 0, eos 1, bos 2, unk 3), so code
+# that hard-codes Gemma's special ids behaves the same on the random models. BOS must not be id
+# 0: circuit-tracer picks the token it prepends with ``filter(None, ...)``, which skips id 0.
+_PAD, _EOS, _BOS, _UNK = "<pad>", "<eos>", "<bos>", "<unk>"
+_SPECIAL_TOKENS: Final = (_PAD, _EOS, _BOS, _UNK)
+_PAD_ID, _EOS_ID, _BOS_ID = 0, 1, 2
+
+# Common English words (plus punctuation and digits, which the whitespace pre-tokenizer splits
+# off as separate tokens), so that ordinary prompts in tests tokenise without <unk>.
+_WORDS: Final = tuple(
+    """
+    the a an of and or but to in on at by for with from into about as is are was were be been
+    being am do does did done have has had having will would can could shall should may might
+    must not no yes all any some many much more most few less least each every both either
+    neither other another such same own only very too so than then there here when where why
+    how what which who whom whose that this these those it its he him his she her hers they
+    them their we us our you your i me my mine one two three four five six seven eight nine ten
+    first second third last next new old good bad great small big large long short high low
+    right left early late young little own important public able best better sure free full
+    real whole true false hot cold warm dark light red blue green black white city country
+    capital france paris germany berlin italy rome spain madrid england london japan tokyo
+    china beijing river sea mountain world state house home school water fire earth air sun
+    moon star time year day week month night morning evening man woman child people person
+    family friend name word number part place case point group problem fact hand eye head face
+    door room car book story game money work job life way thing answer question idea reason
+    say said go went gone get got make made know knew think thought take took see saw come
+    came want look use find found give gave tell told ask asked work seem feel try leave call
+    keep let begin began show hear play run move live believe bring happen write sit stand
+    lose pay meet include continue set learn change lead understand watch follow stop create
+    speak read spend grow open walk win offer remember love consider appear buy wait serve die
+    send expect build stay fall cut reach kill remain eat drink sleep sing dance fly swim
+    quick brown fox jumps over lazy dog cat bird fish tree flower apple bread milk tea coffee
+    if because while after before during until since though although up down out off again
+    once now just also still even never always often sometimes well back away together
+    . , ? ! ' " : ; - ( ) 0 1 2 3 4 5 6 7 8 9
+    """.split()
+)
+_CALIBRATION_TEXT: Final = (
+    "the capital of france is paris and the capital of germany is berlin . "
+    "the quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun . "
+    "people often ask why the sea is blue , but few know the answer ."
+)
+
+#: Vocabulary size of the bundled tiny models: a power of two above the word list's size, so
+#: every token the tokenizer can produce is a valid model id.
+_TINY_VOCAB_SIZE: Final = 512
+
+
+def _tokenizer_vocab() -> list[str]:
+    """Return the tokenizer's vocabulary in id order: specials first, then unique words."""
+    vocab: list[str] = list(_SPECIAL_TOKENS)
+    seen = set(vocab)
+    for word in _WORDS:
+        if word not in seen:
+            seen.add(word)
+            vocab.append(word)
+    return vocab
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Dimensions of a random model and of its per-layer transcoders.
+
+    Attributes:
+        n_layers: Number of transformer blocks (and of transcoders, one per block).
+        d_model: Width of the residual stream.
+        d_mlp: Hidden width of each (gated) MLP.
+        vocab_size: Model vocabulary size. The generated tokenizer is padded with
+            ``<unusedN>`` tokens up to this size, so tokenizer and model agree (circuit-tracer
+            treats logit ids at or above the tokenizer's size as "virtual" targets).
+        n_heads: Number of attention (query) heads.
+        n_kv_heads: Number of key/value heads (grouped-query attention); divides ``n_heads``.
+        head_dim: Width of each attention head.
+        d_transcoder: Number of features of each transcoder.
+        architecture: ``"gemma2"`` or ``"llama"``.
+        max_position: Maximum sequence length the model is configured for.
+    """
+
+    n_layers: int
+    d_model: int
+    d_mlp: int
+    vocab_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_transcoder: int
+    architecture: Architecture
+    max_position: int = 512
+
+    def __post_init__(self) -> None:
+        if self.architecture not in _HF_ARCHITECTURE:
+            raise ValueError(
+                f"unknown architecture {self.architecture!r}; "
+                f"known: {', '.join(sorted(_HF_ARCHITECTURE))}"
+            )
+        for field_name in (
+            "n_layers",
+            "d_model",
+            "d_mlp",
+            "vocab_size",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "d_transcoder",
+            "max_position",
+        ):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelDims.{field_name} must be a positive int, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.vocab_size < len(_tokenizer_vocab()):
+            # The generated tokenizer always holds the specials and the word list; a smaller
+            # model vocabulary would produce out-of-range token ids (a device-side assert on GPU).
+            raise ValueError(
+                f"vocab_size must be at least {len(_tokenizer_vocab())} (the size of the "
+                f"generated tokenizer), got {self.vocab_size}"
+            )
+
+    @property
+    def n_model_params(self) -> int:
+        """Number of parameters of the transformer (embeddings counted once if tied).
+
+        Gemma-2 ties its embedding and unembedding, Llama does not (as built here).
+        """
+        attn = self.d_model * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        mlp = 3 * self.d_model * self.d_mlp
+        n_norms = 4 if self.architecture == "gemma2" else 2
+        per_layer = attn + mlp + n_norms * self.d_model
+        embeddings = self.vocab_size * self.d_model
+        if self.architecture == "llama":
+            embeddings *= 2
+        return self.n_layers * per_layer + embeddings + self.d_model
+
+    @property
+    def n_transcoder_params(self) -> int:
+        """Number of parameters of all transcoders together (encoder, decoder, biases, threshold)."""
+        per_layer = 2 * self.d_transcoder * self.d_model + 2 * self.d_transcoder + self.d_model
+        return self.n_layers * per_layer
+
+
+#: Tiny Gemma-2: attribution on CPU takes a fraction of a second.
+TINY_GEMMA2_DIMS: Final = ModelDims(
+    n_layers=2,
+    d_model=32,
+    d_mlp=64,
+    vocab_size=_TINY_VOCAB_SIZE,
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=16,
+    d_transcoder=128,
+    architecture="gemma2",
+)
+#: Tiny Llama with the same dimensions as :data:`TINY_GEMMA2_DIMS`.
+TINY_LLAMA_DIMS: Final = ModelDims(
+    n_layers=2,
+    d_model=32,
+    d_mlp=64,
+    vocab_size=_TINY_VOCAB_SIZE,
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=16,
+    d_transcoder=128,
+    architecture="llama",
+)
+#: The real gemma-2-2b dimensions with GemmaScope-sized (16k) transcoders, for GPU tests that
+#: need realistic memory use and speed. About 2.6e9 model plus 2.0e9 transcoder parameters:
+#: ~18 GB in float32, ~9 GB in bfloat16. Never build this on a CPU.
+GEMMA_2_2B_DIMS: Final = ModelDims(
+    n_layers=26,
+    d_model=2304,
+    d_mlp=9216,
+    vocab_size=256000,
+    n_heads=8,
+    n_kv_heads=4,
+    head_dim=256,
+    d_transcoder=16384,
+    architecture="gemma2",
+    max_position=8192,
+)
+
+#: Bundled model names and their dimensions (read-only).
+BUNDLED_MODELS: Final[Mapping[str, ModelDims]] = MappingProxyType(
+    {TINY_GEMMA2: TINY_GEMMA2_DIMS, TINY_LLAMA: TINY_LLAMA_DIMS}
+)
+#: Bundled transcoder-set names.
+BUNDLED_TRANSCODER_SETS: Final[frozenset[str]] = frozenset({RANDOM_TRANSCODERS})
+
+
+def is_bundled_model(model_name: str) -> bool:
+    """Return whether ``model_name`` names one of the bundled random models."""
+    return model_name in BUNDLED_MODELS
+
+
+def model_dims_of(model_name: str) -> ModelDims:
+    """Return the dimensions of the bundled model ``model_name``.
+
+    Raises:
+        ValueError: ``model_name`` is not a bundled model; the message lists the known names.
+    """
+    try:
+        return BUNDLED_MODELS[model_name]
+    except KeyError:
+        # ``from None``: the KeyError adds nothing; callers want one clear ValueError.
+        raise ValueError(
+            f"unknown bundled model {model_name!r}; known: {', '.join(sorted(BUNDLED_MODELS))}"
+        ) from None
+
+
+def default_device() -> str:
+    """Return ``"cuda"`` when a CUDA GPU is available, else ``"cpu"``."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def write_local_tokenizer(
+    directory: str | os.PathLike[str], *, vocab_size: int | None = None
+) -> str:
+    """Write a word-level Hugging Face tokenizer into ``directory`` and return its path.
+
+    The tokenizer knows a few hundred common English words, punctuation and digits; it
+    lower-cases its input, splits on whitespace and punctuation, maps unknown words to
+    ``<unk>``, and prepends ``<bos>`` when called with ``add_special_tokens=True`` (as Gemma's
+    and Llama's tokenizers do). Special tokens and ids: ``<pad>`` 0, ``<eos>`` 1, ``<bos>`` 2,
+    ``<unk>`` 3. Load it with ``transformers.AutoTokenizer.from_pretrained(directory)``.
+
+    Args:
+        directory: Where to write ``tokenizer.json`` and its configuration files; created if
+            missing.
+        vocab_size: If given, pad the vocabulary with ``<unusedN>`` tokens to exactly this
+            size, so that the tokenizer's size equals a model's vocabulary size.
+
+    Returns:
+        ``directory`` as a string.
+
+    Raises:
+        ValueError: ``vocab_size`` is smaller than the word list.
+    """
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = _tokenizer_vocab()
+    if vocab_size is not None:
+        if vocab_size < len(vocab):
+            raise ValueError(f"vocab_size must be at least {len(vocab)}, got {vocab_size}")
+        # Filler entries make every model id decodable (and not "virtual" to circuit-tracer).
+        vocab += [f"<unused{i}>" for i in range(vocab_size - len(vocab))]
+    tokenizer = Tokenizer(
+        models.WordLevel(vocab={word: i for i, word in enumerate(vocab)}, unk_token=_UNK)
+    )
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{_BOS} $A", pair=f"{_BOS} $A $B:1", special_tokens=[(_BOS, _BOS_ID)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=_BOS,
+        eos_token=_EOS,
+        pad_token=_PAD,
+        unk_token=_UNK,
+    )
+    path = os.fspath(directory)
+    os.makedirs(path, exist_ok=True)
+    fast.save_pretrained(path)
+    return path
+
+
+def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """Turn ``"bfloat16"``, ``"bf16"``, ``"torch.float16"``, ... or a dtype into a float dtype."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    else:
+        aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+        name = dtype.lower().removeprefix("torch.")
+        candidate = getattr(torch, aliases.get(name, name), None)
+        if not isinstance(candidate, torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}")
+        resolved = candidate
+    if not resolved.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point dtype, got {resolved}")
+    return resolved
+
+
+def _hf_config(dims: ModelDims, tokenizer_dir: str, dtype: torch.dtype) -> Any:
+    """Build the Hugging Face config of a random model with ``dims``."""
+    common: dict[str, Any] = {
+        "vocab_size": dims.vocab_size,
+        "hidden_size": dims.d_model,
+        "intermediate_size": dims.d_mlp,
+        "num_hidden_layers": dims.n_layers,
+        "num_attention_heads": dims.n_heads,
+        "num_key_value_heads": dims.n_kv_heads,
+        "head_dim": dims.head_dim,
+        "max_position_embeddings": dims.max_position,
+        "pad_token_id": _PAD_ID,
+        "eos_token_id": _EOS_ID,
+        "bos_token_id": _BOS_ID,
+        "initializer_range": 0.02,
+        # HF's ``from_config`` creates the parameters in this dtype (it sets torch's default
+        # dtype while building), so nothing is ever materialised in float32 first.
+        "dtype": dtype,
+        # nnsight calls ``generate`` nowhere here; without a cache, forward passes inside
+        # attribution keep no past key/values around.
+        "use_cache": False,
+    }
+    if dims.architecture == "gemma2":
+        from transformers import Gemma2Config
+
+        config = Gemma2Config(
+            **common,
+            # gemma-2-2b's values (query_pre_attn_scalar equals its head_dim, 256).
+            query_pre_attn_scalar=dims.head_dim,
+            sliding_window=4096,
+            final_logit_softcapping=30.0,
+            attn_logit_softcapping=50.0,
+            hidden_activation="gelu_pytorch_tanh",
+            rms_norm_eps=1e-6,
+        )
+    else:
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    config.architectures = [_HF_ARCHITECTURE[dims.architecture]]
+    # circuit-tracer's nnsight ``from_config`` loads the tokenizer from ``_name_or_path`` and
+    # uses it as the model name too.
+    config._name_or_path = tokenizer_dir
+    return config
+
+
+def _random_transcoders(
+    dims: ModelDims,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    feature_input_hook: str,
+    feature_output_hook: str,
+) -> TranscoderSet:
+    """Create one random JumpReLU transcoder per layer, directly on ``device`` in ``dtype``.
+
+    The initialisation follows circuit-tracer's own tests: He-uniform encoder rows normalised
+    to unit norm, decoder rows normalised to norm 0.01, ``b_enc`` uniform in [-0.5, 0] and
+    ``b_dec`` uniform in [-0.01, 0.01]. Thresholds start at zero and are calibrated later by
+    :func:`_calibrate_thresholds`, once the model can produce the transcoders' inputs.
+    """
+    import torch
+    from circuit_tracer.transcoder import SingleLayerTranscoder, TranscoderSet
+    from circuit_tracer.transcoder.activation_functions import JumpReLU
+    from torch import nn
+
+    transcoders = {}
+    for layer in range(dims.n_layers):
+        threshold = torch.zeros(dims.d_transcoder, device=device, dtype=dtype)
+        transcoder = SingleLayerTranscoder(
+            dims.d_model,
+            dims.d_transcoder,
+            JumpReLU(threshold, bandwidth=0.1),
+            layer,
+            device=device,
+            dtype=dtype,
+        )
+        with torch.no_grad():
+            nn.init.kaiming_uniform_(transcoder.W_enc, mode="fan_in", nonlinearity="linear")
+            transcoder.W_enc.div_(transcoder.W_enc.norm(dim=-1, keepdim=True))
+            nn.init.kaiming_uniform_(transcoder.W_dec, mode="fan_in", nonlinearity="linear")
+            transcoder.W_dec.div_(transcoder.W_dec.norm(dim=-1, keepdim=True)).mul_(0.01)
+            nn.init.uniform_(transcoder.b_enc, -0.5, 0.0)
+            nn.init.uniform_(transcoder.b_dec, -0.01, 0.01)
+        transcoders[layer] = transcoder
+    return TranscoderSet(
+        transcoders,
+        feature_input_hook=feature_input_hook,
+        feature_output_hook=feature_output_hook,
+        # A scan name keeps circuit-tracer from warning that graphs cannot be uploaded.
+        scan=RANDOM_TRANSCODERS,
+    )
+
+
+def _calibrate_thresholds(
+    model: NNSightReplacementModel, transcoders: TranscoderSet, features_per_token: int
+) -> None:
+    """Scale encoders and set JumpReLU thresholds from one forward pass over a fixed text.
+
+    A random transcoder's pre-activations scale with its input, and the inputs differ a lot
+    between architectures and hook points (Llama's residual stream is ~50x smaller than
+    Gemma's normalised MLP input). So, per layer: rescale ``W_enc`` to make ``W_enc @ x`` unit
+    variance, then pick the threshold that keeps about ``features_per_token`` features active
+    per token on the calibration text. Without this, either nothing fires or everything does.
+    The transcoders only read the model's activations, so one pass gives every layer's input.
+    """
+    import torch
+
+    # ``ensure_tokenized`` prepends <bos>, exactly as attribution does.
+    tokens = model.ensure_tokenized(_CALIBRATION_TEXT)
+    logits, pre_acts = model.get_activations(tokens, apply_activation_function=False)
+    if not bool(torch.isfinite(logits).all()):
+        raise RuntimeError("the random model produced non-finite logits; try another dtype")
+    with torch.no_grad():
+        for layer, transcoder in enumerate(transcoders):
+            # Position 0 (<bos>) is zeroed by circuit-tracer and never yields features.
+            layer_pre = pre_acts[layer, 1:].to(torch.float32)
+            b_enc = transcoder.b_enc.to(torch.float32)
+            projection = layer_pre - b_enc
+            scale = 1.0 / projection.std().clamp_min(1e-6)
+            scaled = projection * scale + b_enc
+            n_active = min(features_per_token * scaled.shape[0], scaled.numel() - 1)
+            # The (n_active + 1)-th largest value: JumpReLU keeps values strictly above it.
+            kth = torch.topk(scaled.flatten(), n_active + 1).values[-1]
+            # JumpReLU thresholds are positive in trained transcoders; keep that invariant.
+            threshold = kth.clamp_min(0.0)
+            transcoder.W_enc.mul_(scale.to(transcoder.W_enc.dtype))
+            transcoder.activation_function.threshold.fill_(threshold.item())
+
+
+@contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Seed torch's generators for the block, then restore their previous state.
+
+    The caller's global random state is left as it was, so building a model in a test does
+    not perturb other seeded code.
+    """
+    import torch
+
+    cuda_devices: list[int] = []
+    if device.type == "cuda":
+        cuda_devices = [device.index if device.index is not None else torch.cuda.current_device()]
+    with torch.random.fork_rng(devices=cuda_devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def build_replacement_model(
+    dims: ModelDims,
+    *,
+    dtype: torch.dtype | str = "float32",
+    device: torch.device | str | None = None,
+    backend: str = "nnsight",
+    seed: int = 0,
+    tokenizer_dir: str | None = None,
+    features_per_token: int = 16,
+    feature_input_hook: str | None = None,
+    feature_output_hook: str | None = None,
+) -> AnyReplacementModel:
+    """Build a random circuit-tracer replacement model with dimensions ``dims``, offline.
+
+    The transformer (Hugging Face ``Gemma2ForCausalLM`` or ``LlamaForCausalLM``) gets the
+    standard Hugging Face initialisation (normal, std 0.02). Its parameters and the
+    transcoders' are created directly on ``device`` in ``dtype``, so a model of real size
+    (:data:`GEMMA_2_2B_DIMS`) builds in seconds on a GPU; it is never staged on the CPU.
+
+    Args:
+        dims: Model and transcoder dimensions, e.g. :data:`TINY_GEMMA2_DIMS`.
+        dtype: Parameter dtype: a ``torch.dtype`` or a name such as ``"bfloat16"``.
+        device: Where to build; ``None`` means ``"cuda"`` if available, else ``"cpu"``.
+        backend: circuit-tracer backend; only ``"nnsight"`` is supported.
+        seed: Seed for all random weights; the same seed gives the same model on the same
+            device. The caller's global random state is not changed.
+        tokenizer_dir: Directory holding a tokenizer to use (for instance one written by
+            :func:`write_local_tokenizer`); ``None`` writes one, padded to
+            ``dims.vocab_size``, to a fresh temporary directory that is removed when the model
+            is garbage-collected.
+        features_per_token: About how many transcoder features are active per token and layer
+            on ordinary text (JumpReLU thresholds are calibrated for it).
+        feature_input_hook: Hook the transcoders read; default per architecture
+            (``"ln2.hook_normalized"`` for Gemma-2, as GemmaScope; ``"hook_resid_mid"`` for
+            Llama).
+        feature_output_hook: Hook the transcoders write; default ``"hook_mlp_out"``.
+
+    Returns:
+        An nnsight-backed ``NNSightReplacementModel``, usable with ``circuit_tracer.attribute``.
+
+    Raises:
+        NotImplementedError: ``backend`` is ``"transformerlens"``.
+        ValueError: Unknown backend or dtype, or a tokenizer larger than ``dims.vocab_size``.
+        RuntimeError: The random model produced non-finite values (e.g. an unsuitable dtype).
+    """
+    import torch
+
+    if backend == "transformerlens":
+        raise NotImplementedError(
+            "pytest_ctresources.testing builds random models with the 'nnsight' backend only: "
+            "TransformerLens derives Gemma-2 configs from hard-coded Hub model names, so it "
+            "cannot build an arbitrary-size random model offline"
+        )
+    if backend != "nnsight":
+        raise ValueError(f"unknown backend {backend!r}; known: 'nnsight', 'transformerlens'")
+    if features_per_token <= 0:
+        raise ValueError(f"features_per_token must be positive, got {features_per_token}")
+    torch_dtype = _resolve_dtype(dtype)
+    torch_device = torch.device(device if device is not None else default_device())
+
+    owned_tokenizer_dir: str | None = None
+    if tokenizer_dir is None:
+        owned_tokenizer_dir = tempfile.mkdtemp(prefix="ctresources-tokenizer-")
+        try:
+            tokenizer_dir = write_local_tokenizer(
+                owned_tokenizer_dir, vocab_size=dims.vocab_size
+            )
+        except BaseException:
+            shutil.rmtree(owned_tokenizer_dir, ignore_errors=True)
+            raise
+    else:
+        _check_tokenizer_fits(tokenizer_dir, dims.vocab_size)
+
+    default_in, default_out = _DEFAULT_HOOKS[dims.architecture]
+    try:
+        model = _build_nnsight_model(
+            dims,
+            tokenizer_dir=tokenizer_dir,
+            dtype=torch_dtype,
+            device=torch_device,
+            seed=seed,
+            features_per_token=features_per_token,
+            feature_input_hook=feature_input_hook or default_in,
+            feature_output_hook=feature_output_hook or default_out,
+        )
+    except BaseException:
+        if owned_tokenizer_dir is not None:
+            shutil.rmtree(owned_tokenizer_dir, ignore_errors=True)
+        raise
+    if owned_tokenizer_dir is not None:
+        # The tokenizer is fully loaded into memory; the files only need to outlive the model
+        # for anyone who reloads them through ``model.tokenizer.name_or_path``.
+        weakref.finalize(model, shutil.rmtree, owned_tokenizer_dir, ignore_errors=True)
+    return model
+
+
+def _check_tokenizer_fits(tokenizer_dir: str, vocab_size: int) -> None:
+    """Raise ValueError if the tokenizer in ``tokenizer_dir`` can emit ids >= ``vocab_size``."""
+    from transformers import AutoTokenizer
+
+    size = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    if size > vocab_size:
+        raise ValueError(
+            f"the tokenizer in {tokenizer_dir!r} has {size} tokens, more than the model's "
+            f"vocab_size {vocab_size}"
+        )
+
+
+def _build_nnsight_model(
+    dims: ModelDims,
+    *,
+    tokenizer_dir: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    features_per_token: int,
+    feature_input_hook: str,
+    feature_output_hook: str,
+) -> NNSightReplacementModel:
+    import torch
+    from circuit_tracer import ReplacementModel
+
+    config = _hf_config(dims, tokenizer_dir, dtype)
+    with _seeded(seed, device):
+        # Everything created in this block -- HF parameters and buffers, transcoders -- is
+        # allocated on ``device`` directly, and HF's weight init runs there.
+        with torch.device(device):
+            transcoders = _random_transcoders(
+                dims,
+                device=device,
+                dtype=dtype,
+                feature_input_hook=feature_input_hook,
+                feature_output_hook=feature_output_hook,
+            )
+            model = ReplacementModel.from_config(config, transcoders, backend="nnsight")
+        _calibrate_thresholds(model, transcoders, features_per_token)
+    return model  # type: ignore[no-any-return]
+
+
+def build_named_model(
+    model_name: str,
+    transcoder_set: str,
+    *,
+    dtype: torch.dtype | str = "float32",
+    device: torch.device | str | None = None,
+    backend: str = "nnsight",
+) -> AnyReplacementModel:
+    """Build a bundled random model by name, as an experiment config names it.
+
+    Args:
+        model_name: A bundled model name, :data:`TINY_GEMMA2` or :data:`TINY_LLAMA`.
+        transcoder_set: A bundled transcoder-set name, :data:`RANDOM_TRANSCODERS`.
+        dtype: Parameter dtype (see :func:`build_replacement_model`).
+        device: Device; ``None`` means CUDA if available, else CPU.
+        backend: circuit-tracer backend; only ``"nnsight"`` is supported.
+
+    Returns:
+        The model, built with seed 0 (so the same name always gives the same weights).
+
+    Raises:
+        ValueError: An unknown model or transcoder-set name; the message lists known names.
+    """
+    dims = model_dims_of(model_name)
+    if transcoder_set not in BUNDLED_TRANSCODER_SETS:
+        raise ValueError(
+            f"unknown bundled transcoder set {transcoder_set!r}; "
+            f"known: {', '.join(sorted(BUNDLED_TRANSCODER_SETS))}"
+        )
+    return build_replacement_model(dims, dtype=dtype, device=device, backend=backend)

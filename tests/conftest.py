@@ -1,0 +1,36 @@
+"""Shared helpers for the plugin's own tests.
+
+Plugin behaviour is tested with ``pytester`` projects; every run there must be offline and
+must not see a GPU unless a test presents fake ones through ``CT_FAKE_GPUS``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+CT_ENV_VARS = (
+    "CT_BATCH_SIZE",
+    "CT_MAX_FEATURE_NODES",
+    "CT_CONFIG",
+    "CT_VRAM_CAPACITY",
+    "CT_FAKE_GPUS",
+)
+
+
+@pytest.fixture(autouse=True)
+def _offline_and_clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for name in CT_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+TINY_YAML = """\
+# the bundled tiny offline model
+MODEL_FAMILY: gemma2
+MODEL_NAME: ctresources/tiny-gemma-2
+TRANSCODER_SET: ctresources/random-jumprelu
+BATCH_SIZE: 128
+MAX_FEATURE_NODES: 40
+PARAMS:
+  PROMPT: the capital of france is
+"""
