@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import sys
-import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -73,8 +72,23 @@ def release_failed_test_frames() -> bool:
     if last_tb is not None:
         tracebacks.append(last_tb)
     for tb in tracebacks:
-        traceback.clear_frames(tb)
+        _clear_frames(tb)
     return bool(tracebacks)
+
+
+def _clear_frames(tb: TracebackType | None) -> None:
+    # traceback.clear_frames() is not enough before Python 3.13: frame.clear() drops the fast
+    # locals, but a dict snapshot of them that pytest's traceback formatting made through
+    # frame.f_locals keeps every local alive until the next f_locals read re-syncs it.
+    while tb is not None:
+        frame = tb.tb_frame
+        try:
+            frame.clear()
+        except RuntimeError:  # a frame still executing (not a finished test's)
+            pass
+        else:
+            frame.f_locals  # noqa: B018  (the read empties the stale snapshot)
+        tb = tb.tb_next
 
 
 @dataclass(frozen=True)
