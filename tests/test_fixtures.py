@@ -1,0 +1,98 @@
+"""ct_config and ct_session end to end: real circuit-tracer attribution on tiny offline models."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import TINY_YAML
+
+pytest_plugins = ["pytester"]
+
+ATTRIBUTION_TESTS = """
+import pytest
+
+SEEN = {}
+
+@pytest.fixture
+def spy_batches(monkeypatch):
+    # Record the batch size circuit-tracer itself uses for its forward pass.
+    from circuit_tracer.replacement_model.replacement_model_nnsight import NNSightReplacementModel
+    seen = []
+    original = NNSightReplacementModel.run_forward_pass
+    def spy(self, input_ids, batch_size, ctx):
+        seen.append(batch_size)
+        return original(self, input_ids, batch_size, ctx)
+    monkeypatch.setattr(NNSightReplacementModel, "run_forward_pass", spy)
+    return seen
+
+def test_config_reaches_attribute(ct_session, spy_batches):
+    prompt = ct_session.cfg.params["PROMPT"]
+    graph = ct_session.attribute(prompt)
+    assert spy_batches == [ct_session.cfg.batch_size]
+    n_features = len(graph.selected_features)
+    assert 0 < n_features <= ct_session.cfg.max_feature_nodes
+    print("FEATURES", n_features, "BATCH", spy_batches[0], "SOURCE", ct_session.cfg.source_of("batch_size"))
+    SEEN["model"] = id(ct_session.load_model())
+
+def test_model_is_shared(ct_session):
+    assert id(ct_session.load_model()) == SEEN["model"]
+
+@pytest.mark.ct_config(model_name="ctresources/tiny-llama")
+def test_other_model_evicts(ct_session, request):
+    model = ct_session.load_model()
+    assert id(model) != SEEN["model"]
+    cache = ct_session._cache
+    assert cache.loads == 2 and cache.key[0] == "ctresources/tiny-llama"
+    graph = ct_session.attribute(ct_session.cfg.params["PROMPT"], model, batch_size=3)
+    assert ct_session.calls[-1].kwargs["batch_size"] == 3
+
+def test_overrides_are_checked(ct_session):
+    with pytest.raises(ValueError, match=r"attribute\(batch_size=...\): must be a positive integer"):
+        ct_session.attribute("the", batch_size=0)
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        ct_session.attribute("the", batchsize=3)
+"""
+
+
+def test_ct_session_runs_real_attribution(pytester: pytest.Pytester) -> None:
+    pytester.makefile(".yaml", exp=TINY_YAML)
+    pytester.makepyfile(test_attr=ATTRIBUTION_TESTS)
+    result = pytester.runpytest_subprocess("-s", "--ct-config", "exp.yaml", "--ct-batch-size", "16")
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines(["*FEATURES * BATCH 16 SOURCE --ct-batch-size*"])
+
+
+def test_max_feature_nodes_from_yaml_limits_the_graph(pytester: pytest.Pytester) -> None:
+    pytester.makefile(".yaml", exp=TINY_YAML.replace("MAX_FEATURE_NODES: 40", "MAX_FEATURE_NODES: 7"))
+    pytester.makepyfile(
+        """
+        def test_small_graph(ct_session):
+            graph = ct_session.attribute(ct_session.cfg.params["PROMPT"])
+            assert len(graph.selected_features) == 7
+        """
+    )
+    pytester.runpytest_subprocess("--ct-config", "exp.yaml").assert_outcomes(passed=1)
+
+
+def test_load_model_without_a_model_is_a_clear_failure(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        def test_no_model(ct_session):
+            ct_session.load_model()
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*MODEL_NAME and TRANSCODER_SET not set*"])
+
+
+def test_ct_config_fixture_without_marker_is_the_session_config(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        from pytest_ctresources import CircuitTracerConfig
+        def test_cfg(ct_config):
+            assert isinstance(ct_config, CircuitTracerConfig)
+            assert ct_config.batch_size == 256 and ct_config.source_of("batch_size").kind == "default"
+        """
+    )
+    pytester.runpytest().assert_outcomes(passed=1)
