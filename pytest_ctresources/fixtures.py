@@ -10,6 +10,7 @@ from pytest_ctresources.config import CircuitTracerConfig
 from pytest_ctresources.markers import MarkerError
 from pytest_ctresources.runtime import runtime_of
 from pytest_ctresources.session import CtSession
+from pytest_ctresources.summary import ATTRIBUTIONS_PROPERTY
 
 
 @pytest.fixture
@@ -41,4 +42,8 @@ def ct_session(
     try:
         yield session
     finally:
+        if session.calls:
+            request.node.user_properties.append(
+                (ATTRIBUTIONS_PROPERTY, [call.kwargs["batch_size"] for call in session.calls])
+            )
         session.close()

@@ -23,6 +23,7 @@ from pytest_ctresources.gpus import FAKE_GPUS_ENV, parse_fake_gpus
 from pytest_ctresources.options import DEFAULT_ALLOC_CONF, add_options
 from pytest_ctresources.runtime import RUNTIME_KEY, Runtime, runtime_of
 from pytest_ctresources.settings import settings_from_config
+from pytest_ctresources.summary import SummaryReporter
 from pytest_ctresources.vram import skip_reason
 
 __all__ = ["ct_config", "ct_session"]
@@ -67,11 +68,14 @@ def pytest_configure(config: pytest.Config) -> None:
             stacklevel=2,
         )
     capacity = settings.vram_capacity_gib
-    config.stash[RUNTIME_KEY] = Runtime(
+    runtime = Runtime(
         settings=settings,
         alloc_conf=alloc,
         capacity_cap=CapacityCap(capacity.value) if capacity else None,
     )
+    config.stash[RUNTIME_KEY] = runtime
+    if not hasattr(config, "workerinput"):  # xdist workers report to the controller instead
+        config.pluginmanager.register(SummaryReporter(runtime), SummaryReporter.name)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -130,3 +134,4 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
                     f"ctresources: closed {result.figures_closed} matplotlib figure(s) "
                     f"left open by {item.nodeid}"
                 )
+
