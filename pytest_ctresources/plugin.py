@@ -23,7 +23,7 @@ from pytest_ctresources.gpus import FAKE_GPUS_ENV, parse_fake_gpus
 from pytest_ctresources.options import DEFAULT_ALLOC_CONF, add_options
 from pytest_ctresources.runtime import RUNTIME_KEY, Runtime, runtime_of
 from pytest_ctresources.settings import settings_from_config
-from pytest_ctresources.summary import SummaryReporter
+from pytest_ctresources.summary import FIGURES_PROPERTY, SummaryReporter
 from pytest_ctresources.vram import skip_reason
 
 __all__ = ["ct_config", "ct_session"]
@@ -75,7 +75,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.stash[RUNTIME_KEY] = runtime
     if not hasattr(config, "workerinput"):  # xdist workers report to the controller instead
-        config.pluginmanager.register(SummaryReporter(runtime), SummaryReporter.name)
+        config.pluginmanager.register(SummaryReporter(runtime, config), SummaryReporter.name)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -127,11 +127,6 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
         return (yield)
     finally:
         result = cleanup_after_test(runtime_of(item.config).settings.cleanup.value)
-        if result.figures_closed and item.config.get_verbosity() > 0:
-            reporter = item.config.pluginmanager.get_plugin("terminalreporter")
-            if reporter is not None:
-                reporter.write_line(
-                    f"ctresources: closed {result.figures_closed} matplotlib figure(s) "
-                    f"left open by {item.nodeid}"
-                )
-
+        if result.figures_closed:
+            # Reported through the teardown report: output written here would be captured.
+            item.user_properties.append((FIGURES_PROPERTY, result.figures_closed))

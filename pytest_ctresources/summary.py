@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 #: user_properties key under which ct_session records the batch sizes of its attributions.
 ATTRIBUTIONS_PROPERTY = "ct_attribution_batch_sizes"
+#: user_properties key under which the cleanup records how many figures it closed.
+FIGURES_PROPERTY = "ct_figures_closed"
 VRAM_SKIP_PREFIX = "needs "
 
 
@@ -58,12 +60,27 @@ class SummaryReporter:
 
     name = "ctresources-summary"
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, config: pytest.Config) -> None:
         self.runtime = runtime
         self.summary = RunSummary()
+        self.verbose = config.get_verbosity() > 0
+        self.config = config
+
+    @property
+    def terminal(self) -> pytest.TerminalReporter:
+        reporter: pytest.TerminalReporter = self.config.pluginmanager.get_plugin(
+            "terminalreporter"
+        )
+        return reporter
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.summary.record(report)
+        if report.when == "teardown" and self.verbose:
+            closed = dict(report.user_properties).get(FIGURES_PROPERTY)
+            if closed:
+                self.terminal.write_line(
+                    f"ctresources: closed {closed} matplotlib figure(s) left open by {report.nodeid}"
+                )
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if self.summary.is_empty():
