@@ -66,7 +66,8 @@ class GpuInfo:
     name: str
     """Device name, e.g. ``"NVIDIA H200"`` or ``"NVIDIA A100-SXM4-40GB MIG 3g.20gb"``."""
     total_bytes: int
-    """Total device memory in bytes (for a MIG device: that MIG device's own memory)."""
+    """Device memory in bytes as CUDA counts it (torch's ``total_memory``); for a MIG device,
+    that MIG device's own memory."""
     uuid: str | None
     """``"GPU-..."`` or ``"MIG-..."``; ``None`` where the source could not tell."""
     physical_index: int | None
@@ -239,10 +240,16 @@ def parse_fake_gpus(text: str) -> list[tuple[str, float]]:
 def parse_visible_devices(value: str | None) -> list[str] | None:
     """Split a ``CUDA_VISIBLE_DEVICES`` value into the entries CUDA will consider.
 
-    ``None`` (unset) gives ``None``: every GPU is visible. Otherwise a list of entries:
-    normalised non-negative integers (``" 01"`` -> ``"1"``) and ``GPU-``/``MIG-`` UUID
-    prefixes, in order. Like the CUDA runtime, the list stops at the first entry that is
-    neither (``-1`` is the customary way to say "stop here"), so ``""`` gives ``[]``.
+    ``None`` (unset) gives ``None``: every GPU is visible. Otherwise a list of entries, in
+    order, of one kind, decided by the first entry as the CUDA runtime does:
+
+    * integers, normalised (``" 01"`` -> ``"1"``, ``"1gpu"`` -> ``"1"``), or
+    * ``GPU-`` UUID prefixes, or
+    * ``MIG-`` UUIDs.
+
+    Like the CUDA runtime, the list stops at the first entry that does not fit (a negative
+    number such as ``-1``, text, an empty entry, or an entry of another kind), so ``""``
+    gives ``[]`` and ``"0,GPU-..."`` gives ``["0"]``.
 
     This is syntax only. Entries that name no existing GPU, and repeated GPUs, are dealt
     with by :func:`detect_gpus`, which knows the devices.
@@ -256,17 +263,26 @@ def _tokenize_visible_devices(value: str) -> tuple[list[str], str | None]:
     """:func:`parse_visible_devices`, plus why the list was cut short (``None`` if it wasn't)."""
     if not value.strip():
         return [], f"{VISIBLE_DEVICES_ENV} is empty, which hides every GPU"
+    raws = value.split(",")
+    entries = [raw.strip() for raw in raws]
+    # The first entry fixes the kind of the whole list; checked against CUDA 13 on an H200:
+    # "GPU-<uuid>,0" and "0,GPU-<uuid>" both give one device, not a repeated one.
+    kind = next((k for k in ("GPU-", "MIG-") if entries[0].startswith(k)), None)
     tokens: list[str] = []
-    for raw in value.split(","):
-        entry = raw.strip()
-        if entry.startswith(("GPU-", "MIG-")):
+    for raw, entry in zip(raws, entries, strict=True):
+        if kind is not None:
+            if not entry.startswith(kind):
+                return tokens, (
+                    f"{VISIBLE_DEVICES_ENV} entry {raw!r} is not a {kind} UUID like the first "
+                    "entry, so CUDA ignores it and everything after it"
+                )
             tokens.append(entry)
             continue
         number = _strtoul(entry)
         if number is None:
             return tokens, (
-                f"{VISIBLE_DEVICES_ENV} entry {raw!r} is not a device index or UUID, "
-                "so CUDA ignores it and everything after it"
+                f"{VISIBLE_DEVICES_ENV} entry {raw!r} is not a device index (the first entry "
+                "made this a list of indices), so CUDA ignores it and everything after it"
             )
         if number < 0:
             return tokens, (
@@ -367,8 +383,9 @@ def _select(physicals: Sequence[_Physical], value: str | None) -> _Selection:
                 )
                 break
             if target in targets:
-                # CUDA refuses a list that names a device twice: no device is usable then.
-                # torch.cuda models it the same way (an empty device list).
+                # CUDA refuses a list that names a device twice: it then sees no device (checked
+                # with CUDA 13 on an H200: "0,0" and "GPU-<uuid>,GPU-<prefix>" give none), and
+                # torch.cuda's NVML-based count models it the same way.
                 return _Selection(
                     [],
                     [
@@ -406,7 +423,8 @@ def _select(physicals: Sequence[_Physical], value: str | None) -> _Selection:
             device = physical.device
         if device.uuid is not None and device.uuid.startswith("MIG-"):
             if mig_taken:
-                # CUDA (11 and 12) enumerates at most one MIG device per process.
+                # NVIDIA's MIG guide: a CUDA process enumerates at most one MIG device.
+                # (Not checked on hardware here: no MIG-mode GPU was available.)
                 caveats.append(f"CUDA uses only one MIG device per process; {device.uuid} left out")
                 continue
             mig_taken = True
@@ -560,7 +578,7 @@ def _read_nvml_physicals(nvml: Any) -> tuple[list[_Physical], list[str]]:
         try:
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
             name = _text(nvml.nvmlDeviceGetName(handle))
-            total = int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+            total = _total_bytes(nvml, handle)
         except Exception as exc:
             # E.g. NO_PERMISSION for a GPU a cgroup hides. CUDA cannot open such a GPU
             # either, and it does not count it when numbering devices, so neither do we.
@@ -570,6 +588,25 @@ def _read_nvml_physicals(nvml: Any) -> tuple[list[_Physical], list[str]]:
         mig_enabled, migs = _read_mig_devices(nvml, handle, index)
         physicals.append(_Physical(_Device(name, total, uuid, index), mig_enabled, migs))
     return physicals, notes
+
+
+def _total_bytes(nvml: Any, handle: Any) -> int:
+    """Device memory as CUDA reports it (``cudaDeviceProp.totalGlobalMem``, torch's
+    ``total_memory``), i.e. without what the driver reserves for itself.
+
+    NVML's original memory query counts the reserved part as used memory of the total: on an
+    H200, 150754820096 bytes "total" against CUDA's 150109880320 (0.6 GiB less). The v2
+    query reports ``reserved`` separately, and ``total - reserved`` is exactly CUDA's figure.
+    Drivers older than R510 lack v2; their plain total then overstates capacity slightly.
+    """
+    version = getattr(nvml, "nvmlMemory_v2", None)
+    if version is not None:
+        try:
+            info = nvml.nvmlDeviceGetMemoryInfo(handle, version=version)
+            return int(info.total) - int(info.reserved)
+        except Exception:
+            pass  # e.g. NVMLError_FunctionNotFound on an old driver: use the v1 query
+    return int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
 
 
 def _read_mig_devices(nvml: Any, handle: Any, index: int) -> tuple[bool, tuple[_Device, ...]]:
@@ -594,7 +631,7 @@ def _read_mig_devices(nvml: Any, handle: Any, index: int) -> tuple[bool, tuple[_
         try:
             mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
             uuid = _text(nvml.nvmlDeviceGetUUID(mig))
-            total = int(nvml.nvmlDeviceGetMemoryInfo(mig).total)
+            total = _total_bytes(nvml, mig)
         except Exception:
             continue
         name = _optional_text(nvml.nvmlDeviceGetName, mig) or f"MIG device {uuid}"

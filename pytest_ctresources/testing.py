@@ -102,6 +102,9 @@ _DEFAULT_HOOKS: Final[Mapping[str, tuple[str, str]]] = MappingProxyType(
     }
 )
 
+# circuit-tracer backends the builders support.
+_BACKENDS: Final = ("nnsight", "transformerlens")
+
 # Special tokens and their ids. The ids match Gemma's (pad 0, eos 1, bos 2, unk 3), so code
 # that hard-codes Gemma's special ids behaves the same on the random models. BOS must not be id
 # 0: circuit-tracer picks the token it prepends with ``filter(None, ...)``, which skips id 0.
@@ -240,7 +243,7 @@ class ModelDims:
 
     @property
     def n_transcoder_params(self) -> int:
-        """Number of parameters of all transcoders together (encoder, decoder, biases, threshold)."""
+        """Number of parameters of all transcoders (encoders, decoders, biases, thresholds)."""
         per_layer = 2 * self.d_transcoder * self.d_model + 2 * self.d_transcoder + self.d_model
         return self.n_layers * per_layer
 
@@ -344,7 +347,6 @@ def write_local_tokenizer(
         ValueError: ``vocab_size`` is smaller than the word list.
     """
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
 
     vocab = _tokenizer_vocab()
     if vocab_size is not None:
@@ -360,7 +362,7 @@ def write_local_tokenizer(
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{_BOS} $A", pair=f"{_BOS} $A $B:1", special_tokens=[(_BOS, _BOS_ID)]
     )
-    fast = PreTrainedTokenizerFast(
+    fast = _transformers().PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token=_BOS,
         eos_token=_EOS,
@@ -371,6 +373,18 @@ def write_local_tokenizer(
     os.makedirs(path, exist_ok=True)
     fast.save_pretrained(path)
     return path
+
+
+def _transformers() -> Any:
+    """Import :mod:`transformers`, typed as ``Any``.
+
+    transformers ships ``py.typed`` but leaves most constructors unannotated, so mypy --strict
+    rejects calls into it when it can see the package; going through ``Any`` works whether or
+    not mypy is configured to see it.
+    """
+    import transformers
+
+    return transformers
 
 
 def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -409,14 +423,9 @@ def _hf_config(dims: ModelDims, tokenizer_dir: str, dtype: torch.dtype) -> Any:
         # HF's ``from_config`` creates the parameters in this dtype (it sets torch's default
         # dtype while building), so nothing is ever materialised in float32 first.
         "dtype": dtype,
-        # nnsight calls ``generate`` nowhere here; without a cache, forward passes inside
-        # attribution keep no past key/values around.
-        "use_cache": False,
     }
     if dims.architecture == "gemma2":
-        from transformers import Gemma2Config
-
-        config = Gemma2Config(
+        config = _transformers().Gemma2Config(
             **common,
             # gemma-2-2b's values (query_pre_attn_scalar equals its head_dim, 256).
             query_pre_attn_scalar=dims.head_dim,
@@ -427,9 +436,7 @@ def _hf_config(dims: ModelDims, tokenizer_dir: str, dtype: torch.dtype) -> Any:
             rms_norm_eps=1e-6,
         )
     else:
-        from transformers import LlamaConfig
-
-        config = LlamaConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=False)
+        config = _transformers().LlamaConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=False)
     config.architectures = [_HF_ARCHITECTURE[dims.architecture]]
     # circuit-tracer's nnsight ``from_config`` loads the tokenizer from ``_name_or_path`` and
     # uses it as the model name too.
@@ -486,7 +493,7 @@ def _random_transcoders(
 
 
 def _calibrate_thresholds(
-    model: NNSightReplacementModel, transcoders: TranscoderSet, features_per_token: int
+    model: AnyReplacementModel, transcoders: TranscoderSet, features_per_token: int
 ) -> None:
     """Scale encoders and set JumpReLU thresholds from one forward pass over a fixed text.
 
@@ -552,47 +559,46 @@ def build_replacement_model(
 ) -> AnyReplacementModel:
     """Build a random circuit-tracer replacement model with dimensions ``dims``, offline.
 
-    The transformer (Hugging Face ``Gemma2ForCausalLM`` or ``LlamaForCausalLM``) gets the
-    standard Hugging Face initialisation (normal, std 0.02). Its parameters and the
-    transcoders' are created directly on ``device`` in ``dtype``, so a model of real size
-    (:data:`GEMMA_2_2B_DIMS`) builds in seconds on a GPU; it is never staged on the CPU.
+    The transformer gets its library's standard random initialisation (normal, std 0.02).
+    Its parameters and the transcoders' are created directly on ``device`` in ``dtype``, so a
+    model of real size (:data:`GEMMA_2_2B_DIMS`) builds in seconds on a GPU; nothing is staged
+    on the CPU first. JumpReLU thresholds are then calibrated with one forward pass (see
+    ``features_per_token``), which also checks that the model's logits are finite.
 
     Args:
         dims: Model and transcoder dimensions, e.g. :data:`TINY_GEMMA2_DIMS`.
         dtype: Parameter dtype: a ``torch.dtype`` or a name such as ``"bfloat16"``.
         device: Where to build; ``None`` means ``"cuda"`` if available, else ``"cpu"``.
-        backend: circuit-tracer backend; only ``"nnsight"`` is supported.
+        backend: circuit-tracer backend: ``"nnsight"`` (a Hugging Face ``Gemma2ForCausalLM``
+            or ``LlamaForCausalLM`` wrapped by nnsight) or ``"transformerlens"`` (a
+            ``HookedTransformer`` configured like TransformerLens's own Gemma-2/Llama configs).
         seed: Seed for all random weights; the same seed gives the same model on the same
-            device. The caller's global random state is not changed.
+            device. The caller's global random state is left unchanged.
         tokenizer_dir: Directory holding a tokenizer to use (for instance one written by
             :func:`write_local_tokenizer`); ``None`` writes one, padded to
             ``dims.vocab_size``, to a fresh temporary directory that is removed when the model
             is garbage-collected.
         features_per_token: About how many transcoder features are active per token and layer
-            on ordinary text (JumpReLU thresholds are calibrated for it).
+            on ordinary text.
         feature_input_hook: Hook the transcoders read; default per architecture
             (``"ln2.hook_normalized"`` for Gemma-2, as GemmaScope; ``"hook_resid_mid"`` for
             Llama).
         feature_output_hook: Hook the transcoders write; default ``"hook_mlp_out"``.
 
     Returns:
-        An nnsight-backed ``NNSightReplacementModel``, usable with ``circuit_tracer.attribute``.
+        An ``NNSightReplacementModel`` or ``TransformerLensReplacementModel``, usable with
+        ``circuit_tracer.attribute``. ``model.transcoders`` holds the random transcoders (for
+        nnsight, wrapped in an nnsight ``Envoy``: the module itself is ``._module``).
 
     Raises:
-        NotImplementedError: ``backend`` is ``"transformerlens"``.
-        ValueError: Unknown backend or dtype, or a tokenizer larger than ``dims.vocab_size``.
-        RuntimeError: The random model produced non-finite values (e.g. an unsuitable dtype).
+        ValueError: Unknown backend or dtype, a non-positive ``features_per_token``, or a
+            tokenizer larger than ``dims.vocab_size``.
+        RuntimeError: The random model produced non-finite logits (e.g. an unsuitable dtype).
     """
     import torch
 
-    if backend == "transformerlens":
-        raise NotImplementedError(
-            "pytest_ctresources.testing builds random models with the 'nnsight' backend only: "
-            "TransformerLens derives Gemma-2 configs from hard-coded Hub model names, so it "
-            "cannot build an arbitrary-size random model offline"
-        )
-    if backend != "nnsight":
-        raise ValueError(f"unknown backend {backend!r}; known: 'nnsight', 'transformerlens'")
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(_BACKENDS)}")
     if features_per_token <= 0:
         raise ValueError(f"features_per_token must be positive, got {features_per_token}")
     torch_dtype = _resolve_dtype(dtype)
@@ -602,9 +608,7 @@ def build_replacement_model(
     if tokenizer_dir is None:
         owned_tokenizer_dir = tempfile.mkdtemp(prefix="ctresources-tokenizer-")
         try:
-            tokenizer_dir = write_local_tokenizer(
-                owned_tokenizer_dir, vocab_size=dims.vocab_size
-            )
+            tokenizer_dir = write_local_tokenizer(owned_tokenizer_dir, vocab_size=dims.vocab_size)
         except BaseException:
             shutil.rmtree(owned_tokenizer_dir, ignore_errors=True)
             raise
@@ -613,32 +617,35 @@ def build_replacement_model(
 
     default_in, default_out = _DEFAULT_HOOKS[dims.architecture]
     try:
-        model = _build_nnsight_model(
-            dims,
-            tokenizer_dir=tokenizer_dir,
-            dtype=torch_dtype,
-            device=torch_device,
-            seed=seed,
-            features_per_token=features_per_token,
-            feature_input_hook=feature_input_hook or default_in,
-            feature_output_hook=feature_output_hook or default_out,
-        )
+        with _seeded(seed, torch_device):
+            # Everything created in this block -- model parameters and buffers, transcoders --
+            # is allocated on ``device`` directly, and the libraries' weight init runs there.
+            with torch.device(torch_device):
+                transcoders = _random_transcoders(
+                    dims,
+                    device=torch_device,
+                    dtype=torch_dtype,
+                    feature_input_hook=feature_input_hook or default_in,
+                    feature_output_hook=feature_output_hook or default_out,
+                )
+                model = _from_config(
+                    dims, backend, transcoders, tokenizer_dir, torch_dtype, torch_device
+                )
+            _calibrate_thresholds(model, transcoders, features_per_token)
     except BaseException:
         if owned_tokenizer_dir is not None:
             shutil.rmtree(owned_tokenizer_dir, ignore_errors=True)
         raise
     if owned_tokenizer_dir is not None:
-        # The tokenizer is fully loaded into memory; the files only need to outlive the model
-        # for anyone who reloads them through ``model.tokenizer.name_or_path``.
+        # The tokenizer is already loaded into memory; the files only need to outlive the
+        # model for code that reloads them from ``model.tokenizer.name_or_path``.
         weakref.finalize(model, shutil.rmtree, owned_tokenizer_dir, ignore_errors=True)
     return model
 
 
 def _check_tokenizer_fits(tokenizer_dir: str, vocab_size: int) -> None:
     """Raise ValueError if the tokenizer in ``tokenizer_dir`` can emit ids >= ``vocab_size``."""
-    from transformers import AutoTokenizer
-
-    size = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    size = len(_transformers().AutoTokenizer.from_pretrained(tokenizer_dir))
     if size > vocab_size:
         raise ValueError(
             f"the tokenizer in {tokenizer_dir!r} has {size} tokens, more than the model's "
@@ -646,35 +653,81 @@ def _check_tokenizer_fits(tokenizer_dir: str, vocab_size: int) -> None:
         )
 
 
-def _build_nnsight_model(
+def _from_config(
     dims: ModelDims,
-    *,
+    backend: str,
+    transcoders: TranscoderSet,
     tokenizer_dir: str,
     dtype: torch.dtype,
     device: torch.device,
-    seed: int,
-    features_per_token: int,
-    feature_input_hook: str,
-    feature_output_hook: str,
-) -> NNSightReplacementModel:
-    import torch
+) -> AnyReplacementModel:
+    """Create the replacement model of ``backend`` around ``transcoders``."""
     from circuit_tracer import ReplacementModel
 
-    config = _hf_config(dims, tokenizer_dir, dtype)
-    with _seeded(seed, device):
-        # Everything created in this block -- HF parameters and buffers, transcoders -- is
-        # allocated on ``device`` directly, and HF's weight init runs there.
-        with torch.device(device):
-            transcoders = _random_transcoders(
-                dims,
-                device=device,
-                dtype=dtype,
-                feature_input_hook=feature_input_hook,
-                feature_output_hook=feature_output_hook,
-            )
-            model = ReplacementModel.from_config(config, transcoders, backend="nnsight")
-        _calibrate_thresholds(model, transcoders, features_per_token)
-    return model  # type: ignore[no-any-return]
+    # Two literal calls rather than ``backend=backend``: circuit-tracer types the argument as
+    # a Literal, which a plain ``str`` does not satisfy.
+    model: AnyReplacementModel
+    if backend == "nnsight":
+        config = _hf_config(dims, tokenizer_dir, dtype)
+        model = ReplacementModel.from_config(config, transcoders, backend="nnsight")
+    else:
+        config = _tl_config(dims, tokenizer_dir, dtype, device)
+        model = ReplacementModel.from_config(config, transcoders, backend="transformerlens")
+    return model
+
+
+def _tl_config(
+    dims: ModelDims, tokenizer_dir: str, dtype: torch.dtype, device: torch.device
+) -> Any:
+    """Build the TransformerLens config of a random model with ``dims``.
+
+    TransformerLens hard-codes Gemma-2 configs per Hub model name, so this mirrors its
+    gemma-2-2b and generic Llama entries with ``dims`` substituted.
+    """
+    from transformer_lens import HookedTransformerConfig
+
+    config: dict[str, Any] = {
+        "d_model": dims.d_model,
+        "d_head": dims.head_dim,
+        "n_heads": dims.n_heads,
+        "d_mlp": dims.d_mlp,
+        "n_layers": dims.n_layers,
+        "n_ctx": dims.max_position,
+        "d_vocab": dims.vocab_size,
+        # TransformerLens uses grouped-query attention whenever this is set, so it must be
+        # None for plain multi-head attention.
+        "n_key_value_heads": dims.n_kv_heads if dims.n_kv_heads != dims.n_heads else None,
+        "normalization_type": "RMS",
+        "positional_embedding_type": "rotary",
+        "rotary_dim": dims.head_dim,
+        "rotary_base": 10000.0,
+        "gated_mlp": True,
+        "final_rms": True,
+        "initializer_range": 0.02,
+        "original_architecture": _HF_ARCHITECTURE[dims.architecture],
+        "tokenizer_name": tokenizer_dir,
+        "model_name": tokenizer_dir,
+        "dtype": dtype,
+        "device": str(device),
+        # No ``seed``: TransformerLens would reseed Python's, NumPy's and torch's global
+        # generators with it; ``_seeded`` seeds torch without leaking state.
+    }
+    if dims.architecture == "gemma2":
+        config |= {
+            "eps": 1e-6,
+            "act_fn": "gelu_pytorch_tanh",
+            "use_attn_scale": True,
+            "window_size": 4096,
+            "use_local_attn": True,
+            "attn_types": ["global", "local"] * (dims.n_layers // 2)
+            + ["global"] * (dims.n_layers % 2),
+            "attn_scores_soft_cap": 50.0,
+            "output_logits_soft_cap": 30.0,
+            "use_normalization_before_and_after": True,
+        }
+    else:
+        config |= {"eps": 1e-5, "act_fn": "silu", "rotary_adjacent_pairs": False}
+    return HookedTransformerConfig(**config)
 
 
 def build_named_model(
@@ -685,14 +738,14 @@ def build_named_model(
     device: torch.device | str | None = None,
     backend: str = "nnsight",
 ) -> AnyReplacementModel:
-    """Build a bundled random model by name, as an experiment config names it.
+    """Build a bundled random model by name, as an experiment config names them.
 
     Args:
         model_name: A bundled model name, :data:`TINY_GEMMA2` or :data:`TINY_LLAMA`.
         transcoder_set: A bundled transcoder-set name, :data:`RANDOM_TRANSCODERS`.
         dtype: Parameter dtype (see :func:`build_replacement_model`).
         device: Device; ``None`` means CUDA if available, else CPU.
-        backend: circuit-tracer backend; only ``"nnsight"`` is supported.
+        backend: circuit-tracer backend, ``"nnsight"`` or ``"transformerlens"``.
 
     Returns:
         The model, built with seed 0 (so the same name always gives the same weights).

@@ -1,0 +1,159 @@
+"""Real-GPU tests: skipped where torch sees no CUDA GPU, run on the device (docs/gpu-validation.md).
+
+Each scenario is a pytester project run in a subprocess, so CUDA initialises fresh in it and
+the plugin's settings (capacity cap, cleanup) act exactly as in a user's run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+pytest_plugins = ["pytester"]
+
+
+def test_vram_marker_against_the_real_gpu(pytester: pytest.Pytester) -> None:
+    total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    pytester.makepyfile(
+        f"""
+        import pytest, torch
+
+        @pytest.mark.vram(gib={total_gib + 50:.1f})
+        def test_over_capacity(): pass
+
+        @pytest.mark.vram(gib=1)
+        def test_under_capacity():
+            x = torch.ones(1024, device="cuda")
+            assert x.sum().item() == 1024
+        """
+    )
+    result = pytester.runpytest_subprocess("-rs", "-v")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(
+        ["ctresources: GPU 0: *(nvml*", f"*needs {total_gib + 50:.1f} GiB VRAM; GPU 0 (*) has * GiB"]
+    )
+
+
+def test_capacity_option_caps_the_allocator(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest, torch
+
+        GIB = 2**30
+
+        def test_ten_gib_is_out_of_memory():
+            with pytest.raises(torch.cuda.OutOfMemoryError):
+                torch.empty(10 * GIB, dtype=torch.uint8, device="cuda")
+
+        def test_four_gib_fits():
+            x = torch.empty(4 * GIB, dtype=torch.uint8, device="cuda")
+            assert x.numel() == 4 * GIB
+
+        @pytest.mark.vram(gib=12)
+        def test_skipped_by_the_emulated_card(): pass
+        """
+    )
+    result = pytester.runpytest_subprocess("--ct-vram-capacity", "8", "-rs")
+    result.assert_outcomes(passed=2, skipped=1)
+    result.stdout.fnmatch_lines(["*needs 12.0 GiB VRAM; GPU 0 (*) is capped at 8.0 GiB by --ct-vram-capacity"])
+
+
+def test_memory_returns_to_baseline_after_a_real_size_attribution(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import torch
+        from pytest_ctresources import testing
+
+        BASELINE = []
+        PROMPT = " ".join(["the capital of france is paris and"] * 3) + " the"  # ~25 tokens
+
+        def test_warm_up(ct_session):
+            # The process-lifetime CUDA state (cuBLAS workspaces, one per handle and stream,
+            # autograd's backward thread included) is created by a first attribution on the
+            # tiny model; it is no test's memory, so it belongs in the baseline.
+            model = testing.build_replacement_model(testing.TINY_GEMMA2_DIMS, device="cuda")
+            ct_session.attribute("the capital of france is", model)
+
+        def test_baseline():
+            BASELINE.append(torch.cuda.memory_allocated())
+
+        def test_gemma_2_2b_attribution(ct_session):
+            model = testing.build_replacement_model(
+                testing.GEMMA_2_2B_DIMS, dtype="bfloat16", device="cuda"
+            )
+            graph = ct_session.attribute(PROMPT, model)
+            assert len(graph.selected_features) > 0
+            print("PEAK_GIB", torch.cuda.max_memory_allocated() / 2**30)
+            print("TOKENS", len(graph.input_tokens))
+
+        def test_back_to_baseline():
+            print("AFTER", torch.cuda.memory_allocated(), "BASELINE", BASELINE[0])
+            blocks = [b["size"] for seg in torch.cuda.memory_snapshot()
+                      for b in seg["blocks"] if b["state"] == "active_allocated"]
+            print("ACTIVE_BLOCKS", blocks)
+            assert torch.cuda.memory_allocated() == BASELINE[0]
+        """
+    )
+    result = pytester.runpytest_subprocess("-s", "-p", "no:randomly", "--ct-batch-size", "256",
+                                           "--ct-max-feature-nodes", "1024")
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines(["*PEAK_GIB *", "*AFTER * BASELINE *"])
+
+
+def test_failed_test_frees_its_gpu_memory_before_the_next_setup(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest, torch
+
+        BASELINE = []
+
+        def test_baseline():
+            torch.cuda.init()
+            BASELINE.append(torch.cuda.memory_allocated())
+
+        def test_fails_holding_two_gib():
+            big = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+            assert big.numel() == 0
+
+        @pytest.fixture
+        def check_memory():
+            assert torch.cuda.memory_allocated() == BASELINE[0]
+
+        def test_next_setup_has_the_memory(check_memory):
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:randomly")
+    result.assert_outcomes(passed=2, failed=1)
+
+
+def test_safe_clean_cuda_frees_transients_and_moves_back(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import torch
+        from pytest_ctresources import cleanup_python_cuda, safe_clean_cuda
+
+        KEPT_BY_ACCIDENT = []
+
+        def test_scope():
+            model = torch.nn.Linear(256, 256)
+            cleanup_python_cuda()
+            before = torch.cuda.memory_allocated()
+            with safe_clean_cuda(model) as scope:
+                assert next(scope.model.parameters()).is_cuda
+                KEPT_BY_ACCIDENT.append(torch.empty(2**30, dtype=torch.uint8, device="cuda"))
+                result = torch.ones(2**19, device="cuda")  # 2 MiB: above min_bytes, so keep it
+                scope.keep(result)
+            assert next(model.parameters()).device.type == "cpu"
+            assert KEPT_BY_ACCIDENT[0].untyped_storage().nbytes() == 0
+            assert result.sum().item() == 2**19
+            kept = result.untyped_storage().nbytes()
+            assert torch.cuda.memory_allocated() - before - kept < 2**20
+        """
+    )
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
