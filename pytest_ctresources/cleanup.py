@@ -115,8 +115,9 @@ def cleanup_after_test(mode: str) -> CleanupResult:
     cuda = cuda_initialised()
     if cuda or mode == "always":
         cleanup_python_cuda()
-    return CleanupResult(figures_closed=figures, collected=cuda or mode == "always",
-                         cuda_cache_emptied=cuda)
+    return CleanupResult(
+        figures_closed=figures, collected=cuda or mode == "always", cuda_cache_emptied=cuda
+    )
 
 
 class CleanScope:
@@ -132,11 +133,11 @@ class CleanScope:
 
 
 def _cuda_tensors() -> dict[int, torch.Tensor]:
-    torch = sys.modules["torch"]
+    tensor_type = sys.modules["torch"].Tensor
     found: dict[int, torch.Tensor] = {}
     for obj in gc.get_objects():
         try:
-            if isinstance(obj, torch.Tensor) and obj.is_cuda:
+            if isinstance(obj, tensor_type) and obj.is_cuda:
                 found[id(obj)] = obj
         except ReferenceError:  # a dead weakref proxy in gc's list
             continue

@@ -74,9 +74,9 @@ def _bool(value: object) -> bool:
     return value
 
 
-def _choice(choices: tuple[str, ...], aliases: Mapping[str, str] | None = None) -> Callable[
-    [object], str
-]:
+def _choice(
+    choices: tuple[str, ...], aliases: Mapping[str, str] | None = None
+) -> Callable[[object], str]:
     def check(value: object) -> str:
         if isinstance(value, str):
             value = (aliases or {}).get(value, value)
@@ -143,32 +143,85 @@ class FieldSpec:
 FIELDS: Mapping[str, FieldSpec] = {
     spec.name: spec
     for spec in (
-        FieldSpec("model_family", None, _text, nullable=True,
-                  help="model family, e.g. gemma2, gemma3, llama (informational)"),
-        FieldSpec("model_name", None, _text, nullable=True,
-                  help="Hugging Face model id, or a bundled offline model name"),
-        FieldSpec("transcoder_set", None, _text, nullable=True,
-                  help="circuit-tracer transcoder set name or config path"),
+        FieldSpec(
+            "model_family",
+            None,
+            _text,
+            nullable=True,
+            help="model family, e.g. gemma2, gemma3, llama (informational)",
+        ),
+        FieldSpec(
+            "model_name",
+            None,
+            _text,
+            nullable=True,
+            help="Hugging Face model id, or a bundled offline model name",
+        ),
+        FieldSpec(
+            "transcoder_set",
+            None,
+            _text,
+            nullable=True,
+            help="circuit-tracer transcoder set name or config path",
+        ),
         FieldSpec("backend", "nnsight", _choice(BACKENDS), help="nnsight or transformerlens"),
-        FieldSpec("dtype", "float32", _choice(DTYPES, DTYPE_ALIASES),
-                  help="float32, bfloat16 or float16 (aliases fp32, bf16, fp16)"),
-        FieldSpec("batch_size", 256, _positive_int, _text_to_int,
-                  help="source nodes per backward pass in attribute()"),
-        FieldSpec("max_feature_nodes", 8192, _positive_int, _text_to_int,
-                  help="most feature nodes kept in the graph"),
-        FieldSpec("max_n_logits", 10, _positive_int, _text_to_int,
-                  help="most logit nodes attributed"),
-        FieldSpec("desired_logit_prob", 0.95, _probability, _text_to_number,
-                  help="cumulative probability of the logits kept"),
-        FieldSpec("offload", None, _offload, _text_to_optional, nullable=True,
-                  help="offload parameters during attribution: cpu, disk or null"),
-        FieldSpec("lazy_encoder", False, _bool, _text_to_bool,
-                  help="load transcoder encoder weights lazily"),
-        FieldSpec("lazy_decoder", True, _bool, _text_to_bool,
-                  help="load transcoder decoder rows lazily"),
+        FieldSpec(
+            "dtype",
+            "float32",
+            _choice(DTYPES, DTYPE_ALIASES),
+            help="float32, bfloat16 or float16 (aliases fp32, bf16, fp16)",
+        ),
+        FieldSpec(
+            "batch_size",
+            256,
+            _positive_int,
+            _text_to_int,
+            help="source nodes per backward pass in attribute()",
+        ),
+        FieldSpec(
+            "max_feature_nodes",
+            8192,
+            _positive_int,
+            _text_to_int,
+            help="most feature nodes kept in the graph",
+        ),
+        FieldSpec(
+            "max_n_logits", 10, _positive_int, _text_to_int, help="most logit nodes attributed"
+        ),
+        FieldSpec(
+            "desired_logit_prob",
+            0.95,
+            _probability,
+            _text_to_number,
+            help="cumulative probability of the logits kept",
+        ),
+        FieldSpec(
+            "offload",
+            None,
+            _offload,
+            _text_to_optional,
+            nullable=True,
+            help="offload parameters during attribution: cpu, disk or null",
+        ),
+        FieldSpec(
+            "lazy_encoder",
+            False,
+            _bool,
+            _text_to_bool,
+            help="load transcoder encoder weights lazily",
+        ),
+        FieldSpec(
+            "lazy_decoder", True, _bool, _text_to_bool, help="load transcoder decoder rows lazily"
+        ),
         FieldSpec("verbose", False, _bool, _text_to_bool, help="circuit-tracer progress output"),
-        FieldSpec("vram_gib", None, _positive_number, _text_to_number, nullable=True,
-                  help="declared peak VRAM need in GiB, used in skip decisions"),
+        FieldSpec(
+            "vram_gib",
+            None,
+            _positive_number,
+            _text_to_number,
+            nullable=True,
+            help="declared peak VRAM need in GiB, used in skip decisions",
+        ),
     )
 }
 
@@ -265,7 +318,9 @@ class CircuitTracerConfig:
     def source_of(self, name: str) -> Source:
         """Where field ``name`` got its value."""
         if name not in FIELDS:
-            raise KeyError(f"{name!r} is not a CircuitTracerConfig field{did_you_mean(name, FIELDS)}")
+            raise KeyError(
+                f"{name!r} is not a CircuitTracerConfig field{did_you_mean(name, FIELDS)}"
+            )
         return self.sources.get(name, Source.default())
 
     def attribute_kwargs(self) -> dict[str, Any]:
@@ -321,6 +376,4 @@ class CircuitTracerConfig:
 
     def describe(self) -> list[str]:
         """``name = value (source)`` lines, one per field."""
-        return [
-            f"{name} = {getattr(self, name)!r} ({self.source_of(name)})" for name in FIELDS
-        ]
+        return [f"{name} = {getattr(self, name)!r} ({self.source_of(name)})" for name in FIELDS]

@@ -22,7 +22,7 @@ def ct_config(request: pytest.FixtureRequest) -> CircuitTracerConfig:
     where a value came from.
     """
     try:
-        return runtime_of(request.config).config_for(request.node)  # type: ignore[arg-type]
+        return runtime_of(request.config).config_for(request.node)
     except MarkerError as exc:
         pytest.fail(str(exc), pytrace=False)
 

@@ -46,8 +46,7 @@ def ct_config(path: str | None = None, **overrides: object) -> tuple[str | None,
     for name, value in overrides.items():
         if name not in FIELDS:
             raise MarkerError(
-                f"unknown field {name!r}{did_you_mean(name, FIELDS)}; "
-                f"fields: {', '.join(FIELDS)}"
+                f"unknown field {name!r}{did_you_mean(name, FIELDS)}; fields: {', '.join(FIELDS)}"
             )
         try:
             checked[name] = validate_typed(name, value)
@@ -123,8 +122,9 @@ def layer_markers(item: pytest.Item, below: CircuitTracerConfig) -> CircuitTrace
         if path is None:
             continue
         try:
-            cfg = load_experiment_yaml(base_dir / path if not Path(path).is_absolute()
-                                       else path).apply(cfg)
+            cfg = load_experiment_yaml(
+                base_dir / path if not Path(path).is_absolute() else path
+            ).apply(cfg)
         except ConfigError as exc:
             raise MarkerError(f"invalid @pytest.mark.ct_config on {item.nodeid}: {exc}") from None
     source = Source.marker("ct_config", item.nodeid)

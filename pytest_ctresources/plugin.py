@@ -88,8 +88,10 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     if config.get_verbosity() < 1:
         return None
     runtime = runtime_of(config)
-    return [*runtime.settings.header_lines(),
-            *(f"ctresources: {line}" for line in runtime.gpu_facts().summary_lines())]
+    return [
+        *runtime.settings.header_lines(),
+        *(f"ctresources: {line}" for line in runtime.gpu_facts().summary_lines()),
+    ]
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -118,7 +120,9 @@ def _vram_skip_reason(item: pytest.Item, runtime: Runtime) -> str | None:
             need = markers.VramNeed(cfg.vram_gib, cfg.source_of("vram_gib"))
     if need is None:
         return None
-    return skip_reason(need.gib, need.source, runtime.test_gpu(), runtime.settings.vram_capacity_gib)
+    return skip_reason(
+        need.gib, need.source, runtime.test_gpu(), runtime.settings.vram_capacity_gib
+    )
 
 
 @pytest.hookimpl(wrapper=True)

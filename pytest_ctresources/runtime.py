@@ -1,4 +1,4 @@
-"""The plugin's state for one pytest run, kept in ``config.stash``; per-test state in ``item.stash``."""
+"""The plugin's state for one run, in ``config.stash``; per-test state in ``item.stash``."""
 
 from __future__ import annotations
 
@@ -44,9 +44,7 @@ class Runtime:
             return cached
         if self._config_below_markers is None:
             self._config_below_markers = self.settings.config_below_markers()
-        cfg = self.settings.config_above_markers(
-            layer_markers(item, self._config_below_markers)
-        )
+        cfg = self.settings.config_above_markers(layer_markers(item, self._config_below_markers))
         item.stash[CONFIG_KEY] = cfg
         return cfg
 

@@ -38,9 +38,10 @@ def build_model(cfg: CircuitTracerConfig, device: str | torch.device) -> Any:
             device=device,
             backend=kwargs["backend"],
         )
+    import torch
     from circuit_tracer import ReplacementModel
 
-    return ReplacementModel.from_pretrained(**kwargs, device=device)
+    return ReplacementModel.from_pretrained(**kwargs, device=torch.device(device))
 
 
 class ModelCache:
@@ -142,4 +143,3 @@ class CtSession:
     def close(self) -> None:
         """Drop this session's references; the model stays cached for the next test."""
         self.calls.clear()
-

@@ -62,14 +62,18 @@ class Settings:
             )
         ]
         if self.experiment is not None:
-            lines.append(f"ctresources: experiment config {self.experiment.path} "
-                         f"({self.experiment_source})")
+            lines.append(
+                f"ctresources: experiment config {self.experiment.path} ({self.experiment_source})"
+            )
         if cfg.model_name:
-            lines.append(f"ctresources: model {cfg.model_name} ({cfg.source_of('model_name')}), "
-                         f"transcoders {cfg.transcoder_set}")
+            lines.append(
+                f"ctresources: model {cfg.model_name} ({cfg.source_of('model_name')}), "
+                f"transcoders {cfg.transcoder_set}"
+            )
         capacity = (
             f"{self.vram_capacity_gib.value:g} GiB ({self.vram_capacity_gib.source})"
-            if self.vram_capacity_gib else "as detected"
+            if self.vram_capacity_gib
+            else "as detected"
         )
         alloc = self.alloc_conf.value or "(not set)"
         lines.append(

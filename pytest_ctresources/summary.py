@@ -6,8 +6,8 @@ ships from workers to the controller, so a distributed run gets one complete sum
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 import pytest
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 ATTRIBUTIONS_PROPERTY = "ct_attribution_batch_sizes"
 #: user_properties key under which the cleanup records how many figures it closed.
 FIGURES_PROPERTY = "ct_figures_closed"
-VRAM_SKIP_PREFIX = "needs "
+VRAM_SKIP_PATTERN = re.compile(r"needs [0-9.]+ GiB VRAM")
 
 
 @dataclass
@@ -35,7 +35,7 @@ class RunSummary:
                 self.attributions.setdefault(report.nodeid, []).extend(value)
         if report.skipped and isinstance(report.longrepr, tuple):
             reason = str(report.longrepr[2]).removeprefix("Skipped: ")
-            if reason.startswith(VRAM_SKIP_PREFIX):
+            if VRAM_SKIP_PATTERN.match(reason):
                 self.vram_skips[report.nodeid] = reason
 
     def is_empty(self) -> bool:
@@ -68,10 +68,9 @@ class SummaryReporter:
 
     @property
     def terminal(self) -> pytest.TerminalReporter:
-        reporter: pytest.TerminalReporter = self.config.pluginmanager.get_plugin(
-            "terminalreporter"
-        )
-        return reporter
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        assert reporter is not None  # registered whenever the terminal is in use
+        return reporter  # type: ignore[no-any-return]
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.summary.record(report)
@@ -79,7 +78,8 @@ class SummaryReporter:
             closed = dict(report.user_properties).get(FIGURES_PROPERTY)
             if closed:
                 self.terminal.write_line(
-                    f"ctresources: closed {closed} matplotlib figure(s) left open by {report.nodeid}"
+                    f"ctresources: closed {closed} matplotlib figure(s) "
+                    f"left open by {report.nodeid}"
                 )
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:

@@ -25,7 +25,9 @@ def skip_reason(
     if capacity is not None:
         if need_gib <= capacity.value:
             return None
-        return f"{needs}; {gpu.describe()} is capped at {capacity.value:.1f} GiB by {capacity.source}"
+        return (
+            f"{needs}; {gpu.describe()} is capped at {capacity.value:.1f} GiB by {capacity.source}"
+        )
     if need_gib <= gpu.total_gib:
         return None
     return f"{needs}; {gpu.describe()} has {gpu.total_gib:.1f} GiB"

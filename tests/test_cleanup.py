@@ -29,7 +29,9 @@ def test_open_figures_are_closed_and_counted_in_verbose(pytester: pytest.Pyteste
     result = pytester.runpytest("-v")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(
-        ["ctresources: closed 2 matplotlib figure(s) left open by test_figs.py::test_leaves_two_figures"]
+        [
+            "ctresources: closed 2 matplotlib figure(s) left open by test_figs.py::test_leaves_two_figures"
+        ]
     )
     quiet = pytester.runpytest()
     assert "closed 2 matplotlib" not in quiet.stdout.str()
@@ -145,8 +147,11 @@ def test_env():
 
 @pytest.mark.parametrize(
     ("ini", "expected"),
-    [("", "expandable_segments:True"), ("ct_alloc_conf =", "None"),
-     ("ct_alloc_conf = garbage_collection_threshold:0.6", "garbage_collection_threshold:0.6")],
+    [
+        ("", "expandable_segments:True"),
+        ("ct_alloc_conf =", "None"),
+        ("ct_alloc_conf = garbage_collection_threshold:0.6", "garbage_collection_threshold:0.6"),
+    ],
 )
 def test_alloc_conf_reaches_tests(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, ini: str, expected: str
@@ -158,10 +163,14 @@ def test_alloc_conf_reaches_tests(
     result.stdout.fnmatch_lines([f"*ALLOC {expected}"])
 
 
-def test_alloc_conf_set_in_conftest_time(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_alloc_conf_set_in_conftest_time(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Conftests run after pytest_load_initial_conftests: they already see the variable.
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    pytester.makeconftest("import os\nprint('CONFTEST', os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))\n")
+    pytester.makeconftest(
+        "import os\nprint('CONFTEST', os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))\n"
+    )
     pytester.makepyfile("def test_a(): pass")
     result = pytester.runpytest_subprocess("-s")
     result.stdout.fnmatch_lines(["CONFTEST expandable_segments:True"])

@@ -75,8 +75,16 @@ def test_parse_text_rejects_bad_batch_sizes(text: str) -> None:
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("batch_size", True), ("batch_size", "64"), ("dtype", "float8"), ("backend", "jax"),
-     ("desired_logit_prob", 1.5), ("vram_gib", -1), ("lazy_decoder", "yes"), ("offload", "gpu")],
+    [
+        ("batch_size", True),
+        ("batch_size", "64"),
+        ("dtype", "float8"),
+        ("backend", "jax"),
+        ("desired_logit_prob", 1.5),
+        ("vram_gib", -1),
+        ("lazy_decoder", "yes"),
+        ("offload", "gpu"),
+    ],
 )
 def test_validate_typed_rejects(name: str, value: object) -> None:
     with pytest.raises(ConfigError):
@@ -94,7 +102,9 @@ def write(tmp_path: Path, text: str, name: str = "exp.yaml") -> Path:
 
 
 def test_yaml_values_params_and_sources(tmp_path: Path) -> None:
-    path = write(tmp_path, "BATCH_SIZE: 128\nDTYPE: bf16\nOFFLOAD: null\nPARAMS:\n  LAYERS: [1, 2]\n")
+    path = write(
+        tmp_path, "BATCH_SIZE: 128\nDTYPE: bf16\nOFFLOAD: null\nPARAMS:\n  LAYERS: [1, 2]\n"
+    )
     cfg = load_experiment_yaml(path).apply(CircuitTracerConfig.defaults())
     assert (cfg.batch_size, cfg.dtype) == (128, "bfloat16")
     assert cfg.params == {"LAYERS": [1, 2]}
@@ -140,8 +150,11 @@ def test_yaml_reloads_when_the_file_changes(tmp_path: Path) -> None:
 
 def resolve(tmp_path: Path, options=None, ini=None, environ=None):  # type: ignore[no-untyped-def]
     return resolve_settings(
-        options=options or {}, ini=ini or {}, environ=environ or {},
-        inifile=str(tmp_path / "pytest.ini"), invocation_dir=tmp_path,
+        options=options or {},
+        ini=ini or {},
+        environ=environ or {},
+        inifile=str(tmp_path / "pytest.ini"),
+        invocation_dir=tmp_path,
     )
 
 

@@ -8,7 +8,7 @@ from tests.conftest import TINY_YAML
 
 pytest_plugins = ["pytester"]
 
-ATTRIBUTION_TESTS = """
+ATTRIBUTION_TESTS = r"""
 import pytest
 
 SEEN = {}
@@ -63,7 +63,9 @@ def test_ct_session_runs_real_attribution(pytester: pytest.Pytester) -> None:
 
 
 def test_max_feature_nodes_from_yaml_limits_the_graph(pytester: pytest.Pytester) -> None:
-    pytester.makefile(".yaml", exp=TINY_YAML.replace("MAX_FEATURE_NODES: 40", "MAX_FEATURE_NODES: 7"))
+    pytester.makefile(
+        ".yaml", exp=TINY_YAML.replace("MAX_FEATURE_NODES: 40", "MAX_FEATURE_NODES: 7")
+    )
     pytester.makepyfile(
         """
         def test_small_graph(ct_session):

@@ -20,13 +20,17 @@ def test_positional(): pass
 """
 
 
-def test_skip_reason_names_the_gpu(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_skip_reason_names_the_gpu(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("CT_FAKE_GPUS", "NVIDIA GeForce RTX 4090=23.6")
     pytester.makepyfile(test_v=VRAM_TESTS)
     result = pytester.runpytest("-rs")
     result.assert_outcomes(passed=2, skipped=1)
     result.stdout.fnmatch_lines(
-        ["SKIPPED [1] test_v.py:6: needs 30.0 GiB VRAM; GPU 0 (NVIDIA GeForce RTX 4090) has 23.6 GiB"]
+        [
+            "SKIPPED [1] test_v.py:6: needs 30.0 GiB VRAM; GPU 0 (NVIDIA GeForce RTX 4090) has 23.6 GiB"
+        ]
     )
 
 
@@ -34,7 +38,9 @@ def test_no_gpu_skips_every_vram_test(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_v=VRAM_TESTS)
     result = pytester.runpytest("-rs")
     result.assert_outcomes(skipped=3)
-    result.stdout.fnmatch_lines(["SKIPPED [1] test_v.py:3: needs 20.0 GiB VRAM; no CUDA GPU detected"])
+    result.stdout.fnmatch_lines(
+        ["SKIPPED [1] test_v.py:3: needs 20.0 GiB VRAM; no CUDA GPU detected"]
+    )
 
 
 def test_capacity_option_replaces_the_detected_memory(
@@ -77,7 +83,9 @@ def test_class_and_module_markers_closest_wins(
     pytester.runpytest().assert_outcomes(passed=1, skipped=1)
 
 
-def test_config_vram_gib_is_a_need_too(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_vram_gib_is_a_need_too(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("CT_FAKE_GPUS", "Card=10")
     pytester.makefile(".yaml", exp="VRAM_GIB: 12\n")
     pytester.makepyfile(
@@ -122,7 +130,9 @@ def test_bad_marker_fails_only_that_test_at_setup(
     )
     result = pytester.runpytest()
     result.assert_outcomes(passed=1, errors=1)
-    result.stdout.fnmatch_lines([f"invalid @pytest.mark.{marker.split('(')[0]} on *::test_bad: *{message}*"])
+    result.stdout.fnmatch_lines(
+        [f"invalid @pytest.mark.{marker.split('(')[0]} on *::test_bad: *{message}*"]
+    )
     assert "Traceback" not in result.stdout.str()
     assert "During handling" not in result.stdout.str()
 
@@ -146,7 +156,9 @@ def test_markers_are_registered_and_documented(pytester: pytest.Pytester) -> Non
     )
 
 
-def test_ct_config_marker_layers(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ct_config_marker_layers(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytester.makefile(".yaml", exp="BATCH_SIZE: 128\nMAX_FEATURE_NODES: 100\nDTYPE: bfloat16\n")
     pytester.makefile(".yaml", own="MAX_FEATURE_NODES: 50\n")
     pytester.makepyfile(
@@ -173,7 +185,9 @@ def test_ct_config_marker_layers(pytester: pytest.Pytester, monkeypatch: pytest.
         """
     )
     monkeypatch.setenv("CT_BATCH_SIZE", "7")
-    result = pytester.runpytest("--ct-config", "exp.yaml", "test_layering.py::test_env_beats_marker")
+    result = pytester.runpytest(
+        "--ct-config", "exp.yaml", "test_layering.py::test_env_beats_marker"
+    )
     result.assert_outcomes(passed=1)
     monkeypatch.delenv("CT_BATCH_SIZE")
     result = pytester.runpytest("--ct-config", "exp.yaml", "test_layering.py::TestLayers")

@@ -55,7 +55,9 @@ def test_env_beats_yaml_and_ini(pytester: pytest.Pytester, monkeypatch: pytest.M
     pytester.makeini("[pytest]\nct_config = exp.yaml\nct_max_feature_nodes = 99\n")
     monkeypatch.setenv("CT_BATCH_SIZE", "16")
     result = run_show(pytester)
-    result.stdout.fnmatch_lines(["*BS 16 env CT_BATCH_SIZE", "MFN 40 MAX_FEATURE_NODES in *exp.yaml"])
+    result.stdout.fnmatch_lines(
+        ["*BS 16 env CT_BATCH_SIZE", "MFN 40 MAX_FEATURE_NODES in *exp.yaml"]
+    )
 
 
 def test_ini_when_nothing_else(pytester: pytest.Pytester) -> None:
@@ -99,16 +101,36 @@ def test_no_header_without_verbose(pytester: pytest.Pytester) -> None:
     ("args", "line"),
     [
         (["--ct-batch-size", "0"], "*argument --ct-batch-size: must be a positive integer, got 0"),
-        (["--ct-batch-size", "-3"], "*argument --ct-batch-size: must be a positive integer, got -3"),
-        (["--ct-batch-size", "abc"], "*argument --ct-batch-size: must be a positive integer, got 'abc'"),
-        (["--ct-batch-size", "1.5"], "*argument --ct-batch-size: must be a positive integer, got '1.5'"),
+        (
+            ["--ct-batch-size", "-3"],
+            "*argument --ct-batch-size: must be a positive integer, got -3",
+        ),
+        (
+            ["--ct-batch-size", "abc"],
+            "*argument --ct-batch-size: must be a positive integer, got 'abc'",
+        ),
+        (
+            ["--ct-batch-size", "1.5"],
+            "*argument --ct-batch-size: must be a positive integer, got '1.5'",
+        ),
         (["--ct-max-feature-nodes", "x"], "*argument --ct-max-feature-nodes: must be a positive*"),
-        (["--ct-vram-capacity", "0"], "*argument --ct-vram-capacity: must be a positive number of GiB*"),
-        (["--ct-vram-capacity", "-8"], "*argument --ct-vram-capacity: must be a positive number of GiB*"),
-        (["--ct-config", "missing.yaml"], "ERROR: --ct-config: missing.yaml: cannot read experiment config*"),
+        (
+            ["--ct-vram-capacity", "0"],
+            "*argument --ct-vram-capacity: must be a positive number of GiB*",
+        ),
+        (
+            ["--ct-vram-capacity", "-8"],
+            "*argument --ct-vram-capacity: must be a positive number of GiB*",
+        ),
+        (
+            ["--ct-config", "missing.yaml"],
+            "ERROR: --ct-config: missing.yaml: cannot read experiment config*",
+        ),
     ],
 )
-def test_bad_options_are_usage_errors(pytester: pytest.Pytester, args: list[str], line: str) -> None:
+def test_bad_options_are_usage_errors(
+    pytester: pytest.Pytester, args: list[str], line: str
+) -> None:
     pytester.makepyfile("def test_a(): pass")
     result = pytester.runpytest_subprocess(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
@@ -119,17 +141,36 @@ def test_bad_options_are_usage_errors(pytester: pytest.Pytester, args: list[str]
 @pytest.mark.parametrize(
     ("env", "ini", "line"),
     [
-        ({"CT_BATCH_SIZE": "big"}, "", "ERROR: env CT_BATCH_SIZE: must be a positive integer, got 'big'"),
+        (
+            {"CT_BATCH_SIZE": "big"},
+            "",
+            "ERROR: env CT_BATCH_SIZE: must be a positive integer, got 'big'",
+        ),
         ({"CT_VRAM_CAPACITY": "0"}, "", "ERROR: env CT_VRAM_CAPACITY: must be a positive number*"),
-        ({}, "ct_batch_size = 1.5", "ERROR: ini ct_batch_size in *tox.ini: must be a positive integer*"),
-        ({}, "ct_vram_capacity = -1", "ERROR: ini ct_vram_capacity in *: must be a positive number*"),
-        ({}, "ct_cleanup = sometimes", "ERROR: ini ct_cleanup in *: must be one of auto, always, never; got 'sometimes'"),
+        (
+            {},
+            "ct_batch_size = 1.5",
+            "ERROR: ini ct_batch_size in *tox.ini: must be a positive integer*",
+        ),
+        (
+            {},
+            "ct_vram_capacity = -1",
+            "ERROR: ini ct_vram_capacity in *: must be a positive number*",
+        ),
+        (
+            {},
+            "ct_cleanup = sometimes",
+            "ERROR: ini ct_cleanup in *: must be one of auto, always, never; got 'sometimes'",
+        ),
         ({"CT_FAKE_GPUS": "H200=lots"}, "", "ERROR: CT_FAKE_GPUS: *"),
     ],
 )
 def test_bad_env_and_ini_are_usage_errors(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
-    env: dict[str, str], ini: str, line: str,
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    env: dict[str, str],
+    ini: str,
+    line: str,
 ) -> None:
     for name, value in env.items():
         monkeypatch.setenv(name, value)

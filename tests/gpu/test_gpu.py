@@ -35,7 +35,10 @@ def test_vram_marker_against_the_real_gpu(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("-rs", "-v")
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines(
-        ["ctresources: GPU 0: *(nvml*", f"*needs {total_gib + 50:.1f} GiB VRAM; GPU 0 (*) has * GiB"]
+        [
+            "ctresources: GPU 0: *(nvml*",
+            f"*needs {total_gib + 50:.1f} GiB VRAM; GPU 0 (*) has * GiB",
+        ]
     )
 
 
@@ -60,10 +63,14 @@ def test_capacity_option_caps_the_allocator(pytester: pytest.Pytester) -> None:
     )
     result = pytester.runpytest_subprocess("--ct-vram-capacity", "8", "-rs")
     result.assert_outcomes(passed=2, skipped=1)
-    result.stdout.fnmatch_lines(["*needs 12.0 GiB VRAM; GPU 0 (*) is capped at 8.0 GiB by --ct-vram-capacity"])
+    result.stdout.fnmatch_lines(
+        ["*needs 12.0 GiB VRAM; GPU 0 (*) is capped at 8.0 GiB by --ct-vram-capacity"]
+    )
 
 
-def test_memory_returns_to_baseline_after_a_real_size_attribution(pytester: pytest.Pytester) -> None:
+def test_memory_returns_to_baseline_after_a_real_size_attribution(
+    pytester: pytest.Pytester,
+) -> None:
     pytester.makepyfile(
         """
         import torch
@@ -99,8 +106,9 @@ def test_memory_returns_to_baseline_after_a_real_size_attribution(pytester: pyte
             assert torch.cuda.memory_allocated() == BASELINE[0]
         """
     )
-    result = pytester.runpytest_subprocess("-s", "-p", "no:randomly", "--ct-batch-size", "256",
-                                           "--ct-max-feature-nodes", "1024")
+    result = pytester.runpytest_subprocess(
+        "-s", "-p", "no:randomly", "--ct-batch-size", "256", "--ct-max-feature-nodes", "1024"
+    )
     result.assert_outcomes(passed=4)
     result.stdout.fnmatch_lines(["*PEAK_GIB *", "*AFTER * BASELINE *"])
 
