@@ -1,0 +1,76 @@
+"""Start-up cost of the plugin, measured side by side in one run.
+
+    python bench/startup.py [--repeats 7]
+
+Times, in subprocesses alternating with and without the plugin (``-p no:ctresources``):
+``pytest --co`` of a 2,000-test project, and a full run of those 2,000 trivial tests. Prints
+the median wall times and their ratios (target <= 1.05), and which heavy modules loading
+the plugin imported (must be none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HEAVY = ("torch", "matplotlib", "circuit_tracer", "nnsight", "nbformat", "transformers")
+
+
+def make_project(root: Path, n_tests: int) -> None:
+    per_file = 100
+    for index in range(n_tests // per_file):
+        body = "\n".join(f"def test_{i}():\n    assert True\n" for i in range(per_file))
+        (root / f"test_trivial_{index:03d}.py").write_text(body)
+    (root / "pytest.ini").write_text("[pytest]\n")
+
+
+def timed(root: Path, args: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=root, check=True, stdout=subprocess.DEVNULL,
+    )
+    return time.perf_counter() - start
+
+
+def heavy_imports_of_plugin() -> list[str]:
+    code = (
+        "import sys, pytest_ctresources.plugin; "
+        f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return [m for m in out.stdout.strip().split(",") if m]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--tests", type=int, default=2000)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        make_project(root, args.tests)
+        rows = []
+        for label, extra in (("pytest --co", ["--co"]), (f"{args.tests} trivial tests", [])):
+            with_plugin: list[float] = []
+            without: list[float] = []
+            timed(root, extra)  # warm the filesystem and bytecode caches
+            for _ in range(args.repeats):
+                with_plugin.append(timed(root, extra))
+                without.append(timed(root, [*extra, "-p", "no:ctresources"]))
+            rows.append((label, statistics.median(with_plugin), statistics.median(without)))
+    print(f"python {sys.version.split()[0]}, {args.repeats} alternating runs each, medians")
+    print(f"{'workload':<24} {'with plugin':>12} {'without':>12} {'ratio':>7}")
+    for label, with_s, without_s in rows:
+        print(f"{label:<24} {with_s:>11.3f}s {without_s:>11.3f}s {with_s / without_s:>7.3f}")
+    heavy = heavy_imports_of_plugin()
+    print("heavy modules imported by loading the plugin:", ", ".join(heavy) or "none")
+
+
+if __name__ == "__main__":
+    main()

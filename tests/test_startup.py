@@ -1,0 +1,50 @@
+"""Loading the plugin imports no heavy library; the plugin works under xdist."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import TINY_YAML
+
+pytest_plugins = ["pytester"]
+
+HEAVY = ("torch", "matplotlib", "circuit_tracer", "nnsight", "nbformat", "pynvml", "yaml")
+
+
+def test_a_run_that_does_not_use_the_plugin_imports_nothing_heavy(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(
+        f"""
+        import sys
+        def pytest_sessionfinish(session):
+            loaded = [m for m in {HEAVY!r} if m in sys.modules]
+            print("HEAVY:" + ",".join(loaded) + ":END")
+        """
+    )
+    pytester.makepyfile("def test_a(): pass")
+    result = pytester.runpytest_subprocess("-s", "-p", "no:nbmake", "-p", "no:randomly")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*HEAVY::END*"])
+
+
+def test_options_and_fixtures_under_xdist(pytester: pytest.Pytester) -> None:
+    pytester.makefile(".yaml", exp=TINY_YAML)
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.parametrize("i", range(4))
+        def test_cfg(ct_config, i):
+            assert ct_config.batch_size == 8
+            assert str(ct_config.source_of("batch_size")) == "--ct-batch-size"
+
+        @pytest.mark.vram(gib=100)
+        def test_big(): pass
+        """
+    )
+    result = pytester.runpytest_subprocess(
+        "-n", "2", "--ct-config", "exp.yaml", "--ct-batch-size", "8", "-rs"
+    )
+    result.assert_outcomes(passed=4, skipped=1)
+    result.stdout.fnmatch_lines(
+        ["*ctresources summary*", "skipped for VRAM: 1 test(s)", "*test_big: needs 100.0 GiB VRAM*"]
+    )
