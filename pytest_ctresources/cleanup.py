@@ -72,11 +72,12 @@ def release_failed_test_frames() -> bool:
     if last_tb is not None:
         tracebacks.append(last_tb)
     for tb in tracebacks:
-        _clear_frames(tb)
+        clear_frames(tb)
     return bool(tracebacks)
 
 
-def _clear_frames(tb: TracebackType | None) -> None:
+def clear_frames(tb: TracebackType | None) -> None:
+    """Drop the local variables of every finished frame of traceback ``tb``."""
     # traceback.clear_frames() is not enough before Python 3.13: frame.clear() drops the fast
     # locals, but a dict snapshot of them that pytest's traceback formatting made through
     # frame.f_locals keeps every local alive until the next f_locals read re-syncs it.
