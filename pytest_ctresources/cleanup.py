@@ -23,8 +23,8 @@ def cuda_initialised() -> bool:
     torch = sys.modules.get("torch")
     if torch is None:
         return False
-    cuda = getattr(torch, "cuda", None)
-    return bool(cuda is not None and cuda.is_initialized())
+    is_initialized = getattr(getattr(torch, "cuda", None), "is_initialized", None)
+    return bool(callable(is_initialized) and is_initialized())
 
 
 def cleanup_python_cuda() -> None:

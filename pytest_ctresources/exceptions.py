@@ -9,5 +9,9 @@ class CtResourcesWarning(pytest.PytestWarning):
     """Base class of every warning pytest-ctresources issues."""
 
 
+class CtLeakWarning(CtResourcesWarning):
+    """A test left CUDA memory allocated after its teardown and cleanup."""
+
+
 class AllocConfIneffectiveWarning(CtResourcesWarning):
     """PYTORCH_CUDA_ALLOC_CONF was set after CUDA had already initialised."""

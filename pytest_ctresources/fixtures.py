@@ -10,7 +10,8 @@ from pytest_ctresources.config import CircuitTracerConfig
 from pytest_ctresources.markers import MarkerError
 from pytest_ctresources.runtime import runtime_of
 from pytest_ctresources.session import CtSession
-from pytest_ctresources.summary import ATTRIBUTIONS_PROPERTY
+from pytest_ctresources.accounting import METER_KEY, SESSION_KEY, halving_summary
+from pytest_ctresources.summary import ATTRIBUTIONS_PROPERTY, HALVINGS_PROPERTY
 
 
 @pytest.fixture
@@ -38,12 +39,23 @@ def ct_session(
     ``ct_session.attribute(prompt)`` runs ``circuit_tracer.attribute`` with the config's
     arguments. After the test, the per-test cleanup (``ct_cleanup``) returns its memory.
     """
-    session = CtSession(ct_config, runtime_of(request.config).model_cache)
+    runtime = runtime_of(request.config)
+    node = request.node
+    session = CtSession(
+        ct_config,
+        runtime.model_cache,
+        oom_retry=runtime.settings.oom_retry.value,
+        oom_retry_floor=runtime.settings.oom_retry_floor.value,
+        meter=node.stash.get(METER_KEY, None),
+    )
+    node.stash[SESSION_KEY] = session
     try:
         yield session
     finally:
         if session.calls:
-            request.node.user_properties.append(
+            node.user_properties.append(
                 (ATTRIBUTIONS_PROPERTY, [call.kwargs["batch_size"] for call in session.calls])
             )
+        if session.halvings:
+            node.user_properties.append((HALVINGS_PROPERTY, halving_summary(session)))
         session.close()

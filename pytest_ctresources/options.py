@@ -17,6 +17,9 @@ import pytest
 from pytest_ctresources.config import ConfigError, parse_text
 
 GROUP = "ctresources"
+DEFAULT_LEAK_THRESHOLD = "256MiB"
+_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6,
+          "gb": 10**9}
 CLEANUP_MODES: tuple[str, ...] = ("auto", "always", "never")
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
 
@@ -30,6 +33,33 @@ def positive_number(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise ValueError(f"must be a positive number of GiB, got {text!r}")
     return value
+
+
+def positive_count(text: str) -> int:
+    """Parse a positive integer count; raise ``ValueError`` with a user-facing message."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise ValueError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def byte_size(text: str) -> int:
+    """Parse ``256MiB``, ``1GiB``, ``500MB`` or a bare number of MiB into bytes."""
+    cleaned = text.strip().lower().replace(" ", "")
+    number = cleaned.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = cleaned[len(number):] or "mib"
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or not value >= 0 or value == float("inf"):
+        raise ValueError(
+            f"must be a size such as 256MiB, 1GiB or 500MB (a bare number is MiB), got {text!r}"
+        )
+    return int(value * _UNITS[unit])
 
 
 def _field_parser(field: str) -> Callable[[str], object]:
@@ -100,6 +130,22 @@ SETTINGS: tuple[SettingSpec, ...] = (
 
 INI_ONLY: tuple[tuple[str, str, str], ...] = (
     (
+        "ct_leak_threshold",
+        "CUDA memory still allocated after a test's teardown and cleanup, beyond its baseline, "
+        "above which it is reported as a leak (256MiB, 1GiB, ...)",
+        DEFAULT_LEAK_THRESHOLD,
+    ),
+    (
+        "ct_oom_retry",
+        "ct_session.attribute halves the batch size and retries after CUDA out-of-memory",
+        "true",
+    ),
+    (
+        "ct_oom_retry_floor",
+        "the smallest batch size ct_session.attribute retries with after out-of-memory",
+        "1",
+    ),
+    (
         "ct_cleanup",
         "after each test: 'auto' (gc + empty_cache when CUDA was used, close open "
         "matplotlib figures), 'always' (also gc.collect when CUDA was not used) or 'never'",
@@ -139,6 +185,36 @@ def add_options(parser: pytest.Parser) -> None:
             help=f"{spec.help}{env}",
         )
         parser.addini(spec.ini, f"{spec.help} (same as {spec.option})", type="string", default=None)
+    group.addoption(
+        "--ct-report", action="store_true", default=False,
+        help="print the VRAM report even when no test used CUDA",
+    )
+    group.addoption(
+        "--ct-report-top", dest="ct_report_top", metavar="N", default=10,
+        type=argparse_type(positive_count),
+        help="how many tests (by peak) the VRAM report lists (default 10)",
+    )
+    group.addoption(
+        "--ct-report-json", dest="ct_report_json", metavar="PATH", default=None,
+        help="write every test's VRAM record, the GPU facts and the settings as JSON to PATH",
+    )
+    group.addoption(
+        "--ct-report-plot", dest="ct_report_plot", metavar="PATH", default=None,
+        help="write a bar chart (PNG) of per-test VRAM peaks against capacity to PATH",
+    )
+    group.addoption(
+        "--ct-strict", action="store_true", default=False,
+        help="fail tests that exceed their declared VRAM need, leak above ct_leak_threshold, "
+        "or pass only after ct_session halved the batch size",
+    )
+    group.addoption(
+        "--ct-no-oom-retry", dest="ct_oom_retry", action="store_false", default=None,
+        help="ct_session.attribute does not halve the batch size and retry after OOM",
+    )
+    group.addoption(
+        "--ct-forget", action="store_true", default=False,
+        help="clear the VRAM needs learned by earlier runs (kept in pytest's cache)",
+    )
     for name, help_text, default in INI_ONLY:
         # default=None tells "unset" from "set to the default" (or to empty, for ct_alloc_conf)
         parser.addini(name, f"{help_text} [default: {default}]", type="string", default=None)

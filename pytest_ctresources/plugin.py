@@ -14,7 +14,7 @@ from collections.abc import Generator
 
 import pytest
 
-from pytest_ctresources import markers
+from pytest_ctresources import accounting, markers
 from pytest_ctresources.allocator import ALLOC_CONF_ENV, AllocConf, CapacityCap
 from pytest_ctresources.cleanup import cleanup_after_test, cuda_initialised
 from pytest_ctresources.exceptions import AllocConfIneffectiveWarning
@@ -24,12 +24,10 @@ from pytest_ctresources.options import DEFAULT_ALLOC_CONF, add_options
 from pytest_ctresources.runtime import RUNTIME_KEY, Runtime, runtime_of
 from pytest_ctresources.settings import settings_from_config
 from pytest_ctresources.summary import FIGURES_PROPERTY, SummaryReporter
-from pytest_ctresources.vram import skip_reason
 
 __all__ = ["ct_config", "ct_session"]
 
 _ALLOC_KEY = pytest.StashKey[AllocConf]()
-_CONFIG_FIXTURES = frozenset({"ct_config", "ct_session"})
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -72,9 +70,12 @@ def pytest_configure(config: pytest.Config) -> None:
         settings=settings,
         alloc_conf=alloc,
         capacity_cap=CapacityCap(capacity.value) if capacity else None,
+        cache=config.cache,
     )
     config.stash[RUNTIME_KEY] = runtime
     if not hasattr(config, "workerinput"):  # xdist workers report to the controller instead
+        if settings.forget:
+            runtime.learned().forget()
         config.pluginmanager.register(SummaryReporter(runtime, config), SummaryReporter.name)
 
 
@@ -100,7 +101,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if runtime.capacity_cap is not None:
         runtime.capacity_cap.arm()
     try:
-        reason = _vram_skip_reason(item, runtime)
+        reason = accounting.begin(item, runtime)
     except markers.MarkerError as exc:
         failure = str(exc)
     else:
@@ -112,25 +113,27 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     pytest.fail(failure, pytrace=False)
 
 
-def _vram_skip_reason(item: pytest.Item, runtime: Runtime) -> str | None:
-    need = markers.vram_need(item)
-    if need is None and _CONFIG_FIXTURES.intersection(getattr(item, "fixturenames", ())):
-        cfg = runtime.config_for(item)
-        if cfg.vram_gib is not None:
-            need = markers.VramNeed(cfg.vram_gib, cfg.source_of("vram_gib"))
-    if need is None:
-        return None
-    return skip_reason(
-        need.gib, need.source, runtime.test_gpu(), runtime.settings.vram_capacity_gib
-    )
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
     try:
         return (yield)
     finally:
-        result = cleanup_after_test(runtime_of(item.config).settings.cleanup.value)
+        runtime = runtime_of(item.config)
+        result = cleanup_after_test(runtime.settings.cleanup.value)
         if result.figures_closed:
             # Reported through the teardown report: output written here would be captured.
             item.user_properties.append((FIGURES_PROPERTY, result.figures_closed))
+        accounting.end(item, runtime)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    runtime = runtime_of(item.config)
+    if call.when == "call":
+        accounting.on_call_report(item, runtime, call, report)
+    elif call.when == "teardown":
+        accounting.on_teardown_report(item, runtime, report)
+    return report

@@ -9,6 +9,7 @@ import pytest
 from pytest_ctresources.allocator import AllocConf, CapacityCap
 from pytest_ctresources.config import CircuitTracerConfig
 from pytest_ctresources.gpus import GpuFacts, GpuInfo, detect_gpus
+from pytest_ctresources.learned import LearnedNeeds
 from pytest_ctresources.markers import layer_markers
 from pytest_ctresources.session import ModelCache
 from pytest_ctresources.settings import Settings
@@ -22,13 +23,21 @@ class Runtime:
     alloc_conf: AllocConf
     capacity_cap: CapacityCap | None
     model_cache: ModelCache = field(default_factory=ModelCache)
+    cache: pytest.Cache | None = None
     _gpu_facts: GpuFacts | None = None
+    _learned: LearnedNeeds | None = None
     _config_below_markers: CircuitTracerConfig | None = None
 
     def gpu_facts(self) -> GpuFacts:
         if self._gpu_facts is None:
             self._gpu_facts = detect_gpus()
         return self._gpu_facts
+
+    def learned(self) -> LearnedNeeds:
+        """VRAM needs measured by earlier runs (pytest's cache), loaded on first use."""
+        if self._learned is None:
+            self._learned = LearnedNeeds(self.cache)
+        return self._learned
 
     def test_gpu(self) -> GpuInfo | None:
         """The GPU a test in this process runs on: the first visible one."""

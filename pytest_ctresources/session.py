@@ -11,8 +11,10 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pytest_ctresources import oom
 from pytest_ctresources.cleanup import cleanup_python_cuda
 from pytest_ctresources.config import FIELDS, CircuitTracerConfig, ConfigError, validate_typed
+from pytest_ctresources.measure import VramFigures, VramMeter
 
 if TYPE_CHECKING:
     import torch
@@ -99,13 +101,32 @@ class CtSession:
 
     Attributes:
         cfg: the resolved :class:`~pytest_ctresources.config.CircuitTracerConfig` of the test.
-        calls: every :meth:`attribute` call's keyword arguments, in order.
+        calls: every successful :meth:`attribute` call's keyword arguments, in order.
+        halvings: every out-of-memory :meth:`attribute` recovered from, in order.
+        oom_retry: whether :meth:`attribute` halves the batch size and retries after OOM.
+        oom_retry_floor: the smallest batch size it retries with.
     """
 
-    def __init__(self, cfg: CircuitTracerConfig, cache: ModelCache | None = None) -> None:
+    def __init__(
+        self,
+        cfg: CircuitTracerConfig,
+        cache: ModelCache | None = None,
+        *,
+        oom_retry: bool = True,
+        oom_retry_floor: int = 1,
+        meter: VramMeter | None = None,
+    ) -> None:
         self.cfg = cfg
         self.calls: list[AttributionCall] = []
+        self.halvings: list[oom.Halving] = []
+        self.oom_retry = oom_retry
+        self.oom_retry_floor = oom_retry_floor
         self._cache = cache if cache is not None else ModelCache()
+        self._meter = meter if meter is not None else VramMeter()
+
+    def vram(self) -> VramFigures | None:
+        """This test's CUDA memory so far (baseline and peaks), or None if it used no CUDA."""
+        return self._meter.figures()
 
     def load_model(self, device: str | torch.device | None = None) -> Any:
         """The ReplacementModel of ``cfg``, loaded once per session (see :class:`ModelCache`)."""
@@ -118,6 +139,11 @@ class CtSession:
         ``overrides`` (config fields are validated as in a marker; other ``attribute()``
         parameters such as ``attribution_targets`` pass through). ``model`` defaults to
         :meth:`load_model`.
+
+        On ``torch.cuda.OutOfMemoryError`` (with ``oom_retry``), the memory the failed attempt
+        held is freed, the batch size halved and the call retried, down to
+        ``oom_retry_floor``; each halving is recorded in :attr:`halvings`. Attribution results
+        do not depend on the batch size, so the retry is safe.
         """
         kwargs = self.cfg.attribute_kwargs()
         unknown = set(overrides) - _attribute_parameters()
@@ -137,8 +163,21 @@ class CtSession:
             model = self.load_model()
         from circuit_tracer import attribute
 
-        self.calls.append(AttributionCall(dict(kwargs)))
-        return attribute(prompt, model, **kwargs)
+        while True:
+            try:
+                graph = attribute(prompt, model, **kwargs)
+            except Exception as exc:
+                smaller = max(self.oom_retry_floor, kwargs["batch_size"] // 2)
+                if not (self.oom_retry and oom.is_oom(exc) and smaller < kwargs["batch_size"]):
+                    raise
+                # The failed attempt's frames hold its activations: free them before retrying.
+                oom.release(exc)
+                self.halvings.append(oom.Halving(kwargs["batch_size"], smaller))
+                kwargs["batch_size"] = smaller
+            else:
+                self.calls.append(AttributionCall(dict(kwargs)))
+                return graph
+            cleanup_python_cuda()
 
     def close(self) -> None:
         """Drop this session's references; the model stays cached for the next test."""

@@ -11,7 +11,7 @@ naming that source.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,10 +19,21 @@ import pytest
 
 from pytest_ctresources.config import CircuitTracerConfig, ConfigError
 from pytest_ctresources.experiment_yaml import ExperimentFile, load_experiment_yaml
-from pytest_ctresources.options import CLEANUP_MODES, INI_ONLY, SETTINGS, SettingSpec
+from pytest_ctresources.options import (
+    CLEANUP_MODES,
+    INI_ONLY,
+    SETTINGS,
+    SettingSpec,
+    byte_size,
+    positive_count,
+)
 from pytest_ctresources.sources import Source, Sourced
 
 _INI_DEFAULTS = {name: default for name, _help, default in INI_ONLY}
+REPORT_DESTS = (
+    "ct_report", "ct_report_top", "ct_report_json", "ct_report_plot", "ct_strict",
+    "ct_oom_retry", "ct_forget",
+)
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,15 @@ class Settings:
     vram_capacity_gib: Sourced[float] | None
     cleanup: Sourced[str]
     alloc_conf: Sourced[str]
+    leak_threshold_bytes: Sourced[int] = Sourced(256 << 20, Source.default())
+    oom_retry: Sourced[bool] = Sourced(True, Source.default())
+    oom_retry_floor: Sourced[int] = Sourced(1, Source.default())
+    report_forced: bool = False
+    report_top: int = 10
+    report_json: Path | None = None
+    report_plot: Path | None = None
+    strict: bool = False
+    forget: bool = False
 
     def config_below_markers(self) -> CircuitTracerConfig:
         """Defaults < ini < experiment YAML: the layers a test's markers go on top of."""
@@ -163,6 +183,11 @@ def resolve_settings(
         else Sourced(_INI_DEFAULTS["ct_alloc_conf"], Source.default())
     )
     capacity = session.get("ct_vram_capacity")
+    leak = _ini_or_default(ini, "ct_leak_threshold", inifile, byte_size)
+    floor = _ini_or_default(ini, "ct_oom_retry_floor", inifile, positive_count)
+    retry = _ini_or_default(ini, "ct_oom_retry", inifile, _ini_bool)
+    if options.get("ct_oom_retry") is False:
+        retry = Sourced(False, Source.option("--ct-no-oom-retry"))
     return Settings(
         ini_layer=ini_layer,
         experiment=experiment,
@@ -174,7 +199,56 @@ def resolve_settings(
         else None,
         cleanup=cleanup,
         alloc_conf=alloc_conf,
+        leak_threshold_bytes=leak,  # type: ignore[arg-type]
+        oom_retry=retry,  # type: ignore[arg-type]
+        oom_retry_floor=floor,  # type: ignore[arg-type]
+        report_forced=bool(options.get("ct_report")),
+        report_top=int(options.get("ct_report_top") or 10),  # type: ignore[call-overload]
+        report_json=_writable(options.get("ct_report_json"), "--ct-report-json", invocation_dir),
+        report_plot=_writable(options.get("ct_report_plot"), "--ct-report-plot", invocation_dir),
+        strict=bool(options.get("ct_strict")),
+        forget=bool(options.get("ct_forget")),
     )
+
+
+def _ini_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError(f"must be true or false, got {text!r}")
+
+
+def _ini_or_default(
+    ini: Mapping[str, str | None],
+    key: str,
+    inifile: str | None,
+    parse: Callable[[str], object],
+) -> Sourced[object]:
+    text = ini.get(key)
+    if text is None:
+        return Sourced(parse(_INI_DEFAULTS[key]), Source.default())
+    source = Source.ini(key, inifile)
+    try:
+        return Sourced(parse(text), source)
+    except ValueError as exc:
+        raise pytest.UsageError(f"{source}: {exc}") from None
+
+
+def _writable(value: object, flag: str, invocation_dir: Path) -> Path | None:
+    """The report path of ``flag``, checked now rather than after an hour of tests."""
+    if value is None:
+        return None
+    path = invocation_dir / str(value)
+    parent = path.parent
+    if path.is_dir():
+        raise pytest.UsageError(f"{flag}: {value} is a directory, not a file path")
+    if not parent.is_dir():
+        raise pytest.UsageError(f"{flag}: cannot write {value}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise pytest.UsageError(f"{flag}: cannot write {value}: permission denied")
+    return path
 
 
 def ini_values(config: pytest.Config) -> dict[str, str | None]:
@@ -186,7 +260,10 @@ def ini_values(config: pytest.Config) -> dict[str, str | None]:
 def settings_from_config(config: pytest.Config) -> Settings:
     """Resolve :class:`Settings` for a pytest run (raises ``pytest.UsageError``)."""
     return resolve_settings(
-        options={spec.dest: config.getoption(spec.dest) for spec in SETTINGS},
+        options={
+            **{spec.dest: config.getoption(spec.dest) for spec in SETTINGS},
+            **{dest: config.getoption(dest) for dest in REPORT_DESTS},
+        },
         ini=ini_values(config),
         environ=os.environ,
         inifile=str(config.inipath) if config.inipath else None,

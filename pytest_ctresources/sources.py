@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
-SourceKind = Literal["default", "ini", "yaml", "marker", "env", "option"]
+SourceKind = Literal["default", "ini", "yaml", "marker", "env", "option", "learned"]
 
 T = TypeVar("T")
 
@@ -47,6 +47,10 @@ class Source:
     @classmethod
     def marker(cls, name: str, nodeid: str) -> Source:
         return cls("marker", f"@pytest.mark.{name} on {nodeid}")
+
+    @classmethod
+    def learned(cls, gib: float, gpu: str, date: str) -> Source:
+        return cls("learned", f"measured {gib:.1f} GiB on {gpu}, {date}")
 
 
 @dataclass(frozen=True)

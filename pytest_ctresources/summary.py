@@ -1,45 +1,157 @@
-"""The end-of-run ``ctresources`` terminal summary.
+"""The end-of-run report: the ``ctresources summary`` terminal section and its VRAM table.
 
-It is built only from test reports (``user_properties`` and skip reasons), which pytest-xdist
-ships from workers to the controller, so a distributed run gets one complete summary.
+It is built only from test reports (``ct_*`` ``user_properties`` and skip reasons), which
+pytest-xdist ships from workers to the controller, so a distributed run gets one complete
+report. The JSON file and the plot are written from the same records (``report_files``).
 """
 
 from __future__ import annotations
 
+import datetime
 import re
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+from pytest_ctresources.accounting import UNMARKED_BYTES, suggested_marker
+from pytest_ctresources.learned import LearnedNeed
+from pytest_ctresources.measure import GIB
 
 if TYPE_CHECKING:
     from pytest_ctresources.runtime import Runtime
 
 #: user_properties key under which ct_session records the batch sizes of its attributions.
 ATTRIBUTIONS_PROPERTY = "ct_attribution_batch_sizes"
+#: user_properties key of the OOM halvings ct_session.attribute recovered from.
+HALVINGS_PROPERTY = "ct_oom_halvings"
 #: user_properties key under which the cleanup records how many figures it closed.
 FIGURES_PROPERTY = "ct_figures_closed"
 VRAM_SKIP_PATTERN = re.compile(r"needs [0-9.]+ GiB VRAM")
 
 
+_OUTCOME_RANK = {"passed": 0, "skipped": 1, "failed": 2}
+_NEED_KIND_NAMES = {"marker": "marker", "learned": "learned"}
+
+
+@dataclass
+class TestRecord:
+    """One test that used CUDA: its figures, its declared need, and what the report flags."""
+
+    nodeid: str
+    outcome: str
+    device: int
+    gpu: str
+    date: str
+    memory_key: str
+    baseline_bytes: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    after_bytes: int
+    leaked_bytes: int
+    need_gib: float | None = None
+    need_source: str | None = None
+    need_kind: str | None = None
+    oom_halvings: str | None = None
+    flags: list[str] = field(default_factory=list)
+
+    @property
+    def need_kind_name(self) -> str:
+        """marker, config, estimate or learned."""
+        if self.need_kind is None:
+            return "none"
+        return _NEED_KIND_NAMES.get(self.need_kind, "config")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _record_from(report: pytest.TestReport, outcome: str) -> TestRecord | None:
+    props = dict(report.user_properties)
+    if "ct_peak_allocated_bytes" not in props:
+        return None
+    need = props.get("ct_need_gib")
+    return TestRecord(
+        nodeid=report.nodeid,
+        outcome=outcome,
+        device=int(props["ct_device"]),
+        gpu=str(props["ct_gpu"]),
+        date=str(props.get("ct_date", datetime.date.today().isoformat())),
+        memory_key=str(props.get("ct_memory_key", report.nodeid)),
+        baseline_bytes=int(props["ct_baseline_bytes"]),
+        peak_allocated_bytes=int(props["ct_peak_allocated_bytes"]),
+        peak_reserved_bytes=int(props["ct_peak_reserved_bytes"]),
+        after_bytes=int(props["ct_after_bytes"]),
+        leaked_bytes=int(props["ct_leaked_bytes"]),
+        need_gib=float(need) if need is not None else None,
+        need_source=props.get("ct_need_source"),
+        need_kind=props.get("ct_need_kind"),
+        oom_halvings=props.get(HALVINGS_PROPERTY),
+    )
+
+
 @dataclass
 class RunSummary:
-    """What the run did with circuit-tracer: attributions per test, VRAM skips."""
+    """What the run did: attributions, VRAM skips, and a record per test that used CUDA."""
 
     attributions: dict[str, list[int]] = field(default_factory=dict)
     vram_skips: dict[str, str] = field(default_factory=dict)
+    records: dict[str, TestRecord] = field(default_factory=dict)
+    halvings: dict[str, str] = field(default_factory=dict)
+    _outcomes: dict[str, str] = field(default_factory=dict)
 
     def record(self, report: pytest.TestReport) -> None:
+        previous = self._outcomes.get(report.nodeid, "passed")
+        if _OUTCOME_RANK[report.outcome] > _OUTCOME_RANK[previous]:
+            self._outcomes[report.nodeid] = report.outcome
         for name, value in report.user_properties:
             if name == ATTRIBUTIONS_PROPERTY and isinstance(value, list):
                 self.attributions.setdefault(report.nodeid, []).extend(value)
+            elif name == HALVINGS_PROPERTY:
+                self.halvings[report.nodeid] = str(value)
         if report.skipped and isinstance(report.longrepr, tuple):
             reason = str(report.longrepr[2]).removeprefix("Skipped: ")
             if VRAM_SKIP_PATTERN.match(reason):
                 self.vram_skips[report.nodeid] = reason
+        if report.when == "teardown":
+            record = _record_from(report, self._outcomes.get(report.nodeid, "passed"))
+            if record is not None:
+                self.records[report.nodeid] = record
+
+    def flag(self, leak_threshold: int) -> None:
+        """Attach UNDER-DECLARED, UNMARKED, LEAK and OOM-RECOVERED flags to the records."""
+        for record in self.records.values():
+            flags = []
+            peak = record.peak_reserved_bytes
+            if record.need_gib is not None and peak > record.need_gib * GIB:
+                flags.append(
+                    f"UNDER-DECLARED: peak {peak / GIB:.2f} GiB reserved > declared "
+                    f"{record.need_gib:.1f} GiB ({record.need_source}); write "
+                    f"{suggested_marker(peak)}"
+                )
+            if record.need_gib is None and peak > UNMARKED_BYTES:
+                flags.append(
+                    f"UNMARKED: peak {peak / GIB:.2f} GiB reserved and no declared need; "
+                    f"write {suggested_marker(peak)}"
+                )
+            if record.leaked_bytes > leak_threshold:
+                flags.append(f"LEAK: {record.leaked_bytes / GIB:.2f} GiB still allocated after "
+                             "teardown and cleanup")
+            if record.oom_halvings:
+                flags.append(f"OOM RECOVERED: {record.oom_halvings}")
+            record.flags = flags
+
+    def learned(self) -> dict[str, LearnedNeed]:
+        """Needs to remember: the peak reserved of every passed test that used CUDA."""
+        return {
+            record.memory_key: LearnedNeed(record.peak_reserved_bytes / GIB, record.gpu,
+                                           record.date)
+            for record in self.records.values()
+            if record.outcome == "passed"
+        }
 
     def is_empty(self) -> bool:
-        return not self.attributions and not self.vram_skips
+        return not (self.attributions or self.vram_skips or self.records or self.halvings)
 
     def lines(self, settings_lines: list[str], gpu_lines: list[str]) -> list[str]:
         calls = sum(len(sizes) for sizes in self.attributions.values())
@@ -50,13 +162,38 @@ class RunSummary:
             f"attributions: {calls} in {len(self.attributions)} test(s)"
             + (f", batch size(s) {', '.join(map(str, sizes))}" if sizes else "")
         )
+        out += [f"  {nodeid}: {text}" for nodeid, text in sorted(self.halvings.items())]
         out.append(f"skipped for VRAM: {len(self.vram_skips)} test(s)")
         out += [f"  {nodeid}: {reason}" for nodeid, reason in sorted(self.vram_skips.items())]
         return out
 
+    def vram_lines(self, top: int, capacity_gib: float | None, capacity_note: str) -> list[str]:
+        """The VRAM table: the top tests by peak, then every flag."""
+        ranked = sorted(self.records.values(), key=lambda r: -r.peak_reserved_bytes)
+        out = [f"VRAM per test ({capacity_note}); {len(ranked)} test(s) used CUDA"
+               + (f", top {min(top, len(ranked))} by peak reserved:" if ranked else "")]
+        if ranked:
+            out.append(f"{'peak alloc':>11} {'peak resv':>10} {'declared (source)':>22} "
+                       f"{'headroom':>9} {'leaked':>9}  test")
+        for record in ranked[:top]:
+            declared = (f"{record.need_gib:.1f} GiB ({record.need_kind_name})"
+                        if record.need_gib is not None else "-")
+            headroom = (f"{capacity_gib - record.peak_reserved_bytes / GIB:.2f}"
+                        if capacity_gib is not None else "?")
+            out.append(
+                f"{record.peak_allocated_bytes / GIB:>7.2f} GiB {record.peak_reserved_bytes / GIB:>6.2f} GiB "
+                f"{declared:>22} {headroom:>5} GiB {record.leaked_bytes / GIB:>5.2f} GiB  "
+                f"{record.nodeid}"
+            )
+        for record in ranked:
+            out += [f"{flag.split(':', 1)[0]} {record.nodeid}:{flag.split(':', 1)[1]}"
+                    for flag in record.flags]
+        return out
+
 
 class SummaryReporter:
-    """Registered on the controller (or the only process): collects reports, prints the summary."""
+    """Registered on the controller (or the only process): collects reports, prints the report,
+    writes the JSON and the plot, and remembers the measured needs."""
 
     name = "ctresources-summary"
 
@@ -65,12 +202,24 @@ class SummaryReporter:
         self.summary = RunSummary()
         self.verbose = config.get_verbosity() > 0
         self.config = config
+        self._finished = False
 
     @property
     def terminal(self) -> pytest.TerminalReporter:
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
         assert reporter is not None  # registered whenever the terminal is in use
         return reporter  # type: ignore[no-any-return]
+
+    def capacity(self) -> tuple[float | None, str]:
+        """The capacity the report compares with, and how it is described."""
+        gpu = self.runtime.test_gpu()
+        emulated = self.runtime.settings.vram_capacity_gib
+        if emulated is not None:
+            where = f"{gpu.describe()} " if gpu is not None else ""
+            return emulated.value, f"{where}capacity {emulated.value:.1f} GiB by {emulated.source}"
+        if gpu is not None:
+            return gpu.total_gib, f"{gpu.describe()} {gpu.total_gib:.1f} GiB"
+        return None, "no CUDA GPU detected"
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.summary.record(report)
@@ -82,10 +231,46 @@ class SummaryReporter:
                     f"left open by {report.nodeid}"
                 )
 
-    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
-        if self.summary.is_empty():
+    def pytest_sessionfinish(self, exitstatus: int) -> None:
+        # Runs on Ctrl-C and on internal errors too: the JSON report is written whatever happens.
+        self.finish(int(exitstatus))
+
+    def pytest_unconfigure(self) -> None:
+        self.finish(None)
+
+    def finish(self, exitstatus: int | None) -> None:
+        if self._finished:
             return
+        self._finished = True
+        settings = self.runtime.settings
+        self.summary.flag(settings.leak_threshold_bytes.value)
+        measured = self.summary.learned()
+        if measured:
+            learned = self.runtime.learned()
+            learned.update(measured)
+            learned.save()
+        if settings.report_json is None and settings.report_plot is None:
+            return
+        from pytest_ctresources import report_files
+
+        capacity, note = self.capacity()
+        if settings.report_json is not None:
+            report_files.write_json(settings.report_json, report_files.build_report(
+                self.summary, self.runtime, exitstatus, capacity, note))
+        if settings.report_plot is not None:
+            report_files.write_plot(settings.report_plot, self.summary, capacity, note)
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        settings = self.runtime.settings
+        show_vram = bool(self.summary.records) or settings.report_forced
+        if self.summary.is_empty() and not show_vram:
+            return
+        self.summary.flag(settings.leak_threshold_bytes.value)
         terminalreporter.section("ctresources summary")
         gpu_lines = self.runtime.gpu_facts().summary_lines()
-        for line in self.summary.lines(self.runtime.settings.header_lines(), gpu_lines):
+        for line in self.summary.lines(settings.header_lines(), gpu_lines):
             terminalreporter.write_line(line)
+        if show_vram:
+            capacity, note = self.capacity()
+            for line in self.summary.vram_lines(settings.report_top, capacity, note):
+                terminalreporter.write_line(line)

@@ -1,0 +1,158 @@
+"""Per-test VRAM accounting: the need a test declares, what it measured, and what follows.
+
+The hooks in :mod:`~pytest_ctresources.plugin` call one function here per phase. Figures travel
+to the controller (and to junit XML) as ``ct_*`` ``user_properties`` of the teardown report.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import warnings
+
+import pytest
+
+from pytest_ctresources import markers, oom
+from pytest_ctresources.exceptions import CtLeakWarning
+from pytest_ctresources.learned import memory_key
+from pytest_ctresources.measure import GIB, VramFigures, VramMeter
+from pytest_ctresources.runtime import CONFIG_KEY, Runtime
+from pytest_ctresources.session import CtSession
+from pytest_ctresources.vram import skip_reason
+
+METER_KEY = pytest.StashKey[VramMeter]()
+NEED_KEY = pytest.StashKey["markers.VramNeed | None"]()
+MEMORY_KEY = pytest.StashKey[str]()
+FIGURES_KEY = pytest.StashKey[VramFigures]()
+SESSION_KEY = pytest.StashKey[CtSession]()
+
+CONFIG_FIXTURES = frozenset({"ct_config", "ct_session"})
+UNMARKED_BYTES = 1 << 30
+
+
+def suggested_marker(peak_bytes: int) -> str:
+    """The marker to write for a measured peak, rounded up to a whole GiB."""
+    return f"@pytest.mark.vram(gib={max(1, math.ceil(peak_bytes / GIB))})"
+
+
+def begin(item: pytest.Item, runtime: Runtime) -> str | None:
+    """Start measuring; resolve the test's need. Returns the skip reason, if it does not fit.
+
+    Raises :class:`~pytest_ctresources.markers.MarkerError` for a bad marker.
+    """
+    meter = VramMeter()
+    meter.start()
+    item.stash[METER_KEY] = meter
+    cfg = None
+    if CONFIG_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        cfg = runtime.config_for(item)
+    item.stash[MEMORY_KEY] = key = memory_key(item.nodeid, cfg)
+    need = markers.vram_need(item)
+    if need is None and cfg is not None and cfg.vram_gib is not None:
+        need = markers.VramNeed(cfg.vram_gib, cfg.source_of("vram_gib"))
+    if need is None:
+        learned = runtime.learned().get(key)
+        if learned is not None:
+            need = markers.VramNeed(learned.gib, learned.source)
+    item.stash[NEED_KEY] = need
+    if need is None:
+        return None
+    return skip_reason(need.gib, need.source, runtime.test_gpu(), runtime.settings.vram_capacity_gib)
+
+
+def end(item: pytest.Item, runtime: Runtime) -> None:
+    """After teardown and cleanup: record the figures, warn about a leak."""
+    meter = item.stash.get(METER_KEY, None)
+    figures = meter.figures(finished=True) if meter is not None else None
+    if figures is None:
+        return
+    item.stash[FIGURES_KEY] = figures
+    need = item.stash.get(NEED_KEY, None)
+    gpu = runtime.gpu_facts().gpu(figures.device)
+    properties: list[tuple[str, object]] = [
+        ("ct_device", figures.device),
+        ("ct_gpu", gpu.name if gpu is not None else "unknown GPU"),
+        ("ct_baseline_bytes", figures.baseline_bytes),
+        ("ct_peak_allocated_bytes", figures.peak_allocated_bytes),
+        ("ct_peak_reserved_bytes", figures.peak_reserved_bytes),
+        ("ct_after_bytes", figures.after_bytes),
+        ("ct_leaked_bytes", figures.leaked_bytes),
+        ("ct_memory_key", item.stash.get(MEMORY_KEY, item.nodeid)),
+        ("ct_date", datetime.date.today().isoformat()),
+    ]
+    if need is not None:
+        properties += [
+            ("ct_need_gib", need.gib),
+            ("ct_need_source", str(need.source)),
+            ("ct_need_kind", need.source.kind),
+        ]
+    item.user_properties.extend(properties)
+    threshold = runtime.settings.leak_threshold_bytes.value
+    if figures.leaked_bytes > threshold:
+        warnings.warn(CtLeakWarning(leak_message(item.nodeid, figures, threshold)), stacklevel=1)
+
+
+def leak_message(nodeid: str, figures: VramFigures, threshold: int) -> str:
+    return (
+        f"{nodeid} left {figures.leaked_bytes / GIB:.2f} GiB of CUDA memory allocated after "
+        f"teardown and cleanup (threshold {threshold / GIB:.2f} GiB, ct_leak_threshold); "
+        "usual holders: a module-level or global reference, a wider-scoped fixture, a cached "
+        "model"
+    )
+
+
+def on_call_report(item: pytest.Item, runtime: Runtime, call: pytest.CallInfo[None],
+                   report: pytest.TestReport) -> None:
+    """Explain an OOM in the report; in strict mode, fail what only passed by luck."""
+    meter = item.stash.get(METER_KEY, None)
+    figures = meter.figures() if meter is not None else None
+    if call.excinfo is not None and oom.is_oom(call.excinfo.value):
+        report.sections.append((
+            "ctresources: CUDA out of memory",
+            oom.explain(
+                item.stash.get(CONFIG_KEY, None),
+                runtime.gpu_facts().gpu(figures.device if figures else 0),
+                runtime.settings.vram_capacity_gib,
+                figures,
+            ),
+        ))
+    if not (runtime.settings.strict and report.passed):
+        return
+    need = item.stash.get(NEED_KEY, None)
+    problems = []
+    if figures is not None and need is not None and figures.peak_reserved_gib > need.gib:
+        problems.append(
+            f"UNDER-DECLARED: peak {figures.peak_reserved_gib:.2f} GiB reserved exceeds the "
+            f"declared {need.gib:.1f} GiB ({need.source}); write "
+            f"{suggested_marker(figures.peak_reserved_bytes)}"
+        )
+    session = item.stash.get(SESSION_KEY, None)
+    if session is not None and session.halvings:
+        problems.append(f"passed only after halving the batch size: {halving_summary(session)}")
+    if problems:
+        report.outcome = "failed"
+        report.longrepr = "ctresources --ct-strict: " + "; ".join(problems)
+
+
+def on_teardown_report(item: pytest.Item, runtime: Runtime, report: pytest.TestReport) -> None:
+    """In strict mode, a leak above the threshold fails the test (as a teardown error)."""
+    figures = item.stash.get(FIGURES_KEY, None)
+    threshold = runtime.settings.leak_threshold_bytes.value
+    if runtime.settings.strict and figures is not None and figures.leaked_bytes > threshold:
+        if report.passed:
+            report.outcome = "failed"
+            report.longrepr = "ctresources --ct-strict: " + leak_message(
+                item.nodeid, figures, threshold
+            )
+
+
+def halving_summary(session: CtSession) -> str:
+    """``OOM at batch 256, passed at 64 — set BATCH_SIZE: 64 in x.yaml``."""
+    first = session.halvings[0].failed_batch_size
+    final = session.halvings[-1].next_batch_size
+    source = session.cfg.source_of("batch_size")
+    if source.kind == "yaml":
+        advice = f"set BATCH_SIZE: {final} in {source.where.split(' in ', 1)[1]}"
+    else:
+        advice = f"use --ct-batch-size {final} (or BATCH_SIZE: {final} in the experiment YAML)"
+    return f"OOM at batch {first}, passed at {final} — {advice}"

@@ -1,0 +1,74 @@
+"""VRAM needs learned from earlier runs, kept in pytest's cache (``.pytest_cache``).
+
+A need is keyed by the test's node id and the config values that change its memory, so
+running with another batch size or model does not reuse a peak measured under a different
+one. The controller writes; every process (xdist workers too) reads.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from pytest_ctresources.config import CircuitTracerConfig
+from pytest_ctresources.sources import Source
+
+CACHE_KEY = "ctresources/learned-needs"
+#: The config fields whose values change a test's peak memory.
+MEMORY_FIELDS = (
+    "model_name", "transcoder_set", "backend", "dtype", "batch_size", "max_feature_nodes",
+    "max_n_logits", "offload", "lazy_encoder", "lazy_decoder",
+)
+
+
+def memory_key(nodeid: str, cfg: CircuitTracerConfig | None) -> str:
+    """The cache key of a test's need: its node id, plus its memory-relevant config."""
+    if cfg is None:
+        return nodeid
+    values = {name: getattr(cfg, name) for name in MEMORY_FIELDS}
+    return f"{nodeid}|{json.dumps(values, sort_keys=True)}"
+
+
+@dataclass(frozen=True)
+class LearnedNeed:
+    """A peak measured in an earlier run."""
+
+    gib: float
+    gpu: str
+    date: str
+
+    @property
+    def source(self) -> Source:
+        return Source.learned(self.gib, self.gpu, self.date)
+
+
+class LearnedNeeds:
+    """The learned needs of this project, loaded once per process."""
+
+    def __init__(self, cache: pytest.Cache | None) -> None:
+        self._cache = cache
+        raw = cache.get(CACHE_KEY, {}) if cache is not None else {}
+        self._needs: dict[str, dict[str, Any]] = raw if isinstance(raw, dict) else {}
+
+    def get(self, key: str) -> LearnedNeed | None:
+        entry = self._needs.get(key)
+        try:
+            return LearnedNeed(float(entry["gib"]), str(entry["gpu"]), str(entry["date"]))  # type: ignore[index]
+        except (TypeError, KeyError, ValueError):
+            return None
+
+    def update(self, learned: Mapping[str, LearnedNeed]) -> None:
+        for key, need in learned.items():
+            self._needs[key] = {"gib": round(need.gib, 3), "gpu": need.gpu, "date": need.date}
+
+    def save(self) -> None:
+        if self._cache is not None:
+            self._cache.set(CACHE_KEY, self._needs)
+
+    def forget(self) -> None:
+        self._needs = {}
+        self.save()

@@ -1,0 +1,80 @@
+"""Out-of-memory: recognising it, freeing what it holds, and explaining it in the report."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from pytest_ctresources.cleanup import clear_frames
+from pytest_ctresources.config import CircuitTracerConfig
+from pytest_ctresources.gpus import GpuInfo
+from pytest_ctresources.measure import GIB, VramFigures
+from pytest_ctresources.sources import Sourced
+
+
+def is_oom(exc: BaseException | None) -> bool:
+    """True for ``torch.cuda.OutOfMemoryError`` (looked up, never imported)."""
+    torch = sys.modules.get("torch")
+    oom_type = getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)
+    return exc is not None and oom_type is not None and isinstance(exc, oom_type)
+
+
+def release(exc: BaseException) -> None:
+    """Drop the locals of every frame ``exc`` holds: an OOM's traceback pins the activations."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
+
+
+@dataclass(frozen=True)
+class Halving:
+    """One OOM recovered by ct_session.attribute: the batch size that failed and the next one."""
+
+    failed_batch_size: int
+    next_batch_size: int
+
+
+def batch_size_advice(cfg: CircuitTracerConfig, batch_size: int) -> str:
+    """``--ct-batch-size N``, or ``BATCH_SIZE: N in file.yaml`` when a YAML set it."""
+    source = cfg.source_of("batch_size")
+    advice = f"`--ct-batch-size {batch_size}`"
+    if source.kind == "yaml":
+        path = source.where.split(" in ", 1)[1]
+        advice += f", or `BATCH_SIZE: {batch_size}` in {path}"
+    elif source.kind == "marker":
+        advice += f", or `@pytest.mark.ct_config(batch_size={batch_size})`"
+    return advice
+
+
+def explain(
+    cfg: CircuitTracerConfig | None,
+    gpu: GpuInfo | None,
+    capacity: Sourced[float] | None,
+    figures: VramFigures | None,
+) -> str:
+    """The report section of a test that raised ``torch.cuda.OutOfMemoryError``."""
+    lines = []
+    if gpu is not None:
+        line = f"{gpu.describe()}: {gpu.total_gib:.1f} GiB"
+        if capacity is not None:
+            line += f", emulated capacity {capacity.value:.1f} GiB ({capacity.source})"
+        lines.append(line)
+    if figures is not None:
+        lines.append(
+            f"peak before the failure: {figures.peak_allocated_bytes / GIB:.2f} GiB allocated, "
+            f"{figures.peak_reserved_bytes / GIB:.2f} GiB reserved"
+        )
+    if cfg is not None:
+        lines.append("config in effect:")
+        lines += [f"  {line}" for line in cfg.describe()]
+        half = max(1, cfg.batch_size // 2)
+        lines.append(f"next step: try {batch_size_advice(cfg, half)}")
+    else:
+        lines.append(
+            "next step: lower the test's memory use, or declare its need with "
+            "@pytest.mark.vram(gib=...) so it is skipped where it does not fit"
+        )
+    return "\n".join(lines)
