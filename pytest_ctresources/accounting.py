@@ -57,7 +57,9 @@ def begin(item: pytest.Item, runtime: Runtime) -> str | None:
     item.stash[NEED_KEY] = need
     if need is None:
         return None
-    return skip_reason(need.gib, need.source, runtime.test_gpu(), runtime.settings.vram_capacity_gib)
+    return skip_reason(
+        need.gib, need.source, runtime.test_gpu(), runtime.settings.vram_capacity_gib
+    )
 
 
 def end(item: pytest.Item, runtime: Runtime) -> None:
@@ -101,21 +103,24 @@ def leak_message(nodeid: str, figures: VramFigures, threshold: int) -> str:
     )
 
 
-def on_call_report(item: pytest.Item, runtime: Runtime, call: pytest.CallInfo[None],
-                   report: pytest.TestReport) -> None:
+def on_call_report(
+    item: pytest.Item, runtime: Runtime, call: pytest.CallInfo[None], report: pytest.TestReport
+) -> None:
     """Explain an OOM in the report; in strict mode, fail what only passed by luck."""
     meter = item.stash.get(METER_KEY, None)
     figures = meter.figures() if meter is not None else None
     if call.excinfo is not None and oom.is_oom(call.excinfo.value):
-        report.sections.append((
-            "ctresources: CUDA out of memory",
-            oom.explain(
-                item.stash.get(CONFIG_KEY, None),
-                runtime.gpu_facts().gpu(figures.device if figures else 0),
-                runtime.settings.vram_capacity_gib,
-                figures,
-            ),
-        ))
+        report.sections.append(
+            (
+                "ctresources: CUDA out of memory",
+                oom.explain(
+                    item.stash.get(CONFIG_KEY, None),
+                    runtime.gpu_facts().gpu(figures.device if figures else 0),
+                    runtime.settings.vram_capacity_gib,
+                    figures,
+                ),
+            )
+        )
     if not (runtime.settings.strict and report.passed):
         return
     need = item.stash.get(NEED_KEY, None)

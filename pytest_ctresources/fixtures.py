@@ -6,11 +6,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from pytest_ctresources.accounting import METER_KEY, SESSION_KEY, halving_summary
 from pytest_ctresources.config import CircuitTracerConfig
 from pytest_ctresources.markers import MarkerError
 from pytest_ctresources.runtime import runtime_of
 from pytest_ctresources.session import CtSession
-from pytest_ctresources.accounting import METER_KEY, SESSION_KEY, halving_summary
 from pytest_ctresources.summary import ATTRIBUTIONS_PROPERTY, HALVINGS_PROPERTY
 
 

@@ -20,8 +20,16 @@ from pytest_ctresources.sources import Source
 CACHE_KEY = "ctresources/learned-needs"
 #: The config fields whose values change a test's peak memory.
 MEMORY_FIELDS = (
-    "model_name", "transcoder_set", "backend", "dtype", "batch_size", "max_feature_nodes",
-    "max_n_logits", "offload", "lazy_encoder", "lazy_decoder",
+    "model_name",
+    "transcoder_set",
+    "backend",
+    "dtype",
+    "batch_size",
+    "max_feature_nodes",
+    "max_n_logits",
+    "offload",
+    "lazy_encoder",
+    "lazy_decoder",
 )
 
 

@@ -18,8 +18,15 @@ from pytest_ctresources.config import ConfigError, parse_text
 
 GROUP = "ctresources"
 DEFAULT_LEAK_THRESHOLD = "256MiB"
-_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6,
-          "gb": 10**9}
+_UNITS = {
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+}
 CLEANUP_MODES: tuple[str, ...] = ("auto", "always", "never")
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
 
@@ -50,7 +57,7 @@ def byte_size(text: str) -> int:
     """Parse ``256MiB``, ``1GiB``, ``500MB`` or a bare number of MiB into bytes."""
     cleaned = text.strip().lower().replace(" ", "")
     number = cleaned.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = cleaned[len(number):] or "mib"
+    unit = cleaned[len(number) :] or "mib"
     try:
         value = float(number)
     except ValueError:
@@ -186,33 +193,51 @@ def add_options(parser: pytest.Parser) -> None:
         )
         parser.addini(spec.ini, f"{spec.help} (same as {spec.option})", type="string", default=None)
     group.addoption(
-        "--ct-report", action="store_true", default=False,
+        "--ct-report",
+        action="store_true",
+        default=False,
         help="print the VRAM report even when no test used CUDA",
     )
     group.addoption(
-        "--ct-report-top", dest="ct_report_top", metavar="N", default=10,
+        "--ct-report-top",
+        dest="ct_report_top",
+        metavar="N",
+        default=10,
         type=argparse_type(positive_count),
         help="how many tests (by peak) the VRAM report lists (default 10)",
     )
     group.addoption(
-        "--ct-report-json", dest="ct_report_json", metavar="PATH", default=None,
+        "--ct-report-json",
+        dest="ct_report_json",
+        metavar="PATH",
+        default=None,
         help="write every test's VRAM record, the GPU facts and the settings as JSON to PATH",
     )
     group.addoption(
-        "--ct-report-plot", dest="ct_report_plot", metavar="PATH", default=None,
+        "--ct-report-plot",
+        dest="ct_report_plot",
+        metavar="PATH",
+        default=None,
         help="write a bar chart (PNG) of per-test VRAM peaks against capacity to PATH",
     )
     group.addoption(
-        "--ct-strict", action="store_true", default=False,
+        "--ct-strict",
+        action="store_true",
+        default=False,
         help="fail tests that exceed their declared VRAM need, leak above ct_leak_threshold, "
         "or pass only after ct_session halved the batch size",
     )
     group.addoption(
-        "--ct-no-oom-retry", dest="ct_oom_retry", action="store_false", default=None,
+        "--ct-no-oom-retry",
+        dest="ct_oom_retry",
+        action="store_false",
+        default=None,
         help="ct_session.attribute does not halve the batch size and retry after OOM",
     )
     group.addoption(
-        "--ct-forget", action="store_true", default=False,
+        "--ct-forget",
+        action="store_true",
+        default=False,
         help="clear the VRAM needs learned by earlier runs (kept in pytest's cache)",
     )
     for name, help_text, default in INI_ONLY:

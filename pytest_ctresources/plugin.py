@@ -70,7 +70,7 @@ def pytest_configure(config: pytest.Config) -> None:
         settings=settings,
         alloc_conf=alloc,
         capacity_cap=CapacityCap(capacity.value) if capacity else None,
-        cache=config.cache,
+        cache=getattr(config, "cache", None),  # None under -p no:cacheprovider
     )
     config.stash[RUNTIME_KEY] = runtime
     if not hasattr(config, "workerinput"):  # xdist workers report to the controller instead

@@ -1,4 +1,4 @@
-"""The report files: ``--ct-report-json`` (schema in docs/report-schema.md) and ``--ct-report-plot``."""
+"""The report files: ``--ct-report-json`` (docs/report-schema.md) and ``--ct-report-plot``."""
 
 from __future__ import annotations
 
@@ -47,14 +47,16 @@ def build_report(
             "experiment_config": settings.experiment.path if settings.experiment else None,
             "cleanup": {"value": settings.cleanup.value, "source": str(settings.cleanup.source)},
             "alloc_conf": {
-                "value": settings.alloc_conf.value, "source": str(settings.alloc_conf.source)
+                "value": settings.alloc_conf.value,
+                "source": str(settings.alloc_conf.source),
             },
             "leak_threshold_bytes": {
                 "value": settings.leak_threshold_bytes.value,
                 "source": str(settings.leak_threshold_bytes.source),
             },
             "oom_retry": {
-                "value": settings.oom_retry.value, "source": str(settings.oom_retry.source)
+                "value": settings.oom_retry.value,
+                "source": str(settings.oom_retry.source),
             },
             "oom_retry_floor": settings.oom_retry_floor.value,
             "strict": settings.strict,
@@ -96,11 +98,20 @@ def write_plot(
     axes = figure.add_subplot()
     labels = [record.nodeid.rsplit("::", 1)[-1] for record in records]
     positions = range(len(records))
-    axes.barh(positions, [r.peak_reserved_bytes / GIB for r in records], color="#9ecae1",
-              label="peak reserved")
-    axes.barh(positions, [r.peak_allocated_bytes / GIB for r in records], height=0.4,
-              color="#3182bd", label="peak allocated")
-    for position, record in zip(positions, records):
+    axes.barh(
+        positions,
+        [r.peak_reserved_bytes / GIB for r in records],
+        color="#9ecae1",
+        label="peak reserved",
+    )
+    axes.barh(
+        positions,
+        [r.peak_allocated_bytes / GIB for r in records],
+        height=0.4,
+        color="#3182bd",
+        label="peak allocated",
+    )
+    for position, record in zip(positions, records, strict=True):
         if record.need_gib is not None:
             axes.plot([record.need_gib] * 2, [position - 0.4, position + 0.4], color="black")
     if capacity_gib is not None:

@@ -31,8 +31,13 @@ from pytest_ctresources.sources import Source, Sourced
 
 _INI_DEFAULTS = {name: default for name, _help, default in INI_ONLY}
 REPORT_DESTS = (
-    "ct_report", "ct_report_top", "ct_report_json", "ct_report_plot", "ct_strict",
-    "ct_oom_retry", "ct_forget",
+    "ct_report",
+    "ct_report_top",
+    "ct_report_json",
+    "ct_report_plot",
+    "ct_strict",
+    "ct_oom_retry",
+    "ct_forget",
 )
 
 
@@ -48,9 +53,9 @@ class Settings:
     vram_capacity_gib: Sourced[float] | None
     cleanup: Sourced[str]
     alloc_conf: Sourced[str]
-    leak_threshold_bytes: Sourced[int] = Sourced(256 << 20, Source.default())
-    oom_retry: Sourced[bool] = Sourced(True, Source.default())
-    oom_retry_floor: Sourced[int] = Sourced(1, Source.default())
+    leak_threshold_bytes: Sourced[int]
+    oom_retry: Sourced[bool]
+    oom_retry_floor: Sourced[int]
     report_forced: bool = False
     report_top: int = 10
     report_json: Path | None = None

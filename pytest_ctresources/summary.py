@@ -67,7 +67,7 @@ class TestRecord:
 
 
 def _record_from(report: pytest.TestReport, outcome: str) -> TestRecord | None:
-    props = dict(report.user_properties)
+    props: dict[str, Any] = dict(report.user_properties)
     if "ct_peak_allocated_bytes" not in props:
         return None
     need = props.get("ct_need_gib")
@@ -135,8 +135,10 @@ class RunSummary:
                     f"write {suggested_marker(peak)}"
                 )
             if record.leaked_bytes > leak_threshold:
-                flags.append(f"LEAK: {record.leaked_bytes / GIB:.2f} GiB still allocated after "
-                             "teardown and cleanup")
+                flags.append(
+                    f"LEAK: {record.leaked_bytes / GIB:.2f} GiB still allocated after "
+                    "teardown and cleanup"
+                )
             if record.oom_halvings:
                 flags.append(f"OOM RECOVERED: {record.oom_halvings}")
             record.flags = flags
@@ -144,8 +146,9 @@ class RunSummary:
     def learned(self) -> dict[str, LearnedNeed]:
         """Needs to remember: the peak reserved of every passed test that used CUDA."""
         return {
-            record.memory_key: LearnedNeed(record.peak_reserved_bytes / GIB, record.gpu,
-                                           record.date)
+            record.memory_key: LearnedNeed(
+                record.peak_reserved_bytes / GIB, record.gpu, record.date
+            )
             for record in self.records.values()
             if record.outcome == "passed"
         }
@@ -170,24 +173,37 @@ class RunSummary:
     def vram_lines(self, top: int, capacity_gib: float | None, capacity_note: str) -> list[str]:
         """The VRAM table: the top tests by peak, then every flag."""
         ranked = sorted(self.records.values(), key=lambda r: -r.peak_reserved_bytes)
-        out = [f"VRAM per test ({capacity_note}); {len(ranked)} test(s) used CUDA"
-               + (f", top {min(top, len(ranked))} by peak reserved:" if ranked else "")]
+        out = [
+            f"VRAM per test ({capacity_note}); {len(ranked)} test(s) used CUDA"
+            + (f", top {min(top, len(ranked))} by peak reserved:" if ranked else "")
+        ]
         if ranked:
-            out.append(f"{'peak alloc':>11} {'peak resv':>10} {'declared (source)':>22} "
-                       f"{'headroom':>9} {'leaked':>9}  test")
-        for record in ranked[:top]:
-            declared = (f"{record.need_gib:.1f} GiB ({record.need_kind_name})"
-                        if record.need_gib is not None else "-")
-            headroom = (f"{capacity_gib - record.peak_reserved_bytes / GIB:.2f}"
-                        if capacity_gib is not None else "?")
             out.append(
-                f"{record.peak_allocated_bytes / GIB:>7.2f} GiB {record.peak_reserved_bytes / GIB:>6.2f} GiB "
-                f"{declared:>22} {headroom:>5} GiB {record.leaked_bytes / GIB:>5.2f} GiB  "
-                f"{record.nodeid}"
+                f"{'peak alloc':>11} {'peak resv':>10} {'declared (source)':>22} "
+                f"{'headroom':>9} {'leaked':>9}  test"
+            )
+        for record in ranked[:top]:
+            declared = (
+                f"{record.need_gib:.1f} GiB ({record.need_kind_name})"
+                if record.need_gib is not None
+                else "-"
+            )
+            headroom = (
+                f"{capacity_gib - record.peak_reserved_bytes / GIB:.2f}"
+                if capacity_gib is not None
+                else "?"
+            )
+            allocated = record.peak_allocated_bytes / GIB
+            reserved = record.peak_reserved_bytes / GIB
+            out.append(
+                f"{allocated:>7.2f} GiB {reserved:>6.2f} GiB {declared:>22} {headroom:>5} GiB "
+                f"{record.leaked_bytes / GIB:>5.2f} GiB  {record.nodeid}"
             )
         for record in ranked:
-            out += [f"{flag.split(':', 1)[0]} {record.nodeid}:{flag.split(':', 1)[1]}"
-                    for flag in record.flags]
+            out += [
+                f"{flag.split(':', 1)[0]} {record.nodeid}:{flag.split(':', 1)[1]}"
+                for flag in record.flags
+            ]
         return out
 
 
@@ -255,8 +271,10 @@ class SummaryReporter:
 
         capacity, note = self.capacity()
         if settings.report_json is not None:
-            report_files.write_json(settings.report_json, report_files.build_report(
-                self.summary, self.runtime, exitstatus, capacity, note))
+            report_files.write_json(
+                settings.report_json,
+                report_files.build_report(self.summary, self.runtime, exitstatus, capacity, note),
+            )
         if settings.report_plot is not None:
             report_files.write_plot(settings.report_plot, self.summary, capacity, note)
 

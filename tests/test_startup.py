@@ -11,7 +11,9 @@ pytest_plugins = ["pytester"]
 HEAVY = ("torch", "matplotlib", "circuit_tracer", "nnsight", "nbformat", "pynvml", "yaml")
 
 
-def test_a_run_that_does_not_use_the_plugin_imports_nothing_heavy(pytester: pytest.Pytester) -> None:
+def test_a_run_that_does_not_use_the_plugin_imports_nothing_heavy(
+    pytester: pytest.Pytester,
+) -> None:
     pytester.makeconftest(
         f"""
         import sys

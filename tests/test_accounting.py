@@ -1,0 +1,342 @@
+"""VRAM accounting on CPU: the plugin's arithmetic, report, flags, files and learned needs,
+fed by a stand-in for torch.cuda's allocator statistics (tests/fake_cuda.py). The real
+measurement is exercised on the GPU (tests/gpu)."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from tests.conftest import TINY_YAML
+from tests.fake_cuda import FAKE_CUDA_CONFTEST
+
+pytest_plugins = ["pytester"]
+
+SUITE = """
+import pytest
+from conftest import FAKE
+
+def test_no_cuda():
+    pass
+
+@pytest.mark.vram(gib=4)
+def test_declared_ok():
+    FAKE.alloc(3); FAKE.free(3)
+
+@pytest.mark.vram(gib=2)
+def test_under_declared():
+    FAKE.alloc(3.5); FAKE.free(3.5)
+
+def test_unmarked_big():
+    FAKE.alloc(1.5); FAKE.free(1.5)
+
+def test_unmarked_small():
+    FAKE.alloc(0.25); FAKE.free(0.25)
+
+LEAKED = []
+def test_leaks():
+    FAKE.alloc(0.5)
+"""
+
+
+@pytest.fixture
+def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    monkeypatch.setenv("CT_FAKE_GPUS", "NVIDIA GeForce RTX 4090=23.6")
+    pytester.makeconftest(FAKE_CUDA_CONFTEST)
+    pytester.makepyfile(test_suite=SUITE)
+    return pytester
+
+
+def test_report_table_and_flags(project: pytest.Pytester) -> None:
+    result = project.runpytest_subprocess("-p", "no:randomly")
+    result.assert_outcomes(passed=6, warnings=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ctresources summary*",
+            "VRAM per test (GPU 0 (NVIDIA GeForce RTX 4090) 23.6 GiB); 5 test(s) used CUDA, top 5 by peak reserved:",
+            "*peak alloc*peak resv*declared (source)*headroom*leaked*test",
+            "*3.50 GiB*3.50 GiB*2.0 GiB (marker)*20.10 GiB*0.00 GiB  test_suite.py::test_under_declared",
+            "*3.00 GiB*3.00 GiB*4.0 GiB (marker)*test_suite.py::test_declared_ok",
+            "*1.50 GiB*1.50 GiB*-*test_suite.py::test_unmarked_big",
+            "UNDER-DECLARED test_suite.py::test_under_declared: peak 3.50 GiB reserved > declared 2.0 GiB (@pytest.mark.vram on test_suite.py::test_under_declared); write @pytest.mark.vram(gib=4)",
+            "UNMARKED test_suite.py::test_unmarked_big: peak 1.50 GiB reserved and no declared need; write @pytest.mark.vram(gib=2)",
+            "LEAK test_suite.py::test_leaks: 0.50 GiB still allocated after teardown and cleanup",
+        ]
+    )
+    assert "test_no_cuda" not in result.stdout.str().split("ctresources summary")[1]
+    assert "UNMARKED test_suite.py::test_unmarked_small" not in result.stdout.str()
+
+
+def test_leak_warning_names_test_amount_and_holders(project: pytest.Pytester) -> None:
+    result = project.runpytest_subprocess("-p", "no:randomly")
+    result.stdout.fnmatch_lines(
+        [
+            "*CtLeakWarning: test_suite.py::test_leaks left 0.50 GiB of CUDA memory allocated after "
+            "teardown and cleanup (threshold 0.25 GiB, ct_leak_threshold); usual holders: a "
+            "module-level or global reference, a wider-scoped fixture, a cached model",
+        ]
+    )
+
+
+def test_leak_threshold_ini(project: pytest.Pytester) -> None:
+    project.makeini("[pytest]\nct_leak_threshold = 1GiB\n")
+    result = project.runpytest_subprocess("-p", "no:randomly")
+    result.assert_outcomes(passed=6)
+    assert "CtLeakWarning" not in result.stdout.str()
+
+
+def test_strict_fails_under_declared_and_leaks(project: pytest.Pytester) -> None:
+    result = project.runpytest_subprocess("-p", "no:randomly", "--ct-strict")
+    # test_leaks passes its call and errors at teardown: pytest counts both.
+    result.assert_outcomes(passed=5, failed=1, errors=1, warnings=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ctresources --ct-strict: test_suite.py::test_leaks left 0.50 GiB*",
+            "*ctresources --ct-strict: UNDER-DECLARED: peak 3.50 GiB reserved exceeds the declared 2.0 GiB*write @pytest.mark.vram(gib=4)",
+        ]
+    )
+
+
+def test_json_report(project: pytest.Pytester) -> None:
+    (project.path / "out").mkdir()
+    project.runpytest_subprocess(
+        "-p", "no:randomly", "--ct-report-json", "out/report.json", "--ct-batch-size", "64"
+    )
+    document = json.loads((project.path / "out" / "report.json").read_text())
+    assert document["schema"] == "pytest-ctresources-report"
+    assert document["schema_version"] == 1
+    assert document["interrupted"] is False
+    assert document["gpus"]["gpus"][0]["name"] == "NVIDIA GeForce RTX 4090"
+    assert document["settings"]["config"]["batch_size"] == {
+        "value": 64,
+        "source": "--ct-batch-size",
+    }
+    tests = {t["nodeid"].split("::")[1]: t for t in document["tests"]}
+    assert set(tests) == {
+        "test_declared_ok",
+        "test_under_declared",
+        "test_unmarked_big",
+        "test_unmarked_small",
+        "test_leaks",
+    }
+    assert tests["test_under_declared"]["peak_allocated_bytes"] == int(3.5 * 2**30)
+    assert tests["test_under_declared"]["need_kind"] == "marker"
+    assert tests["test_leaks"]["leaked_bytes"] == 2**29
+    assert any(f.startswith("UNDER-DECLARED") for f in tests["test_under_declared"]["flags"])
+    assert not list((project.path / "out").glob(".report.json.*"))  # no temporary left
+
+
+def test_json_written_when_interrupted(project: pytest.Pytester) -> None:
+    project.makepyfile(test_zz_interrupt="def test_ctrl_c():\n    raise KeyboardInterrupt\n")
+    result = project.runpytest_subprocess("-p", "no:randomly", "--ct-report-json", "r.json")
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    document = json.loads((project.path / "r.json").read_text())
+    assert document["interrupted"] is True
+    assert len(document["tests"]) == 5
+
+
+def test_junitxml_properties(project: pytest.Pytester) -> None:
+    project.runpytest_subprocess("-p", "no:randomly", "--junitxml", "junit.xml")
+    root = ET.parse(project.path / "junit.xml").getroot()
+    case = next(c for c in root.iter("testcase") if c.get("name") == "test_declared_ok")
+    properties = {p.get("name"): p.get("value") for p in case.iter("property")}
+    assert properties["ct_peak_allocated_bytes"] == str(3 * 2**30)
+    assert properties["ct_peak_reserved_bytes"] == str(3 * 2**30)
+    assert properties["ct_need_gib"] == "4.0"
+
+
+def test_plot(project: pytest.Pytester) -> None:
+    project.runpytest_subprocess("-p", "no:randomly", "--ct-report-plot", "peaks.png")
+    assert (project.path / "peaks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_forced_without_cuda(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("def test_a(): pass")
+    result = pytester.runpytest_subprocess("--ct-report")
+    result.stdout.fnmatch_lines(["*ctresources summary*", "VRAM per test (*); 0 test(s) used CUDA"])
+    assert "ctresources summary" not in pytester.runpytest().stdout.str()
+
+
+def test_report_top(project: pytest.Pytester) -> None:
+    result = project.runpytest_subprocess("-p", "no:randomly", "--ct-report-top", "1")
+    text = result.stdout.str()
+    assert "top 1 by peak reserved" in text
+    assert "  test_suite.py::test_declared_ok" not in text
+
+
+def test_learned_need_skips_next_run_and_forget_clears_it(
+    project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project.runpytest_subprocess("-p", "no:randomly").assert_outcomes(passed=6, warnings=1)
+    monkeypatch.setenv("CT_FAKE_GPUS", "Small card=1.0")
+    result = project.runpytest_subprocess("-p", "no:randomly", "-rs", "-k", "unmarked_big")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*needs 1.5 GiB VRAM (measured 1.5 GiB on NVIDIA GeForce RTX 4090, ????-??-??); GPU 0 (Small card) has 1.0 GiB"
+        ]
+    )
+    result = project.runpytest_subprocess(
+        "-p", "no:randomly", "-rs", "-k", "unmarked_big", "--ct-forget"
+    )
+    result.assert_outcomes(passed=1)
+
+
+def test_merged_report_under_xdist(project: pytest.Pytester) -> None:
+    result = project.runpytest_subprocess("-n", "2", "--ct-report-json", "r.json")
+    result.assert_outcomes(passed=6, warnings=1)
+    result.stdout.fnmatch_lines(["VRAM per test (*); 5 test(s) used CUDA*"])
+    assert len(json.loads((project.path / "r.json").read_text())["tests"]) == 5
+
+
+OOM_TEST = """
+import pytest, torch
+
+@pytest.mark.ct_config(batch_size=96)
+def test_oom(ct_config):
+    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+def test_after():
+    pass
+"""
+
+
+def test_oom_is_explained(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CT_FAKE_GPUS", "NVIDIA H200=139.8")
+    pytester.makefile(".yaml", exp=TINY_YAML)
+    pytester.makepyfile(test_o=OOM_TEST)
+    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml", "--ct-vram-capacity", "24")
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ctresources: CUDA out of memory*",
+            "GPU 0 (NVIDIA H200): 139.8 GiB, emulated capacity 24.0 GiB (--ct-vram-capacity)",
+            "config in effect:",
+            "  model_name = 'ctresources/tiny-gemma-2' (MODEL_NAME in exp.yaml)",
+            "  batch_size = 96 (@pytest.mark.ct_config on test_o.py::test_oom)",
+            "next step: try `--ct-batch-size 48`, or `@pytest.mark.ct_config(batch_size=48)`",
+        ]
+    )
+
+
+RETRY_TEST = """
+import pytest, torch
+from circuit_tracer.replacement_model.replacement_model_nnsight import NNSightReplacementModel
+
+@pytest.fixture(autouse=True)
+def small_card(monkeypatch):
+    # Behaves like a card on which the forward pass fits only at batch 32 or less.
+    original = NNSightReplacementModel.run_forward_pass
+    def forward(self, input_ids, batch_size, ctx):
+        if batch_size > 32:
+            big = torch.ones(1024, 1024)  # held by the failing frame, freed before the retry
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory at batch {batch_size}")
+        return original(self, input_ids, batch_size, ctx)
+    monkeypatch.setattr(NNSightReplacementModel, "run_forward_pass", forward)
+
+def test_halves(ct_session):
+    graph = ct_session.attribute(ct_session.cfg.params["PROMPT"])
+    assert [(h.failed_batch_size, h.next_batch_size) for h in ct_session.halvings] == [(128, 64), (64, 32)]
+    assert ct_session.calls[-1].kwargs["batch_size"] == 32
+    assert len(graph.selected_features) > 0
+"""
+
+
+def retry_project(pytester: pytest.Pytester) -> None:
+    pytester.makefile(".yaml", exp=TINY_YAML)
+    pytester.makepyfile(test_retry=RETRY_TEST)
+
+
+def test_oom_retry_halves_and_reports(pytester: pytest.Pytester) -> None:
+    retry_project(pytester)
+    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "  test_retry.py::test_halves: OOM at batch 128, passed at 32 — set BATCH_SIZE: 32 in exp.yaml"
+        ]
+    )
+
+
+def test_oom_retry_can_be_turned_off(pytester: pytest.Pytester) -> None:
+    retry_project(pytester)
+    pytester.runpytest_subprocess("--ct-config", "exp.yaml", "--ct-no-oom-retry").assert_outcomes(
+        failed=1
+    )
+    pytester.makeini("[pytest]\nct_oom_retry = false\n")
+    pytester.runpytest_subprocess("--ct-config", "exp.yaml").assert_outcomes(failed=1)
+
+
+def test_oom_retry_floor(pytester: pytest.Pytester) -> None:
+    retry_project(pytester)
+    pytester.makeini("[pytest]\nct_oom_retry_floor = 64\n")
+    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*CUDA out of memory at batch 64*"])
+
+
+def test_strict_fails_a_test_that_passed_only_after_halving(pytester: pytest.Pytester) -> None:
+    retry_project(pytester)
+    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml", "--ct-strict")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["*--ct-strict: passed only after halving the batch size: OOM at batch 128, passed at 32*"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "ini", "line"),
+    [
+        (
+            ["--ct-report-top", "0"],
+            "",
+            "*argument --ct-report-top: must be a positive integer, got '0'",
+        ),
+        (
+            ["--ct-report-top", "abc"],
+            "",
+            "*argument --ct-report-top: must be a positive integer, got 'abc'",
+        ),
+        (
+            [],
+            "ct_leak_threshold = lots",
+            "ERROR: ini ct_leak_threshold in *: must be a size such as 256MiB*",
+        ),
+        (
+            [],
+            "ct_oom_retry = maybe",
+            "ERROR: ini ct_oom_retry in *: must be true or false, got 'maybe'",
+        ),
+        (
+            [],
+            "ct_oom_retry_floor = 0",
+            "ERROR: ini ct_oom_retry_floor in *: must be a positive integer*",
+        ),
+        (
+            ["--ct-report-json", "missing/r.json"],
+            "",
+            "ERROR: --ct-report-json: cannot write missing/r.json: directory * does not exist",
+        ),
+        (
+            ["--ct-report-plot", "missing/p.png"],
+            "",
+            "ERROR: --ct-report-plot: cannot write missing/p.png: directory * does not exist",
+        ),
+        (
+            ["--ct-report-json", "."],
+            "",
+            "ERROR: --ct-report-json: . is a directory, not a file path",
+        ),
+    ],
+)
+def test_bad_report_settings(
+    pytester: pytest.Pytester, args: list[str], ini: str, line: str
+) -> None:
+    pytester.makeini(f"[pytest]\n{ini}\n")
+    pytester.makepyfile("def test_a(): pass")
+    result = pytester.runpytest_subprocess(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([line])
+    assert "Traceback" not in result.stderr.str()
