@@ -5,7 +5,7 @@
 set -uo pipefail
 out=${1:-/tmp/ct-gpu}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 CT_GPU_ARTIFACTS="$out"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee "$out/nvidia-smi.txt"
 python3 -c 'import torch, circuit_tracer, nnsight, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "circuit-tracer", circuit_tracer.__version__, "nnsight", nnsight.__version__, "transformers", transformers.__version__)' | tee "$out/versions.txt"
 echo "== pytest tests/gpu -v -rs"

@@ -6,9 +6,15 @@ the plugin's settings (capacity cap, cleanup) act exactly as in a user's run.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
+SCENARIOS = Path(__file__).parent
 
 pytestmark = [
     pytest.mark.gpu,
@@ -165,3 +171,62 @@ def test_safe_clean_cuda_frees_transients_and_moves_back(pytester: pytest.Pytest
         """
     )
     pytester.runpytest_subprocess().assert_outcomes(passed=1)
+
+
+def keep_artifacts(*paths: Path) -> None:
+    """Copy report files to $CT_GPU_ARTIFACTS (the validation run puts them in docs/)."""
+    target = os.environ.get("CT_GPU_ARTIFACTS")
+    if target:
+        for path in paths:
+            shutil.copy(path, Path(target) / path.name)
+
+
+def test_five_tests_second_runs_out_of_memory(pytester: pytest.Pytester) -> None:
+    shutil.copy(SCENARIOS / "scenario_five_tests.py", pytester.path)
+    result = pytester.runpytest_subprocess(
+        "scenario_five_tests.py",
+        "-p",
+        "no:randomly",
+        "--ct-vram-capacity",
+        "16",
+        "--ct-report-json",
+        "five_tests.json",
+    )
+    result.assert_outcomes(passed=4, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ctresources: CUDA out of memory*",
+            "GPU 0 (NVIDIA H200): *, emulated capacity 16.0 GiB (--ct-vram-capacity)",
+            "peak before the failure: 6.00 GiB allocated*",
+        ]
+    )
+    report = json.loads((pytester.path / "five_tests.json").read_text())
+    tests = {t["nodeid"].split("::")[1]: t for t in report["tests"]}
+    assert len(tests) == 5
+    for record in tests.values():
+        assert record["after_bytes"] == record["baseline_bytes"], record
+    assert tests["test_2_runs_out_of_memory"]["outcome"] == "failed"
+    keep_artifacts(pytester.path / "five_tests.json")
+
+
+def test_gemma_2_2b_oom_recovered_by_halving(pytester: pytest.Pytester) -> None:
+    shutil.copy(SCENARIOS / "scenario_gemma_halving.py", pytester.path)
+    result = pytester.runpytest_subprocess(
+        "scenario_gemma_halving.py",
+        "-s",
+        "--ct-vram-capacity",
+        "14",
+        "--ct-report-json",
+        "gemma_halving.json",
+        "--ct-report-plot",
+        "gemma_halving.png",
+    )
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        ["  scenario_gemma_halving.py::*: OOM at batch 256, passed at * — use --ct-batch-size *"]
+    )
+    report = json.loads((pytester.path / "gemma_halving.json").read_text())
+    (record,) = report["tests"]
+    assert record["oom_halvings"].startswith("OOM at batch 256, passed at ")
+    assert record["peak_reserved_bytes"] <= 14 * 2**30
+    keep_artifacts(pytester.path / "gemma_halving.json", pytester.path / "gemma_halving.png")
