@@ -33,7 +33,9 @@ def timed(root: Path, args: list[str]) -> float:
     start = time.perf_counter()
     subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
-        cwd=root, check=True, stdout=subprocess.DEVNULL,
+        cwd=root,
+        check=True,
+        stdout=subprocess.DEVNULL,
     )
     return time.perf_counter() - start
 

@@ -62,7 +62,11 @@ class CapacityCap:
     applied: dict[int, float] = field(default_factory=dict)
     not_binding: list[int] = field(default_factory=list)
 
-    def arm(self) -> None:
+    def arm(self, *, import_torch: bool = False) -> None:
+        """Queue the cap. ``import_torch``: import torch if no one has yet (this does not
+        initialise CUDA), so that a test importing torch later is capped too."""
+        if import_torch and not self.armed:
+            import torch as _torch  # noqa: F401  (registers the module in sys.modules)
         torch = sys.modules.get("torch")
         if self.armed or torch is None:
             return

@@ -73,6 +73,10 @@ def pytest_configure(config: pytest.Config) -> None:
         cache=getattr(config, "cache", None),  # None under -p no:cacheprovider
     )
     config.stash[RUNTIME_KEY] = runtime
+    if runtime.capacity_cap is not None:
+        # The emulated card must bind from the first CUDA allocation, whoever imports torch
+        # and whenever: importing torch here does not initialise CUDA.
+        runtime.capacity_cap.arm(import_torch=True)
     if not hasattr(config, "workerinput"):  # xdist workers report to the controller instead
         if settings.forget:
             runtime.learned().forget()

@@ -117,8 +117,10 @@ def write_plot(
     if capacity_gib is not None:
         axes.axvline(capacity_gib, color="#de2d26", linestyle="--", label="capacity")
     axes.set_yticks(list(positions), labels)
-    axes.set_xlabel("GiB")
-    axes.set_title(f"VRAM per test ({capacity_note}); black tick: declared need")
+    peaks = [r.peak_reserved_bytes / GIB for r in records] + [r.need_gib or 0 for r in records]
+    axes.set_xlim(0, 1.08 * max([*peaks, capacity_gib or 0, 1]))
+    axes.set_xlabel(f"GiB — {capacity_note}; black tick: declared need", fontsize=8)
+    axes.set_title("VRAM per test (pytest-ctresources)")
     axes.legend(loc="lower right")
     figure.tight_layout()
     figure.savefig(path, format="png", dpi=100)

@@ -195,3 +195,21 @@ def test_warning_when_cuda_was_initialised_before_configure(
     result.stdout.fnmatch_lines(
         ["*AllocConfIneffectiveWarning: CUDA was initialised before pytest-ctresources configured*"]
     )
+
+
+def test_capacity_cap_is_armed_when_torch_is_imported_later(pytester: pytest.Pytester) -> None:
+    # A test that imports torch itself (not at collection) must still run capped: the plugin
+    # imports torch at configure when --ct-vram-capacity is given (CUDA stays uninitialised).
+    pytester.makepyfile(
+        """
+        import sys
+        from pytest_ctresources.runtime import runtime_of
+
+        def test_armed(request):
+            cap = runtime_of(request.config).capacity_cap
+            assert cap is not None and cap.armed
+            import torch
+            assert not torch.cuda.is_initialized()
+        """
+    )
+    pytester.runpytest_subprocess("--ct-vram-capacity", "8").assert_outcomes(passed=1)
