@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import math
 import warnings
+from collections.abc import Generator
 
 import pytest
 
@@ -50,7 +51,7 @@ def begin(item: pytest.Item, runtime: Runtime) -> str | None:
     need = markers.vram_need(item)
     if need is None and cfg is not None and cfg.vram_gib is not None:
         need = markers.VramNeed(cfg.vram_gib, cfg.source_of("vram_gib"))
-    if need is None:
+    if need is None and runtime.learned():
         learned = runtime.learned().get(key)
         if learned is not None:
             need = markers.VramNeed(learned.gib, learned.source)
@@ -103,52 +104,69 @@ def leak_message(nodeid: str, figures: VramFigures, threshold: int) -> str:
     )
 
 
-def on_call_report(
-    item: pytest.Item, runtime: Runtime, call: pytest.CallInfo[None], report: pytest.TestReport
-) -> None:
-    """Explain an OOM in the report; in strict mode, fail what only passed by luck."""
+def explain_oom(item: pytest.Item, runtime: Runtime, exc: BaseException) -> None:
+    """Attach the ``ctresources: CUDA out of memory`` section to a test that raised OOM."""
+    if not oom.is_oom(exc):
+        return
     meter = item.stash.get(METER_KEY, None)
     figures = meter.figures() if meter is not None else None
-    if call.excinfo is not None and oom.is_oom(call.excinfo.value):
-        report.sections.append(
-            (
-                "ctresources: CUDA out of memory",
-                oom.explain(
-                    item.stash.get(CONFIG_KEY, None),
-                    runtime.gpu_facts().gpu(figures.device if figures else 0),
-                    runtime.settings.vram_capacity_gib,
-                    figures,
-                ),
-            )
-        )
-    if not (runtime.settings.strict and report.passed):
-        return
-    need = item.stash.get(NEED_KEY, None)
-    problems = []
-    if figures is not None and need is not None and figures.peak_reserved_gib > need.gib:
-        problems.append(
-            f"UNDER-DECLARED: peak {figures.peak_reserved_gib:.2f} GiB reserved exceeds the "
-            f"declared {need.gib:.1f} GiB ({need.source}); write "
-            f"{suggested_marker(figures.peak_reserved_bytes)}"
-        )
-    session = item.stash.get(SESSION_KEY, None)
-    if session is not None and session.halvings:
-        problems.append(f"passed only after halving the batch size: {halving_summary(session)}")
-    if problems:
-        report.outcome = "failed"
-        report.longrepr = "ctresources --ct-strict: " + "; ".join(problems)
+    item.add_report_section(
+        "call",
+        "ctresources: CUDA out of memory",
+        oom.explain(
+            item.stash.get(CONFIG_KEY, None),
+            runtime.gpu_facts().gpu(figures.device if figures else 0),
+            runtime.settings.vram_capacity_gib,
+            figures,
+        ),
+    )
 
 
-def on_teardown_report(item: pytest.Item, runtime: Runtime, report: pytest.TestReport) -> None:
-    """In strict mode, a leak above the threshold fails the test (as a teardown error)."""
-    figures = item.stash.get(FIGURES_KEY, None)
-    threshold = runtime.settings.leak_threshold_bytes.value
-    if runtime.settings.strict and figures is not None and figures.leaked_bytes > threshold:
+class StrictChecks:
+    """``--ct-strict``: registered only then. Fails, after the test ran, what passed by luck."""
+
+    name = "ctresources-strict"
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        report = yield
         if report.passed:
-            report.outcome = "failed"
-            report.longrepr = "ctresources --ct-strict: " + leak_message(
-                item.nodeid, figures, threshold
+            problems = self.problems(item, call.when)
+            if problems:
+                report.outcome = "failed"
+                report.longrepr = "ctresources --ct-strict: " + "; ".join(problems)
+        return report
+
+    def problems(self, item: pytest.Item, when: str) -> list[str]:
+        if when == "call":
+            return self.call_problems(item)
+        if when == "teardown":
+            figures = item.stash.get(FIGURES_KEY, None)
+            threshold = self.runtime.settings.leak_threshold_bytes.value
+            if figures is not None and figures.leaked_bytes > threshold:
+                return [leak_message(item.nodeid, figures, threshold)]
+        return []
+
+    def call_problems(self, item: pytest.Item) -> list[str]:
+        meter = item.stash.get(METER_KEY, None)
+        figures = meter.figures() if meter is not None else None
+        need = item.stash.get(NEED_KEY, None)
+        problems = []
+        if figures is not None and need is not None and figures.peak_reserved_gib > need.gib:
+            problems.append(
+                f"UNDER-DECLARED: peak {figures.peak_reserved_gib:.2f} GiB reserved exceeds the "
+                f"declared {need.gib:.1f} GiB ({need.source}); write "
+                f"{suggested_marker(figures.peak_reserved_bytes)}"
             )
+        session = item.stash.get(SESSION_KEY, None)
+        if session is not None and session.halvings:
+            problems.append(f"passed only after halving the batch size: {halving_summary(session)}")
+        return problems
 
 
 def halving_summary(session: CtSession) -> str:

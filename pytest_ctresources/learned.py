@@ -62,10 +62,15 @@ class LearnedNeeds:
         raw = cache.get(CACHE_KEY, {}) if cache is not None else {}
         self._needs: dict[str, dict[str, Any]] = raw if isinstance(raw, dict) else {}
 
+    def __bool__(self) -> bool:
+        return bool(self._needs)
+
     def get(self, key: str) -> LearnedNeed | None:
         entry = self._needs.get(key)
+        if entry is None:
+            return None
         try:
-            return LearnedNeed(float(entry["gib"]), str(entry["gpu"]), str(entry["date"]))  # type: ignore[index]
+            return LearnedNeed(float(entry["gib"]), str(entry["gpu"]), str(entry["date"]))
         except (TypeError, KeyError, ValueError):
             return None
 

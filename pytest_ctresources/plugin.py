@@ -81,6 +81,10 @@ def pytest_configure(config: pytest.Config) -> None:
         if settings.forget:
             runtime.learned().forget()
         config.pluginmanager.register(SummaryReporter(runtime, config), SummaryReporter.name)
+    if settings.strict:
+        config.pluginmanager.register(
+            accounting.StrictChecks(runtime), accounting.StrictChecks.name
+        )
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -131,13 +135,9 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(
-    item: pytest.Item, call: pytest.CallInfo[None]
-) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    report = yield
-    runtime = runtime_of(item.config)
-    if call.when == "call":
-        accounting.on_call_report(item, runtime, call, report)
-    elif call.when == "teardown":
-        accounting.on_teardown_report(item, runtime, report)
-    return report
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    try:
+        return (yield)
+    except BaseException as exc:
+        accounting.explain_oom(item, runtime_of(item.config), exc)
+        raise

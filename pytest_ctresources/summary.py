@@ -101,9 +101,12 @@ class RunSummary:
     _outcomes: dict[str, str] = field(default_factory=dict)
 
     def record(self, report: pytest.TestReport) -> None:
-        previous = self._outcomes.get(report.nodeid, "passed")
-        if _OUTCOME_RANK[report.outcome] > _OUTCOME_RANK[previous]:
-            self._outcomes[report.nodeid] = report.outcome
+        if report.outcome != "passed":
+            previous = self._outcomes.get(report.nodeid, "passed")
+            if _OUTCOME_RANK[report.outcome] > _OUTCOME_RANK[previous]:
+                self._outcomes[report.nodeid] = report.outcome
+        if not report.user_properties and not report.skipped:
+            return  # the common case: a test that used neither CUDA nor ct_session
         for name, value in report.user_properties:
             if name == ATTRIBUTIONS_PROPERTY and isinstance(value, list):
                 self.attributions.setdefault(report.nodeid, []).extend(value)

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import pytest
 
+# In-process pytester runs restore sys.modules afterwards, so a C-extension package first
+# imported inside one (torch, when a run uses --ct-vram-capacity or a test imports it) would be
+# imported a second time by the next run and crash ("SystemError: bad call flags"). Importing
+# it once here keeps it in the snapshot.
+import torch  # noqa: F401
+
 CT_ENV_VARS = (
     "CT_BATCH_SIZE",
     "CT_MAX_FEATURE_NODES",
