@@ -340,3 +340,40 @@ def test_bad_report_settings(
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([line])
     assert "Traceback" not in result.stderr.str()
+
+
+def test_json_written_after_an_internal_error(project: pytest.Pytester) -> None:
+    project.makeconftest(
+        FAKE_CUDA_CONFTEST
+        + """
+def pytest_runtest_logreport(report):
+    if report.when == "teardown" and report.nodeid.endswith("test_unmarked_small"):
+        raise RuntimeError("a broken plugin")
+"""
+    )
+    result = project.runpytest_subprocess("-p", "no:randomly", "--ct-report-json", "r.json")
+    assert result.ret == pytest.ExitCode.INTERNAL_ERROR
+    document = json.loads((project.path / "r.json").read_text())
+    assert document["exitstatus"] == int(pytest.ExitCode.INTERNAL_ERROR)
+    assert len(document["tests"]) >= 3
+
+
+def test_a_test_reads_its_own_figures_through_ct_session(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CT_FAKE_GPUS", "Card=24")
+    pytester.makeconftest(FAKE_CUDA_CONFTEST)
+    pytester.makepyfile(
+        """
+        from conftest import FAKE
+
+        def test_figures(ct_session):
+            assert ct_session.vram() is None  # no CUDA used yet
+            FAKE.alloc(2); FAKE.free(1)
+            figures = ct_session.vram()
+            assert figures.peak_allocated_bytes == 2 * 2**30
+            assert figures.baseline_bytes == 0
+            FAKE.free(1)
+        """
+    )
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
