@@ -4,25 +4,23 @@
 - settings resolution: :mod:`~pytest_ctresources.settings`
 - GPU facts: :mod:`~pytest_ctresources.gpus`; skip decisions: :mod:`~pytest_ctresources.vram`
 - cleanup: :mod:`~pytest_ctresources.cleanup`; allocator: :mod:`~pytest_ctresources.allocator`
-- fixtures: :mod:`~pytest_ctresources.fixtures`
+- fixtures: :mod:`~pytest_ctresources.fixtures`; run state: :mod:`~pytest_ctresources.runtime`
+- per-test VRAM accounting: :mod:`~pytest_ctresources.accounting`; end-of-run report:
+  :mod:`~pytest_ctresources.summary` and :mod:`~pytest_ctresources.report_files`
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Generator
 
 import pytest
 
 from pytest_ctresources import accounting, markers
-from pytest_ctresources.allocator import ALLOC_CONF_ENV, AllocConf, CapacityCap
-from pytest_ctresources.cleanup import cleanup_after_test, cuda_initialised
-from pytest_ctresources.exceptions import AllocConfIneffectiveWarning
+from pytest_ctresources.allocator import AllocConf
+from pytest_ctresources.cleanup import cleanup_after_test
 from pytest_ctresources.fixtures import ct_config, ct_session
-from pytest_ctresources.gpus import FAKE_GPUS_ENV, parse_fake_gpus
 from pytest_ctresources.options import DEFAULT_ALLOC_CONF, add_options
-from pytest_ctresources.runtime import RUNTIME_KEY, Runtime, runtime_of
-from pytest_ctresources.settings import settings_from_config
+from pytest_ctresources.runtime import RUNTIME_KEY, runtime_of, start_runtime
 from pytest_ctresources.summary import FIGURES_PROPERTY, SummaryReporter
 
 __all__ = ["ct_config", "ct_session"]
@@ -48,40 +46,13 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for name in markers.MARKERS:
         config.addinivalue_line("markers", markers.marker_help(name))
-    settings = settings_from_config(config)
-    fake = os.environ.get(FAKE_GPUS_ENV)
-    if fake is not None:
-        try:
-            parse_fake_gpus(fake)
-        except ValueError as exc:
-            raise pytest.UsageError(str(exc)) from None
-    alloc = config.stash.get(_ALLOC_KEY, None) or AllocConf(settings.alloc_conf.value)
-    if alloc.value and cuda_initialised():
-        config.issue_config_time_warning(
-            AllocConfIneffectiveWarning(
-                f"CUDA was initialised before pytest-ctresources configured, so "
-                f"{ALLOC_CONF_ENV}={alloc.effective() or alloc.value!r} had no effect; "
-                "import torch lazily in conftest.py or set it in the environment"
-            ),
-            stacklevel=2,
-        )
-    capacity = settings.vram_capacity_gib
-    runtime = Runtime(
-        settings=settings,
-        alloc_conf=alloc,
-        capacity_cap=CapacityCap(capacity.value) if capacity else None,
-        cache=getattr(config, "cache", None),  # None under -p no:cacheprovider
-    )
+    runtime = start_runtime(config, config.stash.get(_ALLOC_KEY, None))
     config.stash[RUNTIME_KEY] = runtime
-    if runtime.capacity_cap is not None:
-        # The emulated card must bind from the first CUDA allocation, whoever imports torch
-        # and whenever: importing torch here does not initialise CUDA.
-        runtime.capacity_cap.arm(import_torch=True)
     if not hasattr(config, "workerinput"):  # xdist workers report to the controller instead
-        if settings.forget:
+        if runtime.settings.forget:
             runtime.learned().forget()
         config.pluginmanager.register(SummaryReporter(runtime, config), SummaryReporter.name)
-    if settings.strict:
+    if runtime.settings.strict:
         config.pluginmanager.register(
             accounting.StrictChecks(runtime), accounting.StrictChecks.name
         )

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import pytest
 
-from pytest_ctresources.allocator import AllocConf, CapacityCap
+from pytest_ctresources.allocator import ALLOC_CONF_ENV, AllocConf, CapacityCap
+from pytest_ctresources.cleanup import cuda_initialised
 from pytest_ctresources.config import CircuitTracerConfig
-from pytest_ctresources.gpus import GpuFacts, GpuInfo, detect_gpus
+from pytest_ctresources.exceptions import AllocConfIneffectiveWarning
+from pytest_ctresources.gpus import FAKE_GPUS_ENV, GpuFacts, GpuInfo, detect_gpus, parse_fake_gpus
 from pytest_ctresources.learned import LearnedNeeds
 from pytest_ctresources.markers import layer_markers
 from pytest_ctresources.session import ModelCache
-from pytest_ctresources.settings import Settings
+from pytest_ctresources.settings import Settings, settings_from_config
 
 
 @dataclass
@@ -65,3 +68,39 @@ CONFIG_KEY = pytest.StashKey[CircuitTracerConfig]()
 def runtime_of(config: pytest.Config) -> Runtime:
     """The :class:`Runtime` of a configured pytest run."""
     return config.stash[RUNTIME_KEY]
+
+
+def start_runtime(config: pytest.Config, alloc: AllocConf | None) -> Runtime:
+    """Resolve the settings and build the run's :class:`Runtime` (raises ``pytest.UsageError``).
+
+    ``alloc`` is the allocator setting applied before conftests were imported, if any.
+    """
+    settings = settings_from_config(config)
+    fake = os.environ.get(FAKE_GPUS_ENV)
+    if fake is not None:
+        try:
+            parse_fake_gpus(fake)
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
+    alloc = alloc or AllocConf(settings.alloc_conf.value)
+    if alloc.value and cuda_initialised():
+        config.issue_config_time_warning(
+            AllocConfIneffectiveWarning(
+                f"CUDA was initialised before pytest-ctresources configured, so "
+                f"{ALLOC_CONF_ENV}={alloc.effective() or alloc.value!r} had no effect; "
+                "import torch lazily in conftest.py or set it in the environment"
+            ),
+            stacklevel=3,
+        )
+    capacity = settings.vram_capacity_gib
+    runtime = Runtime(
+        settings=settings,
+        alloc_conf=alloc,
+        capacity_cap=CapacityCap(capacity.value) if capacity else None,
+        cache=getattr(config, "cache", None),  # None under -p no:cacheprovider
+    )
+    if runtime.capacity_cap is not None:
+        # The emulated card must bind from the first CUDA allocation, whoever imports torch
+        # and whenever: importing torch here does not initialise CUDA.
+        runtime.capacity_cap.arm(import_torch=True)
+    return runtime

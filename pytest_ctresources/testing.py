@@ -30,6 +30,7 @@ the functions, so importing this module -- and the plugin package -- does not ne
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -261,17 +262,7 @@ TINY_GEMMA2_DIMS: Final = ModelDims(
     architecture="gemma2",
 )
 #: Tiny Llama with the same dimensions as :data:`TINY_GEMMA2_DIMS`.
-TINY_LLAMA_DIMS: Final = ModelDims(
-    n_layers=2,
-    d_model=32,
-    d_mlp=64,
-    vocab_size=_TINY_VOCAB_SIZE,
-    n_heads=2,
-    n_kv_heads=1,
-    head_dim=16,
-    d_transcoder=128,
-    architecture="llama",
-)
+TINY_LLAMA_DIMS: Final = dataclasses.replace(TINY_GEMMA2_DIMS, architecture="llama")
 #: The real gemma-2-2b dimensions with GemmaScope-sized (16k) transcoders, for GPU tests that
 #: need realistic memory use and speed. About 2.6e9 model plus 2.0e9 transcoder parameters:
 #: ~18 GB in float32, ~9 GB in bfloat16. Never build this on a CPU.
