@@ -174,8 +174,8 @@ def halving_summary(session: CtSession) -> str:
     first = session.halvings[0].failed_batch_size
     final = session.halvings[-1].next_batch_size
     source = session.cfg.source_of("batch_size")
-    if source.kind == "yaml":
-        advice = f"set BATCH_SIZE: {final} in {source.where.split(' in ', 1)[1]}"
+    if source.path is not None:
+        advice = f"set BATCH_SIZE: {final} in {source.path}"
     else:
         advice = f"use --ct-batch-size {final} (or BATCH_SIZE: {final} in the experiment YAML)"
     return f"OOM at batch {first}, passed at {final} — {advice}"

@@ -59,6 +59,12 @@ def _tracebacks_of(exc: BaseException | None) -> Iterator[TracebackType]:
         exc = exc.__cause__ or exc.__context__
 
 
+def clear_exception_frames(exc: BaseException) -> None:
+    """Drop the locals of every frame held by ``exc`` and the exceptions it chains to."""
+    for tb in _tracebacks_of(exc):
+        clear_frames(tb)
+
+
 def release_failed_test_frames() -> bool:
     """Clear the local variables of the frames of the last failed test's traceback.
 

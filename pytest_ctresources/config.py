@@ -120,6 +120,11 @@ def _text_to_bool(text: str) -> object:
     return text
 
 
+def parse_bool(text: str) -> bool:
+    """``true/false``, ``yes/no``, ``on/off``, ``1/0``; else :class:`ConfigError`."""
+    return _bool(_text_to_bool(text))
+
+
 def _text_to_optional(text: str) -> object:
     return None if text.strip().lower() in {"", "none", "null"} else text.strip()
 

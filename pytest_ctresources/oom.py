@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from pytest_ctresources.cleanup import clear_frames
+from pytest_ctresources.cleanup import clear_exception_frames
 from pytest_ctresources.config import CircuitTracerConfig
 from pytest_ctresources.gpus import GpuInfo
 from pytest_ctresources.measure import GIB, VramFigures
@@ -21,12 +21,7 @@ def is_oom(exc: BaseException | None) -> bool:
 
 def release(exc: BaseException) -> None:
     """Drop the locals of every frame ``exc`` holds: an OOM's traceback pins the activations."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        clear_frames(current.__traceback__)
-        current = current.__cause__ or current.__context__
+    clear_exception_frames(exc)
 
 
 @dataclass(frozen=True)
@@ -41,9 +36,8 @@ def batch_size_advice(cfg: CircuitTracerConfig, batch_size: int) -> str:
     """``--ct-batch-size N``, or ``BATCH_SIZE: N in file.yaml`` when a YAML set it."""
     source = cfg.source_of("batch_size")
     advice = f"`--ct-batch-size {batch_size}`"
-    if source.kind == "yaml":
-        path = source.where.split(" in ", 1)[1]
-        advice += f", or `BATCH_SIZE: {batch_size}` in {path}"
+    if source.path is not None:
+        advice += f", or `BATCH_SIZE: {batch_size}` in {source.path}"
     elif source.kind == "marker":
         advice += f", or `@pytest.mark.ct_config(batch_size={batch_size})`"
     return advice

@@ -20,13 +20,6 @@ if TYPE_CHECKING:
     import torch
 
 
-def default_device() -> str:
-    """``cuda`` when torch sees a CUDA GPU, else ``cpu``."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def build_model(cfg: CircuitTracerConfig, device: str | torch.device) -> Any:
     """Build the ReplacementModel ``cfg`` names: a bundled offline model, or from the hub."""
     from pytest_ctresources import testing
@@ -130,6 +123,8 @@ class CtSession:
 
     def load_model(self, device: str | torch.device | None = None) -> Any:
         """The ReplacementModel of ``cfg``, loaded once per session (see :class:`ModelCache`)."""
+        from pytest_ctresources.testing import default_device
+
         return self._cache.get(self.cfg, device if device is not None else default_device())
 
     def attribute(self, prompt: Any, model: Any = None, **overrides: Any) -> Any:

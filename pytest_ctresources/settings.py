@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_ctresources.config import CircuitTracerConfig, ConfigError
+from pytest_ctresources.config import CircuitTracerConfig, ConfigError, parse_bool
 from pytest_ctresources.experiment_yaml import ExperimentFile, load_experiment_yaml
 from pytest_ctresources.options import (
     CLEANUP_MODES,
@@ -190,7 +190,7 @@ def resolve_settings(
     capacity = session.get("ct_vram_capacity")
     leak = _ini_or_default(ini, "ct_leak_threshold", inifile, byte_size)
     floor = _ini_or_default(ini, "ct_oom_retry_floor", inifile, positive_count)
-    retry = _ini_or_default(ini, "ct_oom_retry", inifile, _ini_bool)
+    retry = _ini_or_default(ini, "ct_oom_retry", inifile, parse_bool)
     if options.get("ct_oom_retry") is False:
         retry = Sourced(False, Source.option("--ct-no-oom-retry"))
     return Settings(
@@ -214,15 +214,6 @@ def resolve_settings(
         strict=bool(options.get("ct_strict")),
         forget=bool(options.get("ct_forget")),
     )
-
-
-def _ini_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in {"1", "true", "yes", "on"}:
-        return True
-    if lowered in {"0", "false", "no", "off"}:
-        return False
-    raise ValueError(f"must be true or false, got {text!r}")
 
 
 def _ini_or_default(

@@ -20,6 +20,7 @@ class Source:
 
     kind: SourceKind
     where: str
+    path: str | None = None  # the file, for a value read from an experiment YAML
 
     def __str__(self) -> str:
         return self.where
@@ -42,7 +43,7 @@ class Source:
 
     @classmethod
     def yaml(cls, path: str, key: str) -> Source:
-        return cls("yaml", f"{key} in {path}")
+        return cls("yaml", f"{key} in {path}", path)
 
     @classmethod
     def marker(cls, name: str, nodeid: str) -> Source:
