@@ -12,6 +12,6 @@ echo "== pytest tests/gpu -v -rs"
 python3 -m pytest tests/gpu -v -rs -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
 gpu_rc=${PIPESTATUS[0]}
 echo "== pytest examples/ on the GPU"
-python3 -m pytest examples/ --ct-config example_configs/tiny_gemma2.yaml -v -p no:cacheprovider 2>&1 | tee "$out/examples.log"
+python3 -m pytest --nbmake examples/ example_configs/ --ct-config example_configs/tiny_gemma2.yaml -v -p no:cacheprovider 2>&1 | tee "$out/examples.log"
 echo "gpu tests exit code: $gpu_rc"
 exit "$gpu_rc"

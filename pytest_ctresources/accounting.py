@@ -26,6 +26,8 @@ NEED_KEY = pytest.StashKey["markers.VramNeed | None"]()
 MEMORY_KEY = pytest.StashKey[str]()
 FIGURES_KEY = pytest.StashKey[VramFigures]()
 SESSION_KEY = pytest.StashKey[CtSession]()
+#: Figures measured outside the pytest process (a notebook's kernel), used instead of the meter's.
+KERNEL_FIGURES_KEY = pytest.StashKey[VramFigures]()
 
 CONFIG_FIXTURES = frozenset({"ct_config", "ct_session"})
 UNMARKED_BYTES = 1 << 30
@@ -44,8 +46,8 @@ def begin(item: pytest.Item, runtime: Runtime) -> str | None:
     meter = VramMeter()
     meter.start()
     item.stash[METER_KEY] = meter
-    cfg = None
-    if CONFIG_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+    cfg = item.stash.get(CONFIG_KEY, None)  # set at collection for notebook items
+    if cfg is None and CONFIG_FIXTURES.intersection(getattr(item, "fixturenames", ())):
         cfg = runtime.config_for(item)
     item.stash[MEMORY_KEY] = key = memory_key(item.nodeid, cfg)
     need = markers.vram_need(item)
@@ -65,8 +67,10 @@ def begin(item: pytest.Item, runtime: Runtime) -> str | None:
 
 def end(item: pytest.Item, runtime: Runtime) -> None:
     """After teardown and cleanup: record the figures, warn about a leak."""
-    meter = item.stash.get(METER_KEY, None)
-    figures = meter.figures(finished=True) if meter is not None else None
+    figures = item.stash.get(KERNEL_FIGURES_KEY, None)
+    if figures is None:
+        meter = item.stash.get(METER_KEY, None)
+        figures = meter.figures(finished=True) if meter is not None else None
     if figures is None:
         return
     item.stash[FIGURES_KEY] = figures

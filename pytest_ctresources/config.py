@@ -232,6 +232,8 @@ FIELDS: Mapping[str, FieldSpec] = {
 
 #: The YAML key that holds experiment parameters that are not ours (prompts, layer lists...).
 PARAMS_KEY = "PARAMS"
+#: The YAML key naming the notebook an experiment config runs (``pytest --nbmake``).
+NOTEBOOK_KEY = "NOTEBOOK"
 
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str:

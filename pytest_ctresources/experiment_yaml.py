@@ -19,6 +19,7 @@ from typing import Any
 
 from pytest_ctresources.config import (
     FIELDS,
+    NOTEBOOK_KEY,
     PARAMS_KEY,
     CircuitTracerConfig,
     ConfigError,
@@ -28,7 +29,7 @@ from pytest_ctresources.config import (
 from pytest_ctresources.sources import Source
 
 _FIELD_BY_KEY = {spec.yaml_key: name for name, spec in FIELDS.items()}
-KNOWN_KEYS: tuple[str, ...] = (*_FIELD_BY_KEY, PARAMS_KEY)
+KNOWN_KEYS: tuple[str, ...] = (*_FIELD_BY_KEY, PARAMS_KEY, NOTEBOOK_KEY)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class ExperimentFile:
     path: str
     values: Mapping[str, object]
     params: Mapping[str, Any]
+    notebook: Path | None = None  # NOTEBOOK, resolved against the file's directory
 
     def apply(self, cfg: CircuitTracerConfig) -> CircuitTracerConfig:
         """``cfg`` with this file's values laid over it, each sourced ``KEY in path``."""
@@ -84,7 +86,13 @@ def _load(shown: str, absolute: str, _mtime_ns: int) -> ExperimentFile:
         raise ConfigError(
             f"{shown}: the top level must be a mapping of KEY: value, got a {type(data).__name__}"
         )
-    return ExperimentFile(shown, *_validate(shown, data))
+    notebook = data.pop(NOTEBOOK_KEY, None)
+    if notebook is not None and (not isinstance(notebook, str) or not notebook.strip()):
+        raise ConfigError(f"{shown}: {NOTEBOOK_KEY} must be a notebook path, got {notebook!r}")
+    values, params = _validate(shown, data)
+    return ExperimentFile(
+        shown, values, params, Path(absolute).parent / notebook if notebook else None
+    )
 
 
 def _validate(shown: str, data: dict[Any, Any]) -> tuple[Mapping[str, object], Mapping[str, Any]]:

@@ -52,6 +52,10 @@ def pytest_configure(config: pytest.Config) -> None:
         if runtime.settings.forget:
             runtime.learned().forget()
         config.pluginmanager.register(SummaryReporter(runtime, config), SummaryReporter.name)
+    if config.pluginmanager.hasplugin("nbmake") and config.getoption("nbmake", False):
+        from pytest_ctresources.notebooks import NotebookSupport
+
+        config.pluginmanager.register(NotebookSupport(), NotebookSupport.name)
     if runtime.settings.strict:
         config.pluginmanager.register(
             accounting.StrictChecks(runtime), accounting.StrictChecks.name

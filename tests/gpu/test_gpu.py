@@ -230,3 +230,59 @@ def test_gemma_2_2b_oom_recovered_by_halving(pytester: pytest.Pytester) -> None:
     assert record["oom_halvings"].startswith("OOM at batch 256, passed at ")
     assert record["peak_reserved_bytes"] <= 14 * 2**30
     keep_artifacts(pytester.path / "gemma_halving.json", pytester.path / "gemma_halving.png")
+
+
+def _gpu_notebook(path: Path, source: str, vram_gib: float) -> None:
+    nbformat = pytest.importorskip("nbformat")
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    nb = new_notebook(cells=[new_code_cell(source)])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["ctresources"] = {"vram_gib": vram_gib}
+    nbformat.write(nb, path)
+
+
+def test_two_notebooks_at_sixty_percent_and_one_over_capacity(pytester: pytest.Pytester) -> None:
+    pytest.importorskip("nbmake")
+    total = torch.cuda.get_device_properties(0).total_memory
+    share = int(total * 0.6)
+    capacity_gib = round(total * 0.8 / 2**30)  # the emulated card holds one notebook, not two
+    allocate = (
+        "import torch\n"
+        "free, total = torch.cuda.mem_get_info()\n"
+        # The previous notebook's kernel has exited and its memory is back.
+        f"assert free >= {share}, f'only {{free / 2**30:.1f}} GiB free before allocating'\n"
+        f"x = torch.empty({share}, dtype=torch.uint8, device='cuda')\n"
+        "x.fill_(1)\n"
+        f"assert torch.cuda.memory_allocated() >= {share}\n"
+    )
+    need = round(share / 2**30 + 1, 1)
+    _gpu_notebook(pytester.path / "nb_first.ipynb", allocate, need)
+    _gpu_notebook(pytester.path / "nb_second.ipynb", allocate, need)
+    _gpu_notebook(pytester.path / "nb_too_big.ipynb", "raise AssertionError('ran')", capacity_gib + 10)
+    result = pytester.runpytest_subprocess(
+        "--nbmake",
+        "-p",
+        "no:randomly",
+        "--ct-vram-capacity",
+        str(capacity_gib),
+        "--ct-report",
+        "--ct-report-json",
+        "notebooks.json",
+        "-rs",
+    )
+    result.assert_outcomes(passed=2, skipped=1)
+    result.stdout.fnmatch_lines(
+        [f"*nb_too_big.ipynb: needs {capacity_gib + 10:.1f} GiB VRAM; GPU 0 (*) is capped at *"]
+    )
+    records = {
+        r["nodeid"]: r for r in json.loads((pytester.path / "notebooks.json").read_text())["tests"]
+    }
+    for name in ("nb_first.ipynb", "nb_second.ipynb"):
+        record = records[f"{name}::{name}"]
+        assert record["peak_allocated_bytes"] >= share, record  # measured inside the kernel
+        assert record["after_bytes"] == 0, record  # the kernel exited: nothing is left
+    result.stdout.fnmatch_lines(["*nb_first.ipynb*", "*nb_second.ipynb*"])  # in the summary
+    assert "LEAK" not in str(result.stdout)
+    (pytester.path / "notebooks.log").write_text(str(result.stdout), encoding="utf-8")
+    keep_artifacts(pytester.path / "notebooks.json", pytester.path / "notebooks.log")
