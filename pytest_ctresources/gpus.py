@@ -461,7 +461,9 @@ def _facts(
 # --------------------------------------------------------------------------- detection
 
 
-def detect_gpus(environ: Mapping[str, str] | None = None) -> GpuFacts:
+def detect_gpus(
+    environ: Mapping[str, str] | None = None, *, torch_fallback: bool = True
+) -> GpuFacts:
     """Find the CUDA GPUs this process will see, without creating a CUDA context.
 
     ``environ`` defaults to ``os.environ``; ``CT_FAKE_GPUS``, ``CUDA_VISIBLE_DEVICES`` and
@@ -469,7 +471,8 @@ def detect_gpus(environ: Mapping[str, str] | None = None) -> GpuFacts:
     process's real environment instead.) Never raises for an unusable NVML or torch -- that
     becomes ``source="none"`` with the reasons in ``detail`` -- but a malformed
     ``CT_FAKE_GPUS`` raises ``ValueError``, since a test seam that silently falls back to the
-    real hardware would make CPU test results lie.
+    real hardware would make CPU test results lie. ``torch_fallback=False`` never imports
+    torch (xdist workers bind their GPU at start-up, where importing torch is too costly).
     """
     env: Mapping[str, str] = os.environ if environ is None else environ
     visible = env.get(VISIBLE_DEVICES_ENV)
@@ -481,6 +484,8 @@ def detect_gpus(environ: Mapping[str, str] | None = None) -> GpuFacts:
     nvml = _detect_nvml(env, visible)
     if isinstance(nvml, GpuFacts):
         return nvml
+    if not torch_fallback:
+        return GpuFacts((), "none", nvml, visible)
     return _detect_torch(visible, nvml_reason=nvml)
 
 

@@ -29,6 +29,7 @@ _UNITS = {
 }
 CLEANUP_MODES: tuple[str, ...] = ("auto", "always", "never")
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
+BINDING_MODES: tuple[str, ...] = ("auto", "off")
 
 
 def positive_number(text: str) -> float:
@@ -50,6 +51,36 @@ def positive_count(text: str) -> int:
         raise ValueError(f"must be a positive integer, got {text!r}") from None
     if value <= 0:
         raise ValueError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_gib(text: str) -> float:
+    """Parse a number of GiB that may be 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"must be a number of GiB, 0 or more, got {text!r}")
+    return value
+
+
+def binding_mode(text: str) -> str:
+    """Parse ``ct_gpu_binding``."""
+    value = text.strip().lower()
+    if value not in BINDING_MODES:
+        raise ValueError(f"must be one of {', '.join(BINDING_MODES)}; got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """Parse a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"must be a positive number of seconds, got {text!r}")
     return value
 
 
@@ -159,6 +190,29 @@ INI_ONLY: tuple[tuple[str, str, str], ...] = (
         "auto",
     ),
     (
+        "ct_gpu_binding",
+        "under pytest-xdist: 'auto' binds each worker to one GPU of its host, round robin "
+        "over the visible GPUs, before conftests are imported; 'off' leaves "
+        "CUDA_VISIBLE_DEVICES alone",
+        "auto",
+    ),
+    (
+        "ct_leases",
+        "under pytest-xdist: a test with a known VRAM need takes it from its GPU's budget, "
+        "shared by the workers on the host, and waits while it is taken",
+        "true",
+    ),
+    (
+        "ct_default_vram_gib",
+        "the lease of a test with no declared, configured or learned need (0: no lease)",
+        "0",
+    ),
+    (
+        "ct_lease_timeout",
+        "seconds a test waits for its VRAM lease before it fails",
+        "1800",
+    ),
+    (
         "ct_alloc_conf",
         "PYTORCH_CUDA_ALLOC_CONF set (if unset) before CUDA can initialise; empty disables",
         DEFAULT_ALLOC_CONF,
@@ -233,6 +287,14 @@ def add_options(parser: pytest.Parser) -> None:
         action="store_false",
         default=None,
         help="ct_session.attribute does not halve the batch size and retry after OOM",
+    )
+    group.addoption(
+        "--ct-no-leases",
+        dest="ct_leases",
+        action="store_false",
+        default=None,
+        help="under pytest-xdist, run tests without taking VRAM leases (workers may then "
+        "exceed a shared GPU's memory)",
     )
     group.addoption(
         "--ct-forget",

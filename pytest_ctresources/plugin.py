@@ -7,16 +7,20 @@
 - fixtures: :mod:`~pytest_ctresources.fixtures`; run state: :mod:`~pytest_ctresources.runtime`
 - per-test VRAM accounting: :mod:`~pytest_ctresources.accounting`; end-of-run report:
   :mod:`~pytest_ctresources.summary` and :mod:`~pytest_ctresources.report_files`
+- xdist workers: GPU binding :mod:`~pytest_ctresources.binding`, VRAM leases
+  :mod:`~pytest_ctresources.leases` over the shared :mod:`~pytest_ctresources.ledger`
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator
 
 import pytest
 
-from pytest_ctresources import accounting, markers
+from pytest_ctresources import accounting, leases, markers
 from pytest_ctresources.allocator import AllocConf
+from pytest_ctresources.binding import Binding, bind_worker, is_worker, plan_line
 from pytest_ctresources.cleanup import cleanup_after_test
 from pytest_ctresources.fixtures import ct_config, ct_session
 from pytest_ctresources.options import DEFAULT_ALLOC_CONF, add_options
@@ -26,6 +30,7 @@ from pytest_ctresources.summary import FIGURES_PROPERTY, SummaryReporter
 __all__ = ["ct_config", "ct_session"]
 
 _ALLOC_KEY = pytest.StashKey[AllocConf]()
+_BINDING_KEY = pytest.StashKey[Binding]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -41,12 +46,34 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     alloc.apply()
     early_config.stash[_ALLOC_KEY] = alloc
     early_config.add_cleanup(alloc.undo)
+    # An xdist worker is bound to its GPU here, before conftests can initialise CUDA.
+    mode = (early_config.getini("ct_gpu_binding") or "auto").strip().lower()
+    if mode == "auto" and is_worker(os.environ):
+        binding = _bind_worker()
+        if binding is not None:
+            early_config.stash[_BINDING_KEY] = binding
+
+
+def _bind_worker() -> Binding | None:
+    from pytest_ctresources.gpus import detect_gpus
+
+    try:
+        facts = detect_gpus(torch_fallback=False)  # NVML only: no torch import at start-up
+    except ValueError:
+        return None  # a malformed CT_FAKE_GPUS: reported as a usage error at configure
+    return bind_worker(os.environ, facts)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     for name in markers.MARKERS:
         config.addinivalue_line("markers", markers.marker_help(name))
-    runtime = start_runtime(config, config.stash.get(_ALLOC_KEY, None))
+    binding = config.stash.get(_BINDING_KEY, None)
+    if binding is not None and not hasattr(config, "workerinput"):
+        # Not an xdist worker after all: a pytest run started from inside one inherits its
+        # PYTEST_XDIST_WORKER. Undo the binding.
+        binding.undo(os.environ)
+        binding = None
+    runtime = start_runtime(config, config.stash.get(_ALLOC_KEY, None), binding)
     config.stash[RUNTIME_KEY] = runtime
     if not hasattr(config, "workerinput"):  # xdist workers report to the controller instead
         if runtime.settings.forget:
@@ -72,10 +99,16 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     if config.get_verbosity() < 1:
         return None
     runtime = runtime_of(config)
-    return [
+    lines = [
         *runtime.settings.header_lines(),
         *(f"ctresources: {line}" for line in runtime.gpu_facts().summary_lines()),
     ]
+    workers = config.getoption("numprocesses", None)
+    if runtime.settings.gpu_binding.value == "auto" and isinstance(workers, int):
+        plan = plan_line(runtime.gpu_facts(), workers)
+        if plan is not None:
+            lines.append(f"ctresources: {plan}")
+    return lines
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -92,6 +125,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             # A skip mark, evaluated by pytest's skipping plugin right after this hook, reports
             # the test's own location rather than this file's.
             item.add_marker(pytest.mark.skip(reason=reason))
+        need = item.stash.get(accounting.NEED_KEY, None)
+        leases.take(item, runtime, need.gib if need else None, skipped=reason is not None)
         return
     pytest.fail(failure, pytrace=False)
 
@@ -107,6 +142,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
             # Reported through the teardown report: output written here would be captured.
             item.user_properties.append((FIGURES_PROPERTY, result.figures_closed))
         accounting.end(item, runtime)
+        leases.give_back(item, runtime)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -62,6 +62,7 @@ def build_report(
             "strict": settings.strict,
         },
         "tests": [record.to_dict() for record in summary.records.values()],
+        "placements": [placement.to_dict() for placement in summary.placements.values()],
         "attributions": summary.attributions,
         "vram_skips": summary.vram_skips,
     }

@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 import pytest
 
 from pytest_ctresources.allocator import ALLOC_CONF_ENV, AllocConf, CapacityCap
-from pytest_ctresources.cleanup import cuda_initialised
+from pytest_ctresources.binding import TESTRUN_ENV, Binding
+from pytest_ctresources.cleanup import cleanup_python_cuda, cuda_initialised
 from pytest_ctresources.config import CircuitTracerConfig
 from pytest_ctresources.exceptions import AllocConfIneffectiveWarning
 from pytest_ctresources.gpus import FAKE_GPUS_ENV, GpuFacts, GpuInfo, detect_gpus, parse_fake_gpus
 from pytest_ctresources.learned import LearnedNeeds
+from pytest_ctresources.leases import WorkerGpu, start_worker_gpu
 from pytest_ctresources.markers import layer_markers
 from pytest_ctresources.session import ModelCache
 from pytest_ctresources.settings import Settings, settings_from_config
@@ -27,6 +29,8 @@ class Runtime:
     capacity_cap: CapacityCap | None
     model_cache: ModelCache = field(default_factory=ModelCache)
     cache: pytest.Cache | None = None
+    worker_gpu: WorkerGpu | None = None
+    """The GPU this xdist worker is bound to, and its lease budget (None elsewhere)."""
     _gpu_facts: GpuFacts | None = None
     _learned: LearnedNeeds | None = None
     _config_below_markers: CircuitTracerConfig | None = None
@@ -41,6 +45,11 @@ class Runtime:
         if self._learned is None:
             self._learned = LearnedNeeds(self.cache)
         return self._learned
+
+    def free_cached_models(self) -> None:
+        """Free the models ct_session cached, and what the allocator caches (before a wait)."""
+        self.model_cache.evict()
+        cleanup_python_cuda()
 
     def test_gpu(self) -> GpuInfo | None:
         """The GPU a test in this process runs on: the first visible one."""
@@ -61,6 +70,11 @@ class Runtime:
         return cfg
 
 
+def runs_no_tests(config: pytest.Config) -> bool:
+    """Whether this is a pytest-xdist controller (its workers run the tests)."""
+    return not hasattr(config, "workerinput") and bool(config.getoption("numprocesses", None))
+
+
 RUNTIME_KEY = pytest.StashKey[Runtime]()
 CONFIG_KEY = pytest.StashKey[CircuitTracerConfig]()
 
@@ -70,10 +84,13 @@ def runtime_of(config: pytest.Config) -> Runtime:
     return config.stash[RUNTIME_KEY]
 
 
-def start_runtime(config: pytest.Config, alloc: AllocConf | None) -> Runtime:
+def start_runtime(
+    config: pytest.Config, alloc: AllocConf | None, binding: Binding | None = None
+) -> Runtime:
     """Resolve the settings and build the run's :class:`Runtime` (raises ``pytest.UsageError``).
 
-    ``alloc`` is the allocator setting applied before conftests were imported, if any.
+    ``alloc`` is the allocator setting applied before conftests were imported, if any;
+    ``binding`` the GPU this xdist worker was bound to then, if any.
     """
     settings = settings_from_config(config)
     fake = os.environ.get(FAKE_GPUS_ENV)
@@ -99,7 +116,11 @@ def start_runtime(config: pytest.Config, alloc: AllocConf | None) -> Runtime:
         capacity_cap=CapacityCap(capacity.value) if capacity else None,
         cache=getattr(config, "cache", None),  # None under -p no:cacheprovider
     )
-    if runtime.capacity_cap is not None:
+    if binding is not None:
+        budget = capacity.value if capacity else binding.gpu.total_gib
+        testrun = os.environ.get(TESTRUN_ENV) or "local"
+        runtime.worker_gpu = start_worker_gpu(binding, testrun, budget, settings.leases.value)
+    if runtime.capacity_cap is not None and not runs_no_tests(config):
         # The emulated card must bind from the first CUDA allocation, whoever imports torch
         # and whenever: importing torch here does not initialise CUDA.
         runtime.capacity_cap.arm(import_torch=True)

@@ -24,8 +24,11 @@ from pytest_ctresources.options import (
     INI_ONLY,
     SETTINGS,
     SettingSpec,
+    binding_mode,
     byte_size,
+    non_negative_gib,
     positive_count,
+    seconds,
 )
 from pytest_ctresources.sources import Source, Sourced
 
@@ -38,6 +41,7 @@ REPORT_DESTS = (
     "ct_strict",
     "ct_oom_retry",
     "ct_forget",
+    "ct_leases",
 )
 
 
@@ -56,6 +60,10 @@ class Settings:
     leak_threshold_bytes: Sourced[int]
     oom_retry: Sourced[bool]
     oom_retry_floor: Sourced[int]
+    gpu_binding: Sourced[str]
+    leases: Sourced[bool]
+    default_vram_gib: Sourced[float]
+    lease_timeout_s: Sourced[float]
     report_forced: bool = False
     report_top: int = 10
     report_json: Path | None = None
@@ -193,6 +201,12 @@ def resolve_settings(
     retry = _ini_or_default(ini, "ct_oom_retry", inifile, parse_bool)
     if options.get("ct_oom_retry") is False:
         retry = Sourced(False, Source.option("--ct-no-oom-retry"))
+    leases = _ini_or_default(ini, "ct_leases", inifile, parse_bool)
+    if options.get("ct_leases") is False:
+        leases = Sourced(False, Source.option("--ct-no-leases"))
+    binding = _ini_or_default(ini, "ct_gpu_binding", inifile, binding_mode)
+    default_gib = _ini_or_default(ini, "ct_default_vram_gib", inifile, non_negative_gib)
+    timeout = _ini_or_default(ini, "ct_lease_timeout", inifile, seconds)
     return Settings(
         ini_layer=ini_layer,
         experiment=experiment,
@@ -207,6 +221,10 @@ def resolve_settings(
         leak_threshold_bytes=leak,  # type: ignore[arg-type]
         oom_retry=retry,  # type: ignore[arg-type]
         oom_retry_floor=floor,  # type: ignore[arg-type]
+        gpu_binding=binding,  # type: ignore[arg-type]
+        leases=leases,  # type: ignore[arg-type]
+        default_vram_gib=default_gib,  # type: ignore[arg-type]
+        lease_timeout_s=timeout,  # type: ignore[arg-type]
         report_forced=bool(options.get("ct_report")),
         report_top=int(options.get("ct_report_top") or 10),  # type: ignore[call-overload]
         report_json=_writable(options.get("ct_report_json"), "--ct-report-json", invocation_dir),

@@ -17,6 +17,7 @@ import pytest
 from pytest_ctresources.accounting import UNMARKED_BYTES, suggested_marker
 from pytest_ctresources.learned import LearnedNeed
 from pytest_ctresources.measure import GIB
+from pytest_ctresources.placement import Placement, placement_from, placement_lines
 
 if TYPE_CHECKING:
     from pytest_ctresources.runtime import Runtime
@@ -98,6 +99,7 @@ class RunSummary:
     vram_skips: dict[str, str] = field(default_factory=dict)
     records: dict[str, TestRecord] = field(default_factory=dict)
     halvings: dict[str, str] = field(default_factory=dict)
+    placements: dict[str, Placement] = field(default_factory=dict)
     _outcomes: dict[str, str] = field(default_factory=dict)
 
     def record(self, report: pytest.TestReport) -> None:
@@ -117,9 +119,13 @@ class RunSummary:
             if VRAM_SKIP_PATTERN.match(reason):
                 self.vram_skips[report.nodeid] = reason
         if report.when == "teardown":
-            record = _record_from(report, self._outcomes.get(report.nodeid, "passed"))
+            outcome = self._outcomes.get(report.nodeid, "passed")
+            record = _record_from(report, outcome)
             if record is not None:
                 self.records[report.nodeid] = record
+            placement = placement_from(report.nodeid, outcome, dict(report.user_properties))
+            if placement is not None:
+                self.placements[report.nodeid] = placement
 
     def flag(self, leak_threshold: int) -> None:
         """Attach UNDER-DECLARED, UNMARKED, LEAK and OOM-RECOVERED flags to the records."""
@@ -157,7 +163,9 @@ class RunSummary:
         }
 
     def is_empty(self) -> bool:
-        return not (self.attributions or self.vram_skips or self.records or self.halvings)
+        return not (
+            self.attributions or self.vram_skips or self.records or self.halvings or self.placements
+        )
 
     def lines(self, settings_lines: list[str], gpu_lines: list[str]) -> list[str]:
         calls = sum(len(sizes) for sizes in self.attributions.values())
@@ -171,6 +179,7 @@ class RunSummary:
         out += [f"  {nodeid}: {text}" for nodeid, text in sorted(self.halvings.items())]
         out.append(f"skipped for VRAM: {len(self.vram_skips)} test(s)")
         out += [f"  {nodeid}: {reason}" for nodeid, reason in sorted(self.vram_skips.items())]
+        out += placement_lines(list(self.placements.values()))
         return out
 
     def vram_lines(self, top: int, capacity_gib: float | None, capacity_note: str) -> list[str]:

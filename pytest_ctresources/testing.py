@@ -61,6 +61,7 @@ __all__ = [
     "BUNDLED_MODELS",
     "BUNDLED_TRANSCODER_SETS",
     "GEMMA_2_2B_DIMS",
+    "RANDOM_GEMMA_2_2B",
     "RANDOM_TRANSCODERS",
     "TINY_GEMMA2",
     "TINY_GEMMA2_DIMS",
@@ -80,6 +81,8 @@ __all__ = [
 TINY_GEMMA2: Final = "ctresources/tiny-gemma-2"
 #: Name of the bundled tiny random Llama model.
 TINY_LLAMA: Final = "ctresources/tiny-llama"
+#: Random weights of real gemma-2-2b dimensions (offline): for capacity tests and benchmarks.
+RANDOM_GEMMA_2_2B: Final = "ctresources/random-gemma-2-2b"
 #: Name of the bundled random JumpReLU transcoder set (for ``TRANSCODER_SET``); it fits any
 #: bundled model, because its transcoders are generated to match the model's dimensions.
 RANDOM_TRANSCODERS: Final = "ctresources/random-jumprelu"
@@ -281,7 +284,11 @@ GEMMA_2_2B_DIMS: Final = ModelDims(
 
 #: Bundled model names and their dimensions (read-only).
 BUNDLED_MODELS: Final[Mapping[str, ModelDims]] = MappingProxyType(
-    {TINY_GEMMA2: TINY_GEMMA2_DIMS, TINY_LLAMA: TINY_LLAMA_DIMS}
+    {
+        TINY_GEMMA2: TINY_GEMMA2_DIMS,
+        TINY_LLAMA: TINY_LLAMA_DIMS,
+        RANDOM_GEMMA_2_2B: GEMMA_2_2B_DIMS,
+    }
 )
 #: Bundled transcoder-set names.
 BUNDLED_TRANSCODER_SETS: Final[frozenset[str]] = frozenset({RANDOM_TRANSCODERS})
@@ -732,7 +739,8 @@ def build_named_model(
     """Build a bundled random model by name, as an experiment config names them.
 
     Args:
-        model_name: A bundled model name, :data:`TINY_GEMMA2` or :data:`TINY_LLAMA`.
+        model_name: A bundled model name, :data:`TINY_GEMMA2`, :data:`TINY_LLAMA` or
+            :data:`RANDOM_GEMMA_2_2B` (real size: build it on a GPU).
         transcoder_set: A bundled transcoder-set name, :data:`RANDOM_TRANSCODERS`.
         dtype: Parameter dtype (see :func:`build_replacement_model`).
         device: Device; ``None`` means CUDA if available, else CPU.

@@ -28,6 +28,10 @@ def _offline_and_clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for name in CT_ENV_VARS:
         monkeypatch.delenv(name, raising=False)
+    # This suite runs under `-n 2`: a pytester run must not inherit the outer worker's
+    # identity (a nested pytest is no worker; tests that want one set these themselves).
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(name, raising=False)
 
 
 TINY_YAML = """\

@@ -31,8 +31,12 @@ def test_option_group_in_help(pytester: pytest.Pytester) -> None:
             "*--ct-max-feature-nodes=N*",
             "*--ct-config=PATH*",
             "*--ct-vram-capacity=GIB*",
+            "*--ct-no-leases*",
             "*ct_batch_size (string)*",
             "*ct_cleanup (string)*",
+            "*ct_gpu_binding (string)*",
+            "*ct_default_vram_gib (string)*",
+            "*ct_lease_timeout (string)*",
             "*ct_alloc_conf (string)*",
         ]
     )
@@ -163,6 +167,22 @@ def test_bad_options_are_usage_errors(
             "ERROR: ini ct_cleanup in *: must be one of auto, always, never; got 'sometimes'",
         ),
         ({"CT_FAKE_GPUS": "H200=lots"}, "", "ERROR: CT_FAKE_GPUS: *"),
+        (
+            {},
+            "ct_gpu_binding = maybe",
+            "ERROR: ini ct_gpu_binding in *: must be one of auto, off; got 'maybe'",
+        ),
+        (
+            {},
+            "ct_lease_timeout = 0",
+            "ERROR: ini ct_lease_timeout in *: must be a positive number of seconds, got '0'",
+        ),
+        (
+            {},
+            "ct_default_vram_gib = -1",
+            "ERROR: ini ct_default_vram_gib in *: must be a number of GiB, 0 or more, got '-1'",
+        ),
+        ({}, "ct_leases = perhaps", "ERROR: ini ct_leases in *: *perhaps*"),
     ],
 )
 def test_bad_env_and_ini_are_usage_errors(

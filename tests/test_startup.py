@@ -11,14 +11,21 @@ pytest_plugins = ["pytester"]
 HEAVY = ("torch", "matplotlib", "circuit_tracer", "nnsight", "nbformat", "pynvml", "yaml")
 
 
+@pytest.mark.parametrize("as_worker", [False, True])
 def test_a_run_that_does_not_use_the_plugin_imports_nothing_heavy(
-    pytester: pytest.Pytester,
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, as_worker: bool
 ) -> None:
+    heavy = HEAVY
+    if as_worker:
+        # In an xdist worker the plugin asks NVML for the host's GPUs to bind one (pynvml is
+        # light), never torch. (A pytest started inside a worker inherits its environment.)
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+        heavy = tuple(name for name in HEAVY if name != "pynvml")
     pytester.makeconftest(
         f"""
         import sys
         def pytest_sessionfinish(session):
-            loaded = [m for m in {HEAVY!r} if m in sys.modules]
+            loaded = [m for m in {heavy!r} if m in sys.modules]
             print("HEAVY:" + ",".join(loaded) + ":END")
         """
     )

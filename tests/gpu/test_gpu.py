@@ -286,3 +286,58 @@ def test_two_notebooks_at_sixty_percent_and_one_over_capacity(pytester: pytest.P
     assert "LEAK" not in str(result.stdout)
     (pytester.path / "notebooks.log").write_text(str(result.stdout), encoding="utf-8")
     keep_artifacts(pytester.path / "notebooks.json", pytester.path / "notebooks.log")
+
+
+def test_xdist_workers_are_bound_and_the_controller_never_touches_cuda(
+    pytester: pytest.Pytester,
+) -> None:
+    pytest.importorskip("xdist")
+    count = torch.cuda.device_count()
+    pytester.makeconftest(
+        """
+        import json, os, sys
+
+        def pytest_sessionfinish(session):
+            if not hasattr(session.config, "workerinput"):  # the controller
+                torch = sys.modules.get("torch")
+                with open("controller.json", "w") as handle:
+                    json.dump({"cuda_initialised": bool(torch and torch.cuda.is_initialized())},
+                              handle)
+        """
+    )
+    pytester.makepyfile(
+        """
+        import json, os, pytest, torch
+
+        @pytest.mark.parametrize("i", range(4))
+        @pytest.mark.vram(gib=2)
+        def test_on_my_gpu(i):
+            x = torch.ones(2**28, device="cuda")  # 1 GiB
+            props = torch.cuda.get_device_properties(0)
+            with open(f"run-{i}.json", "w") as handle:
+                json.dump({"worker": os.environ["PYTEST_XDIST_WORKER"],
+                           "visible": os.environ["CUDA_VISIBLE_DEVICES"],
+                           "devices": torch.cuda.device_count(),
+                           "uuid": str(props.uuid)}, handle)
+            assert x.sum().item() == 2**28
+        """
+    )
+    result = pytester.runpytest_subprocess(
+        "-n", "2", "-v", "--ct-report-json", "xdist.json", "-p", "no:randomly"
+    )
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines(["ctresources: xdist: 2 worker(s) bound round robin to *"])
+    runs = [json.loads(path.read_text()) for path in pytester.path.glob("run-*.json")]
+    by_worker = {run["worker"]: run for run in runs}
+    assert all(run["devices"] == 1 for run in runs)  # each worker sees its GPU only
+    assert all(run["visible"] == "GPU-" + run["uuid"] for run in runs)
+    if count >= 2 and len(by_worker) == 2:
+        assert by_worker["gw0"]["uuid"] != by_worker["gw1"]["uuid"]
+    assert json.loads((pytester.path / "controller.json").read_text()) == {
+        "cuda_initialised": False
+    }
+    report = json.loads((pytester.path / "xdist.json").read_text())
+    assert len(report["placements"]) == 4
+    assert {p["lease_gib"] for p in report["placements"]} == {2.0}
+    (pytester.path / "xdist.log").write_text(str(result.stdout), encoding="utf-8")
+    keep_artifacts(pytester.path / "xdist.json", pytester.path / "xdist.log")

@@ -1,0 +1,254 @@
+"""One GPU per xdist worker and a shared VRAM lease budget, against a serial run.
+
+    python bench/xdist_gpus.py --workers 6 [--two-gpus] [--out DIR] [--tiny]
+
+Runs bench/xdist_suite (16 real-size attributions, each ``@pytest.mark.vram(gib=19)``) one
+variant after the other, each in its own ``python -m pytest`` subprocess:
+
+- serial, one GPU;
+- ``-n W`` with leases, one GPU;
+- ``-n W --ct-no-leases``, one GPU;
+- with ``--two-gpus``: ``-n 2W`` with leases over two GPUs;
+- with ``--crowded W2``: ``-n W2`` on one GPU with and without leases (more workers than
+  their needs fit at once, so the budget has something to prevent).
+
+For each it prints the wall time, its ratio to the serial time (>1 is faster), the outcomes
+from the JUnit XML (OOM failures counted apart), and from the ``--ct-report-json`` placements
+the tests per GPU and the lease waits. OOM failures are results; the exit status is non-zero
+only when a variant could not run at all (a usage error, a crash, no JUnit XML).
+
+``--tiny`` runs the suite on the bundled tiny model (``CT_BENCH_TINY=1``); without CUDA it
+presents two fake 8 GiB GPUs (``CT_FAKE_GPUS``, unless already set) so the harness runs on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SUITE = "bench/xdist_suite"
+OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory")
+FAKE_GPUS = "Fake=8;Fake=8"
+# pytest's exit statuses for "ran, all passed" and "ran, some failed"; anything else means the
+# variant did not run (interrupted, internal error, usage error, nothing collected).
+RAN = (0, 1)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    pytest_args: list[str]
+    gpus: list[str]
+
+
+@dataclass
+class Result:
+    variant: Variant
+    command: str
+    wall_s: float
+    problem: str | None = None
+    outcomes: Counter[str] = field(default_factory=Counter)
+    per_gpu: Counter[str] = field(default_factory=Counter)
+    lease_waits: list[float] = field(default_factory=list)
+
+
+def gpu_indexes() -> list[str] | None:
+    """The GPUs to use: CUDA_VISIBLE_DEVICES if set, else nvidia-smi's list; None if no CUDA."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        return [entry.strip() for entry in visible.split(",") if entry.strip()]
+    if shutil.which("nvidia-smi") is None:
+        return None
+    listed = subprocess.run(
+        ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+    )
+    indexes = listed.stdout.split()
+    return indexes if listed.returncode == 0 and indexes else None
+
+
+def junit_outcomes(path: Path) -> Counter[str]:
+    """Count passed, failed, errors, skipped and OOM (a failure or error naming one) tests."""
+    counts: Counter[str] = Counter()
+    for case in ET.parse(path).iter("testcase"):
+        problems = [child for child in case if child.tag in ("failure", "error")]
+        for child in problems:
+            counts["failed" if child.tag == "failure" else "errors"] += 1
+        texts = [f"{child.get('message', '')}\n{child.text or ''}" for child in problems]
+        if any(marker in text for text in texts for marker in OOM_MARKERS):
+            counts["oom"] += 1
+        if case.find("skipped") is not None:
+            counts["skipped"] += 1
+        elif not problems:
+            counts["passed"] += 1
+    return counts
+
+
+def read_placements(path: Path, result: Result) -> None:
+    """Tests per GPU and lease waits from the report's ``placements``, when it has them."""
+    if not path.exists():
+        return
+    for placement in json.loads(path.read_text()).get("placements", []):
+        result.per_gpu[f"{placement['gpu_physical_index']}:{placement['gpu_name']}"] += 1
+        if placement.get("lease_wait_s") is not None:
+            result.lease_waits.append(float(placement["lease_wait_s"]))
+
+
+def run_variant(variant: Variant, env: dict[str, str], out: Path) -> Result:
+    junit, report, log = (out / f"{variant.name}.{ext}" for ext in ("xml", "json", "log"))
+    for stale in (junit, report):
+        stale.unlink(missing_ok=True)
+    args = [sys.executable, "-m", "pytest", SUITE, "-p", "no:randomly", "-p", "no:cacheprovider"]
+    args += ["--durations=3"]  # where the time goes: in the log
+    args += ["-q", *variant.pytest_args, f"--junitxml={junit}", f"--ct-report-json={report}"]
+    variant_env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(variant.gpus)}
+    changed = {k: v for k, v in variant_env.items() if os.environ.get(k) != v}
+    command = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(changed.items()))
+    command = f"{command} {shlex.join(args)}".strip()
+    print(f"running {variant.name}: {command}", flush=True)
+    start = time.perf_counter()
+    with log.open("w") as log_file:
+        completed = subprocess.run(
+            args, cwd=REPO, env=variant_env, stdout=log_file, stderr=subprocess.STDOUT
+        )
+    result = Result(variant, command, time.perf_counter() - start)
+    if completed.returncode not in RAN or not junit.exists():
+        lines = log.read_text().strip().splitlines() or ["(no output)"]
+        errors = [line for line in lines if "error" in line.lower()]
+        result.problem = f"exit status {completed.returncode}: {(errors or lines)[-1]} (see {log})"
+        return result
+    result.outcomes = junit_outcomes(junit)
+    read_placements(report, result)
+    return result
+
+
+def print_table(results: list[Result]) -> None:
+    serial = next((r for r in results if r.variant.name == "serial" and not r.problem), None)
+    header = f"{'variant':<22} {'wall s':>8} {'vs serial':>9} {'pass':>5} {'fail':>5}"
+    print(f"\n{header} {'err':>4} {'skip':>5} {'OOM':>4}  {'tests per GPU':<24} lease wait s")
+    for r in results:
+        if r.problem:
+            print(f"{r.variant.name:<22} did not run: {r.problem}")
+            continue
+        ratio = f"{serial.wall_s / r.wall_s:.2f}" if serial else "-"
+        per_gpu = " ".join(f"{gpu}={n}" for gpu, n in sorted(r.per_gpu.items())) or "-"
+        waits = (
+            f"total {sum(r.lease_waits):.1f}, max {max(r.lease_waits):.1f}"
+            if r.lease_waits
+            else "-"
+        )
+        o = r.outcomes
+        print(
+            f"{r.variant.name:<22} {r.wall_s:>8.1f} {ratio:>9} {o['passed']:>5} {o['failed']:>5}"
+            f" {o['errors']:>4} {o['skipped']:>5} {o['oom']:>4}  {per_gpu:<24} {waits}"
+        )
+    by_name = {r.variant.name: r for r in results if not r.problem}
+    one, two = by_name.get("leases-1gpu"), by_name.get("leases-2gpus")
+    if one and two:
+        print(f"\ntwo GPUs vs one GPU, both with leases: {one.wall_s / two.wall_s:.2f}x faster")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=6, help="xdist workers per GPU")
+    parser.add_argument("--two-gpus", action="store_true", help="also run 2W workers on 2 GPUs")
+    parser.add_argument("--out", type=Path, help="where the XML, JSON and logs go (default: temp)")
+    parser.add_argument("--tiny", action="store_true", help="the bundled tiny model (CPU is fine)")
+    parser.add_argument(
+        "--crowded",
+        type=int,
+        metavar="W2",
+        help="also run -n W2 on one GPU with and without leases (more workers than fit at once)",
+    )
+    parser.add_argument(
+        "--two-gpus-n",
+        metavar="N[,N]",
+        help="also run these total worker counts over two GPUs (e.g. 2,4: fewer model builds)",
+    )
+    parser.add_argument(
+        "--only", help="comma-separated variant names to run (default: all); 'serial' first"
+    )
+    args = parser.parse_args()
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
+    # Absolute: pytest runs in the repository root, not in the caller's directory.
+    out: Path = (args.out or Path(tempfile.mkdtemp(prefix="ct-xdist-bench-"))).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    gpus = gpu_indexes()
+    if gpus is None:
+        gpus = ["0", "1"]
+        if args.tiny:
+            env.setdefault("CT_FAKE_GPUS", FAKE_GPUS)
+    if args.tiny:
+        env["CT_BENCH_TINY"] = "1"
+
+    w = args.workers
+    variants = [
+        Variant("serial", [], gpus[:1]),
+        Variant("leases-1gpu", ["-n", str(w)], gpus[:1]),
+        Variant("no-leases-1gpu", ["-n", str(w), "--ct-no-leases"], gpus[:1]),
+    ]
+    if args.crowded:
+        c = str(args.crowded)
+        variants += [
+            Variant(f"leases-1gpu-n{c}", ["-n", c], gpus[:1]),
+            Variant(f"no-leases-1gpu-n{c}", ["-n", c, "--ct-no-leases"], gpus[:1]),
+        ]
+    missing_gpu = bool(args.two_gpus or args.two_gpus_n) and len(gpus) < 2
+    if missing_gpu:
+        print(f"leases-2gpus cannot run: only GPU {gpus[0]} is visible", flush=True)
+    elif args.two_gpus:
+        variants.append(Variant("leases-2gpus", ["-n", str(2 * w)], gpus[:2]))
+
+    if args.two_gpus_n and not missing_gpu:
+        for n in args.two_gpus_n.split(","):
+            variants.append(Variant(f"leases-2gpus-n{n}", ["-n", n], gpus[:2]))
+    if args.only:
+        wanted = set(args.only.split(","))
+        variants = [v for v in variants if v.name in wanted]
+    results: list[Result] = []
+    for variant in variants:
+        results.append(run_variant(variant, env, out))
+        r = results[-1]
+        with (out / "results.jsonl").open("a") as handle:  # survives a run cut short
+            handle.write(
+                json.dumps(
+                    {
+                        "variant": variant.name,
+                        "wall_s": round(r.wall_s, 2),
+                        "outcomes": dict(r.outcomes),
+                        "per_gpu": dict(r.per_gpu),
+                        "lease_wait_total_s": round(sum(r.lease_waits), 2),
+                        "problem": r.problem,
+                        "command": r.command,
+                    }
+                )
+                + "\n"
+            )
+        print(f"  {variant.name}: {r.wall_s:.1f} s {dict(r.outcomes)}", flush=True)
+        if results[-1].problem:
+            print(f"  {variant.name} did not run: {results[-1].problem}", flush=True)
+    print_table(results)
+    print(f"\noutputs in {out}\ncommands run (from {REPO}):")
+    for r in results:
+        print(f"  {r.command}")
+    return 1 if missing_gpu or any(r.problem for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""The VRAM budget of one GPU, shared by the processes of a run on one host.
+
+The budget is a file of ``units`` bytes, one byte per 1/16 GiB (64 MiB). A lease of N GiB is
+``ceil(16 N)`` of those bytes, each held with an exclusive POSIX record lock (``lockf``). The
+operating system releases a process's record locks when it exits, however it exits (SIGKILL
+and ``os._exit`` included), so a dead worker gives its lease back without anyone cleaning up:
+there is no PID file to go stale.
+
+Fairness and deadlock:
+
+- A process waiting for a lease holds no units, so waits can never form a cycle.
+- One more byte past the units is a turnstile: a process that cannot get its units at once
+  takes the turnstile and keeps it while it waits, and newcomers queue on it, so a large
+  lease is not starved by a stream of small ones.
+
+POSIX record locks belong to the process and are dropped when *any* descriptor of the file
+is closed by it, so each process opens a ledger file once (:func:`open_ledger`) and keeps it.
+Locks never conflict within one process: a process holds at most one lease per GPU at a time.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+UNITS_PER_GIB = 16
+POLL_SECONDS = 0.05
+
+
+class LeaseTimeout(Exception):
+    """A lease was not granted within the timeout."""
+
+
+def units_for(gib: float) -> int:
+    """Units covering ``gib`` (rounded up to the next 64 MiB)."""
+    return max(0, math.ceil(round(gib * UNITS_PER_GIB, 6)))
+
+
+def ledger_dir(testrun: str) -> Path:
+    """Where a run's ledger files live on this host (one directory per run)."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", testrun)
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return Path(tempfile.gettempdir()) / f"pytest-ctresources-{uid}" / f"run-{safe}"
+
+
+def prune_old_runs(max_age_s: float = 86400.0) -> None:
+    """Remove the ledger directories of runs older than ``max_age_s`` (empty files, but one
+    directory per run would pile up in the temp dir otherwise)."""
+    import shutil
+
+    root = ledger_dir("x").parent
+    now = time.time()
+    for run in root.glob("run-*"):
+        try:
+            if now - run.stat().st_mtime > max_age_s:
+                shutil.rmtree(run, ignore_errors=True)
+        except OSError:
+            continue
+
+
+def ledger_path(testrun: str, gpu_key: str) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", gpu_key)
+    return ledger_dir(testrun) / f"{safe}.ledger"
+
+
+@dataclass
+class Lease:
+    """Units held by this process; give them back with :meth:`VramLedger.release`."""
+
+    gib: float
+    units: list[int]
+    waited_s: float
+
+
+@dataclass
+class VramLedger:
+    """One GPU's budget of ``budget_gib`` on one host."""
+
+    path: Path
+    budget_gib: float
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
+    _fd: int = field(default=-1, repr=False)
+
+    @property
+    def units(self) -> int:
+        return int(self.budget_gib * UNITS_PER_GIB)
+
+    @property
+    def _turnstile(self) -> int:
+        return self.units + 1
+
+    def open(self) -> VramLedger:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        return self
+
+    def close(self) -> None:
+        """Close the file: drops every lock this process holds on it."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def acquire(
+        self, gib: float, timeout_s: float, before_waiting: Callable[[], None] | None = None
+    ) -> Lease:
+        """Take ``gib`` from the budget, waiting up to ``timeout_s`` seconds.
+
+        ``before_waiting`` runs once if the lease is not granted at once (the plugin frees the
+        worker's cached models there, so a waiting worker holds no GPU memory). Raises
+        :class:`LeaseTimeout` after ``timeout_s``, and ``ValueError`` for a lease larger than
+        the whole budget (it could never be granted: such tests are skipped instead).
+        """
+        need = units_for(gib)
+        if need > self.units:
+            raise ValueError(
+                f"a lease of {gib:.1f} GiB exceeds the whole budget of {self.budget_gib:.1f} GiB"
+            )
+        start = self.clock()
+        got = self._try_units(need)
+        if got is not None:
+            return Lease(gib, got, 0.0)
+        if before_waiting is not None:
+            before_waiting()
+        # Queue on the turnstile, then wait for the units while holding it.
+        while not self._try_lock(self._turnstile):
+            self._wait_or_fail(start, gib, timeout_s)
+        try:
+            while (got := self._try_units(need)) is None:
+                self._wait_or_fail(start, gib, timeout_s)
+        finally:
+            self._unlock(self._turnstile)
+        return Lease(gib, got, self.clock() - start)
+
+    def release(self, lease: Lease) -> None:
+        for unit in lease.units:
+            self._unlock(unit)
+        lease.units = []
+
+    def free_gib(self) -> float:
+        """The budget not leased by other processes right now (probes each unit)."""
+        free = [unit for unit in range(self.units) if self._try_lock(unit)]
+        for unit in free:
+            self._unlock(unit)
+        return len(free) / UNITS_PER_GIB
+
+    def _wait_or_fail(self, start: float, gib: float, timeout_s: float) -> None:
+        waited = self.clock() - start
+        if waited >= timeout_s:
+            raise LeaseTimeout(
+                f"waited {waited:.0f} s for a VRAM lease of {gib:.1f} GiB; the GPU's budget is "
+                f"{self.budget_gib:.1f} GiB and {self.free_gib():.1f} GiB of it is free "
+                "(ct_lease_timeout)"
+            )
+        self.sleep(POLL_SECONDS)
+
+    def _try_units(self, need: int) -> list[int] | None:
+        got: list[int] = []
+        if need == 0:
+            return got
+        for unit in range(self.units):
+            if self._try_lock(unit):
+                got.append(unit)
+                if len(got) == need:
+                    return got
+        for unit in got:
+            self._unlock(unit)
+        return None
+
+    def _try_lock(self, unit: int) -> bool:
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, unit, os.SEEK_SET)
+        except OSError:
+            return False
+        return True
+
+    def _unlock(self, unit: int) -> None:
+        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, unit, os.SEEK_SET)
