@@ -32,15 +32,20 @@ DEFAULT_ALLOC_CONF = "expandable_segments:True"
 BINDING_MODES: tuple[str, ...] = ("auto", "off")
 
 
-def positive_number(text: str) -> float:
-    """Parse a positive float (GiB); raise ``ValueError`` with a user-facing message."""
+def _number(text: str, *, zero_ok: bool, message: str) -> float:
+    """Parse a finite float, positive (or 0 when ``zero_ok``); else ``ValueError(message)``."""
     try:
         value = float(text)
     except ValueError:
-        raise ValueError(f"must be a positive number of GiB, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"must be a positive number of GiB, got {text!r}")
+        value = -1.0
+    if not (value >= 0 if zero_ok else value > 0) or value == float("inf"):
+        raise ValueError(f"{message}, got {text!r}")
     return value
+
+
+def positive_number(text: str) -> float:
+    """Parse a positive float (GiB); raise ``ValueError`` with a user-facing message."""
+    return _number(text, zero_ok=False, message="must be a positive number of GiB")
 
 
 def positive_count(text: str) -> int:
@@ -56,13 +61,7 @@ def positive_count(text: str) -> int:
 
 def non_negative_gib(text: str) -> float:
     """Parse a number of GiB that may be 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"must be a number of GiB, 0 or more, got {text!r}")
-    return value
+    return _number(text, zero_ok=True, message="must be a number of GiB, 0 or more")
 
 
 def binding_mode(text: str) -> str:
@@ -75,13 +74,7 @@ def binding_mode(text: str) -> str:
 
 def seconds(text: str) -> float:
     """Parse a positive number of seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"must be a positive number of seconds, got {text!r}")
-    return value
+    return _number(text, zero_ok=False, message="must be a positive number of seconds")
 
 
 def byte_size(text: str) -> int:
