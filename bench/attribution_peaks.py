@@ -1,0 +1,154 @@
+"""Measure the CUDA memory of circuit-tracer attribution, phase by phase, over a grid.
+
+    python bench/attribution_peaks.py --model ctresources/random-gemma-2-2b \
+        --dtypes bfloat16,float32 --batch-sizes 32,64,128,256 --prompt-tokens 8,25,100 \
+        --out peaks.jsonl
+
+Calibration data for a VRAM estimator (issue 5). For each dtype the bundled random-weight
+model is built once on the GPU; for each (batch size, prompt length) point one
+``circuit_tracer.attribute`` runs on a prompt of random token ids (first id 2, BOS), and the
+script records, as one JSON line per point (written as it goes, so a run cut short keeps
+what it measured):
+
+- ``resident_bytes``: allocated before the call (model and transcoders);
+- per phase, the allocated bytes after it and the allocated peak during it, measured by
+  wrapping the model's ``setup_attribution`` (phase 0) and ``run_forward_pass`` (phase 1); the
+  rest of the call (logit and feature attribution: the backward passes) is phase 2;
+- the call's peak allocated and reserved, the number of active features, logit targets and
+  the wall time.
+
+Without CUDA it runs on the CPU with the tiny model and records no memory (a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def parse_ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+class PhaseMeter:
+    """Allocated bytes after, and peak during, the phases of one attribution."""
+
+    def __init__(self, torch: Any, cuda: bool) -> None:
+        self.torch = torch
+        self.cuda = cuda
+        self.marks: list[dict[str, int]] = []
+
+    def reset(self) -> None:
+        self.marks = []
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            self.torch.cuda.reset_peak_memory_stats()
+
+    def mark(self) -> None:
+        if not self.cuda:
+            return
+        self.torch.cuda.synchronize()
+        cuda = self.torch.cuda
+        self.marks.append({"after": cuda.memory_allocated(), "peak": cuda.max_memory_allocated()})
+        cuda.reset_peak_memory_stats()
+
+    def wrap(self, obj: Any, name: str) -> None:
+        original = getattr(obj, name)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            self.mark()
+            return result
+
+        setattr(obj, name, wrapped)
+
+
+def measure(args: argparse.Namespace) -> int:
+    import torch
+    from circuit_tracer import attribute
+
+    from pytest_ctresources import testing
+
+    cuda = torch.cuda.is_available()
+    model_name = args.model if cuda else testing.TINY_GEMMA2
+    out = Path(args.out)
+    with out.open("a") as handle:
+        for dtype in args.dtypes.split(","):
+            if cuda:
+                torch.cuda.empty_cache()
+            device = "cuda" if cuda else "cpu"
+            model = testing.build_named_model(
+                model_name, testing.RANDOM_TRANSCODERS, dtype=dtype, device=device
+            )
+            meter = PhaseMeter(torch, cuda)
+            meter.wrap(model, "setup_attribution")
+            meter.wrap(model, "run_forward_pass")
+            vocab = model.cfg.d_vocab
+            for tokens in parse_ints(args.prompt_tokens):
+                generator = torch.Generator().manual_seed(tokens)
+                ids = torch.randint(3, vocab, (tokens - 1,), generator=generator).tolist()
+                prompt = [2, *ids]
+                for batch in parse_ints(args.batch_sizes):
+                    if cuda:
+                        torch.cuda.empty_cache()
+                    resident = torch.cuda.memory_allocated() if cuda else 0
+                    meter.reset()
+                    start = time.perf_counter()
+                    graph = attribute(
+                        prompt,
+                        model,
+                        batch_size=batch,
+                        max_feature_nodes=args.max_feature_nodes,
+                    )
+                    meter.mark()  # phase 2: everything after the forward pass
+                    seconds = time.perf_counter() - start
+                    record: dict[str, Any] = {
+                        "model": model_name,
+                        "dtype": dtype,
+                        "batch_size": batch,
+                        "prompt_tokens": tokens,
+                        "max_feature_nodes": args.max_feature_nodes,
+                        "active_features": int(graph.active_features.shape[0]),
+                        "logit_targets": len(graph.logit_targets),
+                        "seconds": round(seconds, 2),
+                        "resident_bytes": resident,
+                        "phases": meter.marks,
+                    }
+                    if cuda:
+                        record["peak_allocated_bytes"] = max(m["peak"] for m in meter.marks)
+                        record["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+                        record["device"] = torch.cuda.get_device_name()
+                        record["torch"] = torch.__version__
+                    del graph
+                    handle.write(json.dumps(record) + "\n")
+                    handle.flush()
+                    peak = record.get("peak_allocated_bytes", 0) / 2**30
+                    print(
+                        f"{dtype} tokens={tokens} batch={batch}: peak {peak:.2f} GiB, "
+                        f"{record['active_features']} active, {seconds:.1f} s",
+                        flush=True,
+                    )
+            del model
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="ctresources/random-gemma-2-2b")
+    parser.add_argument("--dtypes", default="bfloat16")
+    parser.add_argument("--batch-sizes", default="32,64,128,256")
+    parser.add_argument("--prompt-tokens", default="8,25,100")
+    parser.add_argument("--max-feature-nodes", type=int, default=8192)
+    parser.add_argument("--out", default="attribution_peaks.jsonl")
+    return measure(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
