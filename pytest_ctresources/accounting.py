@@ -33,9 +33,13 @@ CONFIG_FIXTURES = frozenset({"ct_config", "ct_session"})
 UNMARKED_BYTES = 1 << 30
 
 
-def suggested_marker(peak_bytes: int) -> str:
-    """The marker to write for a measured peak, rounded up to a whole GiB."""
-    return f"@pytest.mark.vram(gib={max(1, math.ceil(peak_bytes / GIB))})"
+def suggested_marker(peak_bytes: int, nodeid: str = "") -> str:
+    """The declaration to write for a measured peak, rounded up to a whole GiB: the marker, or
+    for a notebook its metadata."""
+    gib = max(1, math.ceil(peak_bytes / GIB))
+    if nodeid.rsplit("::", 1)[-1].endswith(".ipynb"):
+        return f'"ctresources": {{"vram_gib": {gib}}} in the notebook\'s metadata'
+    return f"@pytest.mark.vram(gib={gib})"
 
 
 def begin(item: pytest.Item, runtime: Runtime) -> str | None:
@@ -157,15 +161,17 @@ class StrictChecks:
         return []
 
     def call_problems(self, item: pytest.Item) -> list[str]:
+        figures = item.stash.get(KERNEL_FIGURES_KEY, None)  # a notebook's, from its kernel
         meter = item.stash.get(METER_KEY, None)
-        figures = meter.figures() if meter is not None else None
+        if figures is None and meter is not None:
+            figures = meter.figures()
         need = item.stash.get(NEED_KEY, None)
         problems = []
         if figures is not None and need is not None and figures.peak_reserved_gib > need.gib:
             problems.append(
                 f"UNDER-DECLARED: peak {figures.peak_reserved_gib:.2f} GiB reserved exceeds the "
                 f"declared {need.gib:.1f} GiB ({need.source}); write "
-                f"{suggested_marker(figures.peak_reserved_bytes)}"
+                f"{suggested_marker(figures.peak_reserved_bytes, item.nodeid)}"
             )
         session = item.stash.get(SESSION_KEY, None)
         if session is not None and session.halvings:

@@ -94,7 +94,7 @@ def environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[name] = old
 
 
-def _ipc_kernel_manager() -> type:
+def _ipc_kernel_manager(directory: Path) -> type:
     # nbclient drives kernels from an asyncio loop: the manager must be the *async* one. A
     # subclass of the blocking KernelManager gives a blocking client whose get_msg() starves
     # the loop, so nbclient's dead-kernel poll never runs and a dying kernel hangs the run.
@@ -107,14 +107,14 @@ def _ipc_kernel_manager() -> type:
             return "ipc"
 
         def _ip_default(self) -> str:
-            return os.path.join(tempfile.mkdtemp(prefix="ctresources-kernel-"), "kernel")
+            return str(directory / "kernel")
 
     return IpcKernelManager
 
 
 @contextmanager
-def ipc_kernels() -> Iterator[None]:
-    """Make nbmake's runner start kernels on IPC sockets for the block.
+def ipc_kernels(directory: Path) -> Iterator[None]:
+    """Make nbmake's runner start kernels on IPC sockets in ``directory`` for the block.
 
     nbmake's ``NotebookRun`` builds its ``nbclient.NotebookClient`` itself and takes no kernel
     manager, so the name it looks up is swapped for the block.
@@ -124,7 +124,9 @@ def ipc_kernels() -> Iterator[None]:
     from nbmake import nb_run
 
     original = nb_run.NotebookClient
-    nb_run.NotebookClient = functools.partial(original, kernel_manager_class=_ipc_kernel_manager())
+    nb_run.NotebookClient = functools.partial(
+        original, kernel_manager_class=_ipc_kernel_manager(directory)
+    )
     try:
         yield
     finally:
@@ -150,7 +152,7 @@ def kernel_launch(env: Mapping[str, str]) -> Iterator[KernelReport]:
     report = KernelReport()
     full_env = {**env, "IPYTHONDIR": str(scratch / "ipython"), VRAM_FILE_ENV: str(vram_file)}
     try:
-        with environment(full_env), ipc_kernels():
+        with environment(full_env), ipc_kernels(scratch):
             yield report
     finally:
         report.figures = read_figures(vram_file)

@@ -9,12 +9,14 @@ carries its placement (worker, GPU, lease, wait) to the controller as ``ct_*`` p
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pytest
 
 from pytest_ctresources.binding import Binding
+from pytest_ctresources.exceptions import CtResourcesWarning
 from pytest_ctresources.placement import WORKER_PROPERTY
 
 if TYPE_CHECKING:
@@ -38,17 +40,25 @@ def start_worker_gpu(binding: Binding, testrun: str, budget_gib: float, leases: 
     """Open the ledger of the bound GPU (one per GPU and run on this host)."""
     ledger = None
     if leases:
-        from pytest_ctresources.ledger import VramLedger, ledger_path, prune_old_runs
-
-        prune_old_runs()
-        key = binding.gpu.uuid or f"gpu{binding.gpu.index}"
-        ledger = VramLedger(ledger_path(testrun, key), budget_gib).open()
+        try:
+            from pytest_ctresources.ledger import VramLedger, ledger_path, prune_old_runs
+        except ImportError:  # no fcntl: not a POSIX system
+            warnings.warn(
+                CtResourcesWarning(
+                    "VRAM leases need POSIX record locks (fcntl), which this platform lacks: "
+                    "workers sharing a GPU run without a shared budget"
+                ),
+                stacklevel=1,
+            )
+        else:
+            prune_old_runs()
+            key = binding.gpu.uuid or f"gpu{binding.gpu.index}"
+            ledger = VramLedger(ledger_path(testrun, key), budget_gib).open()
     return WorkerGpu(binding, ledger, budget_gib)
 
 
-def take(item: pytest.Item, runtime: Runtime, need_gib: float | None, *, skipped: bool) -> None:
-    """Record the test's placement and, unless it is skipped, take its lease (fails the test
-    when the lease is not granted within ``ct_lease_timeout``)."""
+def record_placement(item: pytest.Item, runtime: Runtime) -> None:
+    """Attach the worker and its GPU to the test's reports (bound workers only)."""
     worker = runtime.worker_gpu
     if worker is None:
         return
@@ -59,13 +69,33 @@ def take(item: pytest.Item, runtime: Runtime, need_gib: float | None, *, skipped
         ("ct_gpu_physical_index", gpu.physical_index),
         ("ct_gpu_uuid", gpu.uuid),
     ]
-    settings = runtime.settings
-    if skipped:
-        item.user_properties += [("ct_lease_gib", 0.0), ("ct_lease_wait_s", 0.0)]
+
+
+class LeaseHooks:
+    """Registered in bound workers with leases on. Its setup hook is an ordinary one, so it
+    runs after pytest's skipping plugin (a skipped test takes no lease) and before fixtures
+    are set up (the lease covers the models they load)."""
+
+    name = "ctresources-leases"
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        from pytest_ctresources.accounting import NEED_KEY
+
+        need = item.stash.get(NEED_KEY, None)
+        take(item, self.runtime, need.gib if need is not None else None)
+
+
+def take(item: pytest.Item, runtime: Runtime, need_gib: float | None) -> None:
+    """Take the test's lease; fail the test when it is not granted in ``ct_lease_timeout``."""
+    worker = runtime.worker_gpu
+    if worker is None or worker.ledger is None:
         return
+    settings = runtime.settings
     gib = need_gib if need_gib is not None else settings.default_vram_gib.value
-    if worker.ledger is None or gib <= 0:
-        item.user_properties += [("ct_lease_gib", 0.0), ("ct_lease_wait_s", 0.0)]
+    if gib <= 0:
         return
     from pytest_ctresources.ledger import LeaseTimeout
 
@@ -74,10 +104,14 @@ def take(item: pytest.Item, runtime: Runtime, need_gib: float | None, *, skipped
             gib, settings.lease_timeout_s.value, before_waiting=runtime.free_cached_models
         )
     except (LeaseTimeout, ValueError) as exc:
-        item.user_properties += [("ct_lease_gib", gib), ("ct_lease_wait_s", -1.0)]
-        pytest.fail(f"{worker.binding.describe()}: {exc}", pytrace=False)
-    item.stash[LEASE_KEY] = lease
-    item.user_properties += [("ct_lease_gib", gib), ("ct_lease_wait_s", round(lease.waited_s, 3))]
+        failure = f"{worker.binding.describe()}: {exc}"
+    else:
+        item.stash[LEASE_KEY] = lease
+        wait = round(lease.waited_s, 3)
+        item.user_properties += [("ct_lease_gib", gib), ("ct_lease_wait_s", wait)]
+        return
+    item.user_properties += [("ct_lease_gib", gib), ("ct_lease_wait_s", -1.0)]
+    pytest.fail(failure, pytrace=False)
 
 
 def give_back(item: pytest.Item, runtime: Runtime) -> None:

@@ -9,9 +9,11 @@ there is no PID file to go stale.
 Fairness and deadlock:
 
 - A process waiting for a lease holds no units, so waits can never form a cycle.
-- One more byte past the units is a turnstile: a process that cannot get its units at once
-  takes the turnstile and keeps it while it waits, and newcomers queue on it, so a large
+- A turnstile byte: every process takes it before taking units, and a process that cannot
+  get its units keeps it while it waits, so newcomers queue behind the waiter and a large
   lease is not starved by a stream of small ones.
+- A presence byte, held shared by every process with the ledger open: a run's directory is
+  pruned (after a day) only when no process holds it, even between tests.
 
 POSIX record locks belong to the process and are dropped when *any* descriptor of the file
 is closed by it, so each process opens a ledger file once (:func:`open_ledger`) and keeps it.
@@ -32,6 +34,9 @@ from pathlib import Path
 
 UNITS_PER_GIB = 16
 POLL_SECONDS = 0.05
+# Byte offsets past any budget's units (record locks may lie beyond the end of the file).
+TURNSTILE = 1 << 40
+PRESENCE = TURNSTILE + 1
 
 
 class LeaseTimeout(Exception):
@@ -59,10 +64,23 @@ def prune_old_runs(max_age_s: float = 86400.0) -> None:
     now = time.time()
     for run in root.glob("run-*"):
         try:
-            if now - run.stat().st_mtime > max_age_s:
+            if now - run.stat().st_mtime > max_age_s and not _in_use(run):
                 shutil.rmtree(run, ignore_errors=True)
         except OSError:
             continue
+
+
+def _in_use(run: Path) -> bool:
+    """Whether any process holds a presence lock on a ledger of ``run``."""
+    for path in run.glob("*.ledger"):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, PRESENCE, os.SEEK_SET)
+        except OSError:
+            return True
+        finally:
+            os.close(fd)  # (this process never holds locks on another run's ledgers)
+    return False
 
 
 def ledger_path(testrun: str, gpu_key: str) -> Path:
@@ -91,15 +109,12 @@ class VramLedger:
 
     @property
     def units(self) -> int:
-        return int(self.budget_gib * UNITS_PER_GIB)
-
-    @property
-    def _turnstile(self) -> int:
-        return self.units + 1
+        return units_for(self.budget_gib)
 
     def open(self) -> VramLedger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.lockf(self._fd, fcntl.LOCK_SH, 1, PRESENCE, os.SEEK_SET)
         return self
 
     def close(self) -> None:
@@ -124,20 +139,23 @@ class VramLedger:
                 f"a lease of {gib:.1f} GiB exceeds the whole budget of {self.budget_gib:.1f} GiB"
             )
         start = self.clock()
-        got = self._try_units(need)
-        if got is not None:
-            return Lease(gib, got, 0.0)
-        if before_waiting is not None:
-            before_waiting()
-        # Queue on the turnstile, then wait for the units while holding it.
-        while not self._try_lock(self._turnstile):
+        waiting = False
+        # Through the turnstile first, newcomers included: while a process waits for its
+        # units holding it, everyone else queues behind it.
+        while not self._try_lock(TURNSTILE):
+            if not waiting and before_waiting is not None:
+                before_waiting()
+            waiting = True
             self._wait_or_fail(start, gib, timeout_s)
         try:
             while (got := self._try_units(need)) is None:
+                if not waiting and before_waiting is not None:
+                    before_waiting()
+                waiting = True
                 self._wait_or_fail(start, gib, timeout_s)
         finally:
-            self._unlock(self._turnstile)
-        return Lease(gib, got, self.clock() - start)
+            self._unlock(TURNSTILE)
+        return Lease(gib, got, self.clock() - start if waiting else 0.0)
 
     def release(self, lease: Lease) -> None:
         for unit in lease.units:

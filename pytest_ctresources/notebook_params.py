@@ -33,10 +33,15 @@ def injected_values(cfg: CircuitTracerConfig) -> dict[str, Any]:
 def inject_parameters(nb: NotebookNode, values: Mapping[str, Any]) -> str | None:
     """Insert the ``injected-parameters`` cell after the ``parameters`` cell, papermill style.
 
-    Returns a note when the notebook has no ``parameters`` cell (the cell then goes first).
+    Cells injected by an earlier run (kept by ``--overwrite``) are removed first, as papermill
+    does. Returns a note when the notebook has no ``parameters`` cell (the cell then goes
+    first).
     """
     from nbformat.v4 import new_code_cell
 
+    nb.cells = [
+        cell for cell in nb.cells if INJECTED_TAG not in cell.get("metadata", {}).get("tags", [])
+    ]
     lines = ["# Parameters injected by pytest-ctresources"]
     lines += [f"{name} = {value!r}" for name, value in values.items()]
     cell = new_code_cell("\n".join(lines), metadata={"tags": [INJECTED_TAG]})

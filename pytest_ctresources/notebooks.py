@@ -81,13 +81,22 @@ def make_item_class() -> type:
                 if self.experiment is not None:
                     below = self.experiment.apply(below)
                 self.stash[CONFIG_KEY] = settings.config_above_markers(below)
-                nb = nbformat.read(self.filename, as_version=4)
-                marks, need = notebook_metadata(nb, self.filename)
-            except (ConfigError, OSError, ValueError) as exc:
+            except ConfigError as exc:
                 self.stash[ERROR_KEY] = str(exc)
                 return
-            for mark in marks:
-                self.add_marker(mark)
+            try:
+                nb = nbformat.read(self.filename, as_version=4)
+            except Exception as exc:  # nbformat raises many kinds for a file that is no notebook
+                self.stash[ERROR_KEY] = f"{self.filename}: not a readable notebook: {exc}"
+                return
+            try:
+                marks, need = notebook_metadata(nb, self.filename)
+                for mark in marks:
+                    # Under --strict-markers an unregistered name fails here (pytest.fail).
+                    self.add_marker(mark)
+            except (ConfigError, pytest.fail.Exception) as exc:
+                self.stash[ERROR_KEY] = str(exc)
+                return
             if need is not None:
                 self.add_marker(pytest.mark.vram(gib=need))
 
@@ -123,13 +132,16 @@ def run_notebook(item: Any) -> None:
     if note:
         warnings.warn(NotebookWarning(f"{source.name} {note}"), stacklevel=1)
     # The injected copy sits next to the notebook, so its relative paths and cwd still hold.
-    copy = source.parent / f".{source.stem}.ctresources-{os.getpid()}.ipynb"
+    # Its name does not end in .ipynb: if a killed worker leaves it behind, nbmake does not
+    # collect it as a notebook.
+    copy = source.parent / f".{source.stem}.ctresources-{os.getpid()}.ipynb-run"
     settings = runtime.settings
     experiment = item.experiment or settings.experiment
     capacity = settings.vram_capacity_gib
     env = kernel_environment(
         cfg,
-        experiment.path if experiment else None,
+        # Absolute: the kernel's working directory is the notebook's, not pytest's.
+        str(Path(experiment.path).resolve()) if experiment else None,
         runtime.alloc_conf.effective(),
         capacity.value if capacity else None,
     )

@@ -83,6 +83,8 @@ def pytest_configure(config: pytest.Config) -> None:
         from pytest_ctresources.notebooks import NotebookSupport
 
         config.pluginmanager.register(NotebookSupport(), NotebookSupport.name)
+    if runtime.worker_gpu is not None and runtime.worker_gpu.ledger is not None:
+        config.pluginmanager.register(leases.LeaseHooks(runtime), leases.LeaseHooks.name)
     if runtime.settings.strict:
         config.pluginmanager.register(
             accounting.StrictChecks(runtime), accounting.StrictChecks.name
@@ -104,6 +106,9 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
         *(f"ctresources: {line}" for line in runtime.gpu_facts().summary_lines()),
     ]
     workers = config.getoption("numprocesses", None)
+    most = config.getoption("maxprocesses", None)
+    if isinstance(workers, int) and isinstance(most, int):
+        workers = min(workers, most)
     if runtime.settings.gpu_binding.value == "auto" and isinstance(workers, int):
         plan = plan_line(runtime.gpu_facts(), workers)
         if plan is not None:
@@ -125,8 +130,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             # A skip mark, evaluated by pytest's skipping plugin right after this hook, reports
             # the test's own location rather than this file's.
             item.add_marker(pytest.mark.skip(reason=reason))
-        need = item.stash.get(accounting.NEED_KEY, None)
-        leases.take(item, runtime, need.gib if need else None, skipped=reason is not None)
+        leases.record_placement(item, runtime)
         return
     pytest.fail(failure, pytrace=False)
 
@@ -137,12 +141,14 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
         return (yield)
     finally:
         runtime = runtime_of(item.config)
-        result = cleanup_after_test(runtime.settings.cleanup.value)
-        if result.figures_closed:
-            # Reported through the teardown report: output written here would be captured.
-            item.user_properties.append((FIGURES_PROPERTY, result.figures_closed))
-        accounting.end(item, runtime)
-        leases.give_back(item, runtime)
+        try:
+            result = cleanup_after_test(runtime.settings.cleanup.value)
+            if result.figures_closed:
+                # Reported through the teardown report: output written here would be captured.
+                item.user_properties.append((FIGURES_PROPERTY, result.figures_closed))
+            accounting.end(item, runtime)
+        finally:
+            leases.give_back(item, runtime)  # whatever raised (-W error::CtLeakWarning, ...)
 
 
 @pytest.hookimpl(wrapper=True)

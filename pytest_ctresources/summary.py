@@ -136,12 +136,12 @@ class RunSummary:
                 flags.append(
                     f"UNDER-DECLARED: peak {peak / GIB:.2f} GiB reserved > declared "
                     f"{record.need_gib:.1f} GiB ({record.need_source}); write "
-                    f"{suggested_marker(peak)}"
+                    f"{suggested_marker(peak, record.nodeid)}"
                 )
             if record.need_gib is None and peak > UNMARKED_BYTES:
                 flags.append(
                     f"UNMARKED: peak {peak / GIB:.2f} GiB reserved and no declared need; "
-                    f"write {suggested_marker(peak)}"
+                    f"write {suggested_marker(peak, record.nodeid)}"
                 )
             if record.leaked_bytes > leak_threshold:
                 flags.append(

@@ -109,6 +109,34 @@ def test_overwrite_shows_the_injected_cell(pytester: pytest.Pytester) -> None:
     assert "BATCH_SIZE = 8" in cells[1].source
 
 
+def test_overwrite_twice_keeps_one_injected_cell(pytester: pytest.Pytester) -> None:
+    path = write(pytester.path / "nb.ipynb", notebook("assert BATCH_SIZE in (8, 16)", parameters="BATCH_SIZE = 1"))
+    pytester.runpytest_subprocess("--nbmake", "--overwrite", "--ct-batch-size", "8").assert_outcomes(passed=1)
+    write(pytester.path / "check.ipynb", notebook("assert BATCH_SIZE == 16"))  # the new value wins
+    pytester.runpytest_subprocess("--nbmake", "--overwrite", "--ct-batch-size", "16").assert_outcomes(passed=2)
+    cells = nbformat.read(path, as_version=4).cells
+    injected = [cell for cell in cells if INJECTED_TAG in cell.metadata.get("tags", [])]
+    assert len(injected) == 1 and "BATCH_SIZE = 16" in injected[0].source
+
+
+def test_a_left_behind_copy_is_not_collected(pytester: pytest.Pytester) -> None:
+    write(pytester.path / "nb.ipynb", notebook("x = 1"))
+    pytester.runpytest_subprocess("--nbmake", "-p", "no:cacheprovider").assert_outcomes(passed=1)
+    # What a worker killed mid-notebook would leave: never collected as a notebook.
+    write(pytester.path / ".nb.ctresources-1234.ipynb-run", notebook("x = 1"))
+    pytester.runpytest_subprocess("--nbmake").assert_outcomes(passed=1)
+
+
+def test_relative_ct_config_reaches_the_kernel(pytester: pytest.Pytester) -> None:
+    (pytester.path / "configs").mkdir()
+    (pytester.path / "configs" / "exp.yaml").write_text("BATCH_SIZE: 4\n")
+    write(pytester.path / "notebooks" / "nb.ipynb", notebook(
+        "import os, yaml\n"
+        "assert yaml.safe_load(open(os.environ['CT_CONFIG']))['BATCH_SIZE'] == BATCH_SIZE == 4"
+    ))
+    pytester.runpytest_subprocess("--nbmake", "--ct-config", "configs/exp.yaml", "notebooks").assert_outcomes(passed=1)
+
+
 def test_no_parameters_cell_is_said(pytester: pytest.Pytester) -> None:
     write(pytester.path / "plain.ipynb", notebook("assert BATCH_SIZE == 5"))
     result = pytester.runpytest_subprocess("--nbmake", "--ct-batch-size", "5")
@@ -159,12 +187,16 @@ def test_failures_stay_contained(pytester: pytest.Pytester) -> None:
     write(pytester.path / "b_dies.ipynb", notebook("import os\nos._exit(1)"))
     write(pytester.path / "c_fine.ipynb", notebook("x = 1"))
     (pytester.path / "d_bad.yaml").write_text("NOTEBOOK: c_fine.ipynb\nBATCH_SIZE: big\n")
-    result = pytester.runpytest_subprocess("--nbmake", "-p", "no:randomly")
-    result.assert_outcomes(passed=1, failed=1, errors=2)
+    write(pytester.path / "e_unregistered_mark.ipynb", notebook("x = 1", metadata={"marks": ["slowish"]}))
+    (pytester.path / "f_not_a_notebook.ipynb").write_text("[]")
+    result = pytester.runpytest_subprocess("--nbmake", "-p", "no:randomly", "--strict-markers")
+    result.assert_outcomes(passed=1, failed=1, errors=4)
     result.stdout.fnmatch_lines(
         [
             "*a_bad_metadata.ipynb: metadata 'ctresources.vram_gib' must be a positive number, got 'lots'",
             "*d_bad.yaml: BATCH_SIZE must be a positive integer, got 'big'",
+            "*'slowish' not found in `markers` configuration option*",
+            "*f_not_a_notebook.ipynb: not a readable notebook:*",
             "*the kernel running *b_dies.ipynb died*",
         ]
     )
@@ -204,3 +236,23 @@ def test_capacity_reaches_the_kernel(pytester: pytest.Pytester) -> None:
     ))
     pytester.runpytest_subprocess("--nbmake", "--ct-vram-capacity", "8").assert_outcomes(passed=1)
     pytester.runpytest_subprocess("--nbmake").assert_outcomes(failed=1)
+
+
+def test_strict_fails_an_under_declared_notebook(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # CPU stand-in for a kernel peak of 5 GiB against a declared 1 GiB (as in
+    # test_kernel_figures_reach_the_report).
+    monkeypatch.setenv("CT_FAKE_GPUS", "Card=24")
+    write(pytester.path / "nb.ipynb", notebook(
+        "import json, os\n"
+        "json.dump({'device': 0, 'peak_allocated_bytes': 5 * 2**30, 'peak_reserved_bytes': 5 * 2**30}"
+        ", open(os.environ['CT_NOTEBOOK_VRAM_FILE'], 'w'))",
+        metadata={"vram_gib": 1},
+    ))
+    result = pytester.runpytest_subprocess("--nbmake", "--ct-strict")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["*UNDER-DECLARED: peak 5.00 GiB reserved exceeds the declared 1.0 GiB*"
+         "\"ctresources\": {\"vram_gib\": 5} in the notebook's metadata*"]
+    )
