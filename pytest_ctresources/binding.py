@@ -4,8 +4,10 @@ A worker is bound to one GPU by narrowing its ``CUDA_VISIBLE_DEVICES`` to that G
 anything in it can initialise CUDA (``pytest_load_initial_conftests``, before conftests are
 imported). The choice is made on the worker's own host, from that host's visible GPUs (a
 ``CUDA_VISIBLE_DEVICES`` the user set is respected: workers are spread over those devices
-only), round robin by worker number: ``gw<i>`` gets visible GPU ``i mod n``. Several workers
-on one GPU share it under the VRAM lease budget (:mod:`~pytest_ctresources.ledger`).
+only), round robin by worker number: ``gw<i>`` gets visible GPU ``i mod n``; a worker that
+replaces a crashed one takes the GPU with the fewest workers (a seat board of OS-released
+locks, :class:`~pytest_ctresources.ledger.SeatBoard`). Several workers on one GPU share it
+under the VRAM lease budget (:mod:`~pytest_ctresources.ledger`).
 
 The GPU is named by its UUID in the new ``CUDA_VISIBLE_DEVICES``: NVML numbers GPUs in PCI bus
 order while CUDA's default order is fastest first, so an index could name another GPU.
@@ -13,9 +15,11 @@ order while CUDA's default order is fastest first, so an index could name anothe
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from pytest_ctresources.gpus import VISIBLE_DEVICES_ENV, GpuFacts, GpuInfo
 
@@ -72,25 +76,52 @@ def sharing_count(worker_count: int, gpu_count: int, gpu_position: int) -> int:
     return len(range(gpu_position, worker_count, gpu_count))
 
 
-def bind_worker(environ: MutableMapping[str, str], facts: GpuFacts) -> Binding | None:
+def choose_position(number: int, worker_count: int, taken: list[int]) -> int:
+    """The GPU position for worker ``gw<number>``, given the seats ``taken`` per GPU.
+
+    Round robin (``number mod n``) while that GPU has fewer workers than its share
+    (``ceil(worker_count / n)``): the usual start. Otherwise, as for a worker that replaces a
+    crashed one, the GPU with the fewest workers (ties: the next after the round-robin one).
+    """
+    n = len(taken)
+    preferred = number % n
+    share = -(-max(worker_count, 1) // n)
+    if taken[preferred] < share:
+        return preferred
+    return min(range(n), key=lambda i: (taken[i], (i - preferred) % n))
+
+
+class Seats(Protocol):
+    """Where the run's workers on this host sit (:class:`~pytest_ctresources.ledger.SeatBoard`)."""
+
+    def choose_and_sit(self, choose: Callable[[list[int]], int], n_gpus: int) -> int: ...
+
+
+def bind_worker(
+    environ: MutableMapping[str, str], facts: GpuFacts, seats: Seats | None = None
+) -> Binding | None:
     """Bind this process to its GPU if it is an xdist worker and GPUs are visible.
 
-    ``facts`` are the host's visible GPUs, detected before binding. Narrows
-    ``environ["CUDA_VISIBLE_DEVICES"]`` and returns the binding; None when not a worker or
-    no GPU is visible (nothing changes).
+    ``facts`` are the host's visible GPUs, detected before binding; ``seats``, when given,
+    lets a worker that replaces a crashed one take the GPU the crashed one left (without it:
+    plain round robin). Narrows ``environ["CUDA_VISIBLE_DEVICES"]`` and returns the binding;
+    None when not a worker or no GPU is visible (nothing changes).
     """
     worker = environ.get(WORKER_ENV)
     number = worker_number(worker) if worker else None
-    if worker is None or number is None:
+    if worker is None or number is None or not facts.gpus:
         return None
-    gpu = choose_gpu(facts, number)
-    if gpu is None:
-        return None
+    count = _int(environ.get(WORKER_COUNT_ENV)) or number + 1
+    n = len(facts.gpus)
+    if seats is not None:
+        position = seats.choose_and_sit(lambda taken: choose_position(number, count, taken), n)
+    else:
+        position = number % n
+    gpu = facts.gpus[position]
     before = environ.get(VISIBLE_DEVICES_ENV)
     token = gpu.uuid if gpu.uuid is not None else str(gpu.index)
     environ[VISIBLE_DEVICES_ENV] = token
-    count = _int(environ.get(WORKER_COUNT_ENV)) or number + 1
-    return Binding(worker, gpu, before, token, sharing_count(count, len(facts.gpus), gpu.index))
+    return Binding(worker, gpu, before, token, sharing_count(count, n, position))
 
 
 def plan_line(facts: GpuFacts, worker_count: int | None) -> str | None:
@@ -113,6 +144,16 @@ def _int(text: str | None) -> int | None:
         return int(text) if text else None
     except ValueError:
         return None
+
+
+def open_seats(environ: Mapping[str, str] | None = None) -> Seats | None:
+    """The run's seat board on this host; None without POSIX record locks (round robin)."""
+    env = os.environ if environ is None else environ
+    try:
+        from pytest_ctresources.ledger import seat_board
+    except ImportError:  # no fcntl
+        return None
+    return seat_board(env.get(TESTRUN_ENV) or "local")
 
 
 def is_worker(environ: Mapping[str, str]) -> bool:

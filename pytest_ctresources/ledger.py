@@ -71,11 +71,13 @@ def prune_old_runs(max_age_s: float = 86400.0) -> None:
 
 
 def _in_use(run: Path) -> bool:
-    """Whether any process holds a presence lock on a ledger of ``run``."""
-    for path in run.glob("*.ledger"):
+    """Whether any process holds a lock on a file of ``run`` (ledgers hold a presence lock,
+    workers their seat, for as long as they live)."""
+    for path in run.iterdir():
         fd = os.open(path, os.O_RDWR)
         try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, PRESENCE, os.SEEK_SET)
+            # Length 0: from offset 0 to infinity, so any lock anywhere in the file conflicts.
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 0, 0, os.SEEK_SET)
         except OSError:
             return True
         finally:
@@ -201,3 +203,57 @@ class VramLedger:
 
     def _unlock(self, unit: int) -> None:
         fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, unit, os.SEEK_SET)
+
+
+SLOTS_PER_GPU = 1024
+BINDING_LOCK = 1 << 40
+
+
+@dataclass
+class SeatBoard:
+    """Which of a run's workers on this host sit on which GPU: one exclusive lock byte per
+    (GPU position, slot), held by a worker for its life and released by the operating system
+    when it exits. A worker that replaces a crashed one (xdist restarts them) sees the freed
+    seat, so it can sit where the crashed one sat instead of doubling up elsewhere."""
+
+    path: Path
+    _fd: int = field(default=-1, repr=False)
+
+    def open(self) -> SeatBoard:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        return self
+
+    def choose_and_sit(self, choose: Callable[[list[int]], int], n_gpus: int) -> int:
+        """Under an exclusive lock: count the seats taken per GPU, let ``choose`` pick a GPU
+        position from those counts, take a free seat there, and return the position."""
+        fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, BINDING_LOCK, os.SEEK_SET)  # a short wait
+        try:
+            taken = [
+                sum(not self._free(first + slot) for slot in range(SLOTS_PER_GPU))
+                for first in range(0, n_gpus * SLOTS_PER_GPU, SLOTS_PER_GPU)
+            ]
+            position = choose(taken)
+            for slot in range(SLOTS_PER_GPU):
+                byte = position * SLOTS_PER_GPU + slot
+                try:
+                    fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, byte, os.SEEK_SET)
+                except OSError:
+                    continue
+                break
+            return position
+        finally:
+            fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, BINDING_LOCK, os.SEEK_SET)
+
+    def _free(self, byte: int) -> bool:
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, byte, os.SEEK_SET)
+        except OSError:
+            return False
+        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, byte, os.SEEK_SET)
+        return True
+
+
+def seat_board(testrun: str) -> SeatBoard:
+    """The seat board of a run on this host (opened; keep it for the process's life)."""
+    return SeatBoard(ledger_dir(testrun) / "seats").open()

@@ -20,7 +20,7 @@ import pytest
 
 from pytest_ctresources import accounting, leases, markers
 from pytest_ctresources.allocator import AllocConf
-from pytest_ctresources.binding import Binding, bind_worker, is_worker, plan_line
+from pytest_ctresources.binding import Binding, bind_worker, is_worker, open_seats, plan_line
 from pytest_ctresources.cleanup import cleanup_after_test
 from pytest_ctresources.fixtures import ct_config, ct_session
 from pytest_ctresources.options import DEFAULT_ALLOC_CONF, add_options
@@ -61,7 +61,9 @@ def _bind_worker() -> Binding | None:
         facts = detect_gpus(torch_fallback=False)  # NVML only: no torch import at start-up
     except ValueError:
         return None  # a malformed CT_FAKE_GPUS: reported as a usage error at configure
-    return bind_worker(os.environ, facts)
+    if not facts.gpus:
+        return None
+    return bind_worker(os.environ, facts, open_seats())
 
 
 def pytest_configure(config: pytest.Config) -> None:

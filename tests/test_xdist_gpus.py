@@ -21,6 +21,7 @@ import pytest
 from pytest_ctresources.binding import (
     bind_worker,
     choose_gpu,
+    choose_position,
     plan_line,
     sharing_count,
     worker_number,
@@ -405,3 +406,39 @@ def test_a_worker_killed_mid_test_gives_its_lease_back(
         "test_b_after[1]",
         "test_b_after[2]",
     ]  # the crashed test's reports come from the controller, not from a worker
+
+
+def test_choose_position_round_robin_then_fewest_workers() -> None:
+    # The usual start: round robin, whatever order the workers arrive in.
+    assert [choose_position(n, 3, [0, 0]) for n in range(3)] == [0, 1, 0]
+    assert choose_position(0, 3, [1, 0]) == 0  # gw2 sat first on GPU 0; gw0 still fits
+    # gw1 crashed on GPU 1 of two; its replacement gw2 would double up on GPU 0.
+    assert choose_position(2, 2, [1, 0]) == 1
+
+
+def test_a_replacement_worker_takes_the_crashed_workers_gpu(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CT_FAKE_GPUS", "A=10;B=10")
+    pytester.makepyfile(
+        """
+        import os, time, pytest
+
+        def test_a_dies():
+            if os.environ["PYTEST_XDIST_WORKER"] == "gw1":
+                os._exit(1)
+            time.sleep(3)
+
+        @pytest.mark.parametrize("i", range(6))
+        def test_b_after(i):
+            with open(f"after-{i}-{os.environ['PYTEST_XDIST_WORKER']}.txt", "w") as handle:
+                handle.write(os.environ["PYTEST_XDIST_WORKER"] + " " + os.environ["CUDA_VISIBLE_DEVICES"])
+            time.sleep(0.3)
+        """
+    )
+    # --dist each: every worker runs every test, so gw1 dies and xdist starts gw2.
+    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:randomly", "--dist", "each")
+    result.stdout.fnmatch_lines(["*worker 'gw1' crashed*"])
+    seen = {path.read_text() for path in pytester.path.glob("after-*.txt")}
+    # gw2 sits on GPU 1, where gw1 sat, not beside gw0 on GPU 0 (round robin's choice).
+    assert seen == {"gw0 GPU-fake-0", "gw2 GPU-fake-1"}, seen
