@@ -185,6 +185,8 @@ class ModelDims:
         d_transcoder: Number of features of each transcoder.
         architecture: ``"gemma2"`` or ``"llama"``.
         max_position: Maximum sequence length the model is configured for.
+        skip_connection: Whether each transcoder has a linear skip connection
+            (``W_skip``, d_model x d_model), as the llama-3.2-1b 131k transcoders do.
     """
 
     n_layers: int
@@ -197,6 +199,7 @@ class ModelDims:
     d_transcoder: int
     architecture: Architecture
     max_position: int = 512
+    skip_connection: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in _HF_ARCHITECTURE:
@@ -249,6 +252,8 @@ class ModelDims:
     def n_transcoder_params(self) -> int:
         """Number of parameters of all transcoders (encoders, decoders, biases, thresholds)."""
         per_layer = 2 * self.d_transcoder * self.d_model + 2 * self.d_transcoder + self.d_model
+        if self.skip_connection:
+            per_layer += self.d_model * self.d_model
         return self.n_layers * per_layer
 
 
@@ -470,6 +475,7 @@ def _random_transcoders(
             dims.d_transcoder,
             JumpReLU(threshold, bandwidth=0.1),
             layer,
+            skip_connection=dims.skip_connection,
             device=device,
             dtype=dtype,
         )
@@ -480,6 +486,9 @@ def _random_transcoders(
             transcoder.W_dec.div_(transcoder.W_dec.norm(dim=-1, keepdim=True)).mul_(0.01)
             nn.init.uniform_(transcoder.b_enc, -0.5, 0.0)
             nn.init.uniform_(transcoder.b_dec, -0.01, 0.01)
+            if transcoder.W_skip is not None:
+                # A small linear path, like a trained skip connection next to the features.
+                nn.init.normal_(transcoder.W_skip, std=0.01 / dims.d_model**0.5)
         transcoders[layer] = transcoder
     return TranscoderSet(
         transcoders,
