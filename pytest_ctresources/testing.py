@@ -52,6 +52,7 @@ if TYPE_CHECKING:
         TransformerLensReplacementModel,
     )
     from circuit_tracer.transcoder import TranscoderSet
+    from circuit_tracer.transcoder.cross_layer_transcoder import CrossLayerTranscoder
 
     #: What the builders return: one of circuit-tracer's two backend classes. (circuit-tracer's
     #: ``ReplacementModel`` is only a factory; its ``from_*`` methods return these classes.)
@@ -187,6 +188,8 @@ class ModelDims:
         max_position: Maximum sequence length the model is configured for.
         skip_connection: Whether each transcoder has a linear skip connection
             (``W_skip``, d_model x d_model), as the llama-3.2-1b 131k transcoders do.
+        cross_layer: One cross-layer transcoder (CLT: the features of layer l write to every
+            later layer) instead of one transcoder per layer.
     """
 
     n_layers: int
@@ -200,6 +203,7 @@ class ModelDims:
     architecture: Architecture
     max_position: int = 512
     skip_connection: bool = False
+    cross_layer: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in _HF_ARCHITECTURE:
@@ -251,10 +255,12 @@ class ModelDims:
     @property
     def n_transcoder_params(self) -> int:
         """Number of parameters of all transcoders (encoders, decoders, biases, thresholds)."""
-        per_layer = 2 * self.d_transcoder * self.d_model + 2 * self.d_transcoder + self.d_model
-        if self.skip_connection:
-            per_layer += self.d_model * self.d_model
-        return self.n_layers * per_layer
+        n, d_tc, d = self.n_layers, self.d_transcoder, self.d_model
+        # Per layer: encoder, b_enc, threshold, b_dec, and W_skip if any.
+        per_layer = d_tc * d + 2 * d_tc + d + (d * d if self.skip_connection else 0)
+        # Decoders: a CLT's layer-l features write to the n - l layers from l on.
+        decoder_layers = n * (n + 1) // 2 if self.cross_layer else n
+        return n * per_layer + decoder_layers * d_tc * d
 
 
 #: Tiny Gemma-2: attribution on CPU takes a fraction of a second.
@@ -454,8 +460,9 @@ def _random_transcoders(
     dtype: torch.dtype,
     feature_input_hook: str,
     feature_output_hook: str,
-) -> TranscoderSet:
-    """Create one random JumpReLU transcoder per layer, directly on ``device`` in ``dtype``.
+) -> TranscoderSet | CrossLayerTranscoder:
+    """Create one random JumpReLU transcoder per layer (a CLT for ``dims.cross_layer``),
+    directly on ``device`` in ``dtype``.
 
     The initialisation follows circuit-tracer's own tests: He-uniform encoder rows normalised
     to unit norm, decoder rows normalised to norm 0.01, ``b_enc`` uniform in [-0.5, 0] and
@@ -467,6 +474,14 @@ def _random_transcoders(
     from circuit_tracer.transcoder.activation_functions import JumpReLU
     from torch import nn
 
+    if dims.cross_layer:
+        return _random_clt(
+            dims,
+            device=device,
+            dtype=dtype,
+            feature_input_hook=feature_input_hook,
+            feature_output_hook=feature_output_hook,
+        )
     transcoders = {}
     for layer in range(dims.n_layers):
         threshold = torch.zeros(dims.d_transcoder, device=device, dtype=dtype)
@@ -499,8 +514,52 @@ def _random_transcoders(
     )
 
 
+def _random_clt(
+    dims: ModelDims,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    feature_input_hook: str,
+    feature_output_hook: str,
+) -> CrossLayerTranscoder:
+    """A random JumpReLU cross-layer transcoder, initialised as :func:`_random_transcoders`
+    initialises per-layer ones (every decoder block normalised to norm 0.01)."""
+    import torch
+    from circuit_tracer.transcoder.cross_layer_transcoder import CrossLayerTranscoder
+    from torch import nn
+
+    clt = CrossLayerTranscoder(
+        dims.n_layers,
+        dims.d_transcoder,
+        dims.d_model,
+        activation_function="jump_relu",
+        skip_connection=dims.skip_connection,
+        lazy_decoder=False,
+        feature_input_hook=feature_input_hook,
+        feature_output_hook=feature_output_hook,
+        scan=RANDOM_TRANSCODERS,
+        device=device,
+        dtype=dtype,
+    )
+    with torch.no_grad():
+        for layer in range(dims.n_layers):
+            encoder = clt.W_enc[layer]
+            nn.init.kaiming_uniform_(encoder, mode="fan_in", nonlinearity="linear")
+            encoder.div_(encoder.norm(dim=-1, keepdim=True))
+        for decoder in clt.W_dec:
+            nn.init.kaiming_uniform_(decoder, mode="fan_in", nonlinearity="linear")
+            decoder.div_(decoder.norm(dim=-1, keepdim=True)).mul_(0.01)
+        nn.init.uniform_(clt.b_enc, -0.5, 0.0)
+        nn.init.uniform_(clt.b_dec, -0.01, 0.01)
+        if clt.W_skip is not None:
+            nn.init.normal_(clt.W_skip, std=0.01 / dims.d_model**0.5)
+    return clt
+
+
 def _calibrate_thresholds(
-    model: AnyReplacementModel, transcoders: TranscoderSet, features_per_token: int
+    model: AnyReplacementModel,
+    transcoders: TranscoderSet | CrossLayerTranscoder,
+    features_per_token: int,
 ) -> None:
     """Scale encoders and set JumpReLU thresholds from one forward pass over a fixed text.
 
@@ -518,11 +577,22 @@ def _calibrate_thresholds(
     logits, pre_acts = model.get_activations(tokens, apply_activation_function=False)
     if not bool(torch.isfinite(logits).all()):
         raise RuntimeError("the random model produced non-finite logits; try another dtype")
+    # Per layer: (encoder weights, encoder bias, JumpReLU threshold), views that can be
+    # changed in place, for a TranscoderSet and a CLT alike.
+    from circuit_tracer.transcoder import TranscoderSet as PerLayer
+
+    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    if isinstance(transcoders, PerLayer):
+        parts = [(t.W_enc, t.b_enc, t.activation_function.threshold) for t in transcoders]
+    else:
+        clt = transcoders
+        threshold_of = clt.activation_function.threshold
+        parts = [(clt.W_enc[i], clt.b_enc[i], threshold_of[i]) for i in range(clt.n_layers)]
     with torch.no_grad():
-        for layer, transcoder in enumerate(transcoders):
+        for layer, (encoder, bias, threshold_param) in enumerate(parts):
             # Position 0 (<bos>) is zeroed by circuit-tracer and never yields features.
             layer_pre = pre_acts[layer, 1:].to(torch.float32)
-            b_enc = transcoder.b_enc.to(torch.float32)
+            b_enc = bias.to(torch.float32)
             projection = layer_pre - b_enc
             scale = 1.0 / projection.std().clamp_min(1e-6)
             scaled = projection * scale + b_enc
@@ -531,8 +601,8 @@ def _calibrate_thresholds(
             kth = torch.topk(scaled.flatten(), n_active + 1).values[-1]
             # JumpReLU thresholds are positive in trained transcoders; keep that invariant.
             threshold = kth.clamp_min(0.0)
-            transcoder.W_enc.mul_(scale.to(transcoder.W_enc.dtype))
-            transcoder.activation_function.threshold.fill_(threshold.item())
+            encoder.mul_(scale.to(encoder.dtype))
+            threshold_param.fill_(threshold.item())
 
 
 @contextmanager
@@ -663,7 +733,7 @@ def _check_tokenizer_fits(tokenizer_dir: str, vocab_size: int) -> None:
 def _from_config(
     dims: ModelDims,
     backend: str,
-    transcoders: TranscoderSet,
+    transcoders: TranscoderSet | CrossLayerTranscoder,
     tokenizer_dir: str,
     dtype: torch.dtype,
     device: torch.device,

@@ -200,8 +200,19 @@ def test_bad_arguments() -> None:
         (TINY_LLAMA_DIMS, "transformerlens"),
         (dataclasses.replace(TINY_LLAMA_DIMS, skip_connection=True), "nnsight"),
         (dataclasses.replace(TINY_GEMMA2_DIMS, skip_connection=True), "transformerlens"),
+        (dataclasses.replace(TINY_GEMMA2_DIMS, cross_layer=True), "nnsight"),
+        (dataclasses.replace(TINY_LLAMA_DIMS, cross_layer=True, skip_connection=True), "nnsight"),
     ],
-    ids=["gemma2-nnsight", "llama-nnsight", "gemma2-tl", "llama-tl", "llama-skip", "gemma2-skip-tl"],
+    ids=[
+        "gemma2-nnsight",
+        "llama-nnsight",
+        "gemma2-tl",
+        "llama-tl",
+        "llama-skip",
+        "gemma2-skip-tl",
+        "gemma2-clt",
+        "llama-clt-skip",
+    ],
 )
 # Upstream noise: nnsight patches torch globally, and the warning fires for TransformerLens too.
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
@@ -236,6 +247,22 @@ def test_attribution_respects_max_feature_nodes(dims: ModelDims, backend: str) -
     assert graph.cfg.n_layers == dims.n_layers
     assert graph.vocab_size == dims.vocab_size
     assert graph.scan == RANDOM_TRANSCODERS
+
+
+@pytest.mark.parametrize(
+    "dims",
+    [
+        dataclasses.replace(TINY_LLAMA_DIMS, skip_connection=True),
+        dataclasses.replace(TINY_GEMMA2_DIMS, cross_layer=True),
+        dataclasses.replace(TINY_GEMMA2_DIMS, cross_layer=True, skip_connection=True),
+    ],
+    ids=["skip", "clt", "clt-skip"],
+)
+def test_transcoder_parameter_counts(dims: ModelDims) -> None:
+    model = build_replacement_model(dims, device="cpu")
+    params = dict(model._module.named_parameters())
+    n_transcoder = sum(p.numel() for n, p in params.items() if n.startswith("transcoders."))
+    assert n_transcoder == dims.n_transcoder_params
 
 
 def test_build_named_model() -> None:
