@@ -89,10 +89,10 @@ RANDOM_GEMMA_2_2B: Final = "ctresources/random-gemma-2-2b"
 RANDOM_TRANSCODERS: Final = "ctresources/random-jumprelu"
 
 #: Architectures :func:`build_replacement_model` can build.
-Architecture = Literal["gemma2", "llama"]
+Architecture = Literal["gemma2", "gemma3", "llama"]
 
 _HF_ARCHITECTURE: Final[Mapping[str, str]] = MappingProxyType(
-    {"gemma2": "Gemma2ForCausalLM", "llama": "LlamaForCausalLM"}
+    {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "llama": "LlamaForCausalLM"}
 )
 
 # Hook points the transcoders read from / write to, per architecture. They mirror the public
@@ -103,6 +103,8 @@ _HF_ARCHITECTURE: Final[Mapping[str, str]] = MappingProxyType(
 _DEFAULT_HOOKS: Final[Mapping[str, tuple[str, str]]] = MappingProxyType(
     {
         "gemma2": ("ln2.hook_normalized", "hook_mlp_out"),
+        # Gemma-3 (text): the MLP input, as circuit-tracer's Gemma3 mapping names it.
+        "gemma3": ("mlp.hook_in", "hook_mlp_out"),
         "llama": ("hook_resid_mid", "hook_mlp_out"),
     }
 )
@@ -184,7 +186,8 @@ class ModelDims:
         n_kv_heads: Number of key/value heads (grouped-query attention); divides ``n_heads``.
         head_dim: Width of each attention head.
         d_transcoder: Number of features of each transcoder.
-        architecture: ``"gemma2"`` or ``"llama"``.
+        architecture: ``"gemma2"``, ``"gemma3"`` (text-only ``Gemma3ForCausalLM``, nnsight
+            backend only) or ``"llama"``.
         max_position: Maximum sequence length the model is configured for.
         skip_connection: Whether each transcoder has a linear skip connection
             (``W_skip``, d_model x d_model), as the llama-3.2-1b 131k transcoders do.
@@ -241,12 +244,14 @@ class ModelDims:
     def n_model_params(self) -> int:
         """Number of parameters of the transformer (embeddings counted once if tied).
 
-        Gemma-2 ties its embedding and unembedding, Llama does not (as built here).
+        Gemma ties its embedding and unembedding, Llama does not (as built here).
         """
         attn = self.d_model * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         mlp = 3 * self.d_model * self.d_mlp
-        n_norms = 4 if self.architecture == "gemma2" else 2
+        n_norms = 2 if self.architecture == "llama" else 4
         per_layer = attn + mlp + n_norms * self.d_model
+        if self.architecture == "gemma3":
+            per_layer += 2 * self.head_dim  # q_norm and k_norm
         embeddings = self.vocab_size * self.d_model
         if self.architecture == "llama":
             embeddings *= 2
@@ -441,6 +446,17 @@ def _hf_config(dims: ModelDims, tokenizer_dir: str, dtype: torch.dtype) -> Any:
             sliding_window=4096,
             final_logit_softcapping=30.0,
             attn_logit_softcapping=50.0,
+            hidden_activation="gelu_pytorch_tanh",
+            rms_norm_eps=1e-6,
+        )
+    elif dims.architecture == "gemma3":
+        config = _transformers().Gemma3TextConfig(
+            **common,
+            # Gemma-3's values: no logit softcapping (QK-norm instead), 512-token local window.
+            query_pre_attn_scalar=dims.head_dim,
+            sliding_window=512,
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
             hidden_activation="gelu_pytorch_tanh",
             rms_norm_eps=1e-6,
         )
@@ -678,6 +694,8 @@ def build_replacement_model(
         raise ValueError(f"unknown backend {backend!r}; known: {', '.join(_BACKENDS)}")
     if features_per_token <= 0:
         raise ValueError(f"features_per_token must be positive, got {features_per_token}")
+    if dims.architecture == "gemma3" and backend != "nnsight":
+        raise ValueError("gemma3 random models are built for the nnsight backend only")
     torch_dtype = _resolve_dtype(dtype)
     torch_device = torch.device(device if device is not None else default_device())
 

@@ -202,6 +202,7 @@ def test_bad_arguments() -> None:
         (dataclasses.replace(TINY_GEMMA2_DIMS, skip_connection=True), "transformerlens"),
         (dataclasses.replace(TINY_GEMMA2_DIMS, cross_layer=True), "nnsight"),
         (dataclasses.replace(TINY_LLAMA_DIMS, cross_layer=True, skip_connection=True), "nnsight"),
+        (dataclasses.replace(TINY_GEMMA2_DIMS, architecture="gemma3"), "nnsight"),
     ],
     ids=[
         "gemma2-nnsight",
@@ -212,6 +213,7 @@ def test_bad_arguments() -> None:
         "gemma2-skip-tl",
         "gemma2-clt",
         "llama-clt-skip",
+        "gemma3",
     ],
 )
 # Upstream noise: nnsight patches torch globally, and the warning fires for TransformerLens too.
@@ -255,14 +257,26 @@ def test_attribution_respects_max_feature_nodes(dims: ModelDims, backend: str) -
         dataclasses.replace(TINY_LLAMA_DIMS, skip_connection=True),
         dataclasses.replace(TINY_GEMMA2_DIMS, cross_layer=True),
         dataclasses.replace(TINY_GEMMA2_DIMS, cross_layer=True, skip_connection=True),
+        dataclasses.replace(TINY_GEMMA2_DIMS, architecture="gemma3"),
     ],
-    ids=["skip", "clt", "clt-skip"],
+    ids=["skip", "clt", "clt-skip", "gemma3"],
 )
-def test_transcoder_parameter_counts(dims: ModelDims) -> None:
+def test_parameter_counts(dims: ModelDims) -> None:
     model = build_replacement_model(dims, device="cpu")
     params = dict(model._module.named_parameters())
     n_transcoder = sum(p.numel() for n, p in params.items() if n.startswith("transcoders."))
+    n_model = sum(p.numel() for n, p in params.items() if not n.startswith("transcoders."))
     assert n_transcoder == dims.n_transcoder_params
+    assert n_model == dims.n_model_params
+
+
+def test_gemma3_is_nnsight_only() -> None:
+    with pytest.raises(ValueError, match="nnsight backend only"):
+        build_replacement_model(
+            dataclasses.replace(TINY_GEMMA2_DIMS, architecture="gemma3"),
+            device="cpu",
+            backend="transformerlens",
+        )
 
 
 def test_build_named_model() -> None:
