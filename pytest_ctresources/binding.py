@@ -38,8 +38,6 @@ class Binding:
     """The GPU as the host lists it before binding (its index among the visible GPUs)."""
     visible_before: str | None
     """``CUDA_VISIBLE_DEVICES`` before binding (None: unset)."""
-    token: str
-    """What ``CUDA_VISIBLE_DEVICES`` was set to."""
     sharing: int
     """How many of the run's workers are bound to this GPU (on a host like this one)."""
 
@@ -119,9 +117,8 @@ def bind_worker(
         position = number % n
     gpu = facts.gpus[position]
     before = environ.get(VISIBLE_DEVICES_ENV)
-    token = gpu.uuid if gpu.uuid is not None else str(gpu.index)
-    environ[VISIBLE_DEVICES_ENV] = token
-    return Binding(worker, gpu, before, token, sharing_count(count, n, position))
+    environ[VISIBLE_DEVICES_ENV] = gpu.uuid if gpu.uuid is not None else str(gpu.index)
+    return Binding(worker, gpu, before, sharing_count(count, n, position))
 
 
 def plan_line(facts: GpuFacts, worker_count: int | None) -> str | None:
@@ -146,14 +143,18 @@ def _int(text: str | None) -> int | None:
         return None
 
 
+def testrun_id(environ: Mapping[str, str]) -> str:
+    """The run's id, shared by its workers (xdist's ``--testrunuid``)."""
+    return environ.get(TESTRUN_ENV) or "local"
+
+
 def open_seats(environ: Mapping[str, str] | None = None) -> Seats | None:
     """The run's seat board on this host; None without POSIX record locks (round robin)."""
-    env = os.environ if environ is None else environ
     try:
         from pytest_ctresources.ledger import seat_board
     except ImportError:  # no fcntl
         return None
-    return seat_board(env.get(TESTRUN_ENV) or "local")
+    return seat_board(testrun_id(os.environ if environ is None else environ))
 
 
 def is_worker(environ: Mapping[str, str]) -> bool:

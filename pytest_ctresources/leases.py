@@ -33,7 +33,6 @@ class WorkerGpu:
 
     binding: Binding
     ledger: VramLedger | None
-    budget_gib: float
 
 
 def start_worker_gpu(binding: Binding, testrun: str, budget_gib: float, leases: bool) -> WorkerGpu:
@@ -54,7 +53,7 @@ def start_worker_gpu(binding: Binding, testrun: str, budget_gib: float, leases: 
             prune_old_runs()
             key = binding.gpu.uuid or f"gpu{binding.gpu.index}"
             ledger = VramLedger(ledger_path(testrun, key), budget_gib).open()
-    return WorkerGpu(binding, ledger, budget_gib)
+    return WorkerGpu(binding, ledger)
 
 
 def record_placement(item: pytest.Item, runtime: Runtime) -> None:

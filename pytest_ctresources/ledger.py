@@ -16,7 +16,8 @@ Fairness and deadlock:
   pruned (after a day) only when no process holds it, even between tests.
 
 POSIX record locks belong to the process and are dropped when *any* descriptor of the file
-is closed by it, so each process opens a ledger file once (:func:`open_ledger`) and keeps it.
+is closed by it, so each process opens a ledger file once (:meth:`VramLedger.open`) and
+keeps it.
 Locks never conflict within one process: a process holds at most one lease per GPU at a time.
 """
 
@@ -48,11 +49,20 @@ def units_for(gib: float) -> int:
     return max(0, math.ceil(round(gib * UNITS_PER_GIB, 6)))
 
 
+def _safe(name: str) -> str:
+    """``name`` as a file name (run ids and GPU UUIDs come from outside)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def _root() -> Path:
+    """This user's directory of run directories in the temp dir."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return Path(tempfile.gettempdir()) / f"pytest-ctresources-{uid}"
+
+
 def ledger_dir(testrun: str) -> Path:
     """Where a run's ledger files live on this host (one directory per run)."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", testrun)
-    uid = os.getuid() if hasattr(os, "getuid") else 0
-    return Path(tempfile.gettempdir()) / f"pytest-ctresources-{uid}" / f"run-{safe}"
+    return _root() / f"run-{_safe(testrun)}"
 
 
 def prune_old_runs(max_age_s: float = 86400.0) -> None:
@@ -60,9 +70,8 @@ def prune_old_runs(max_age_s: float = 86400.0) -> None:
     directory per run would pile up in the temp dir otherwise)."""
     import shutil
 
-    root = ledger_dir("x").parent
     now = time.time()
-    for run in root.glob("run-*"):
+    for run in _root().glob("run-*"):
         try:
             if now - run.stat().st_mtime > max_age_s and not _in_use(run):
                 shutil.rmtree(run, ignore_errors=True)
@@ -86,8 +95,42 @@ def _in_use(run: Path) -> bool:
 
 
 def ledger_path(testrun: str, gpu_key: str) -> Path:
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", gpu_key)
-    return ledger_dir(testrun) / f"{safe}.ledger"
+    return ledger_dir(testrun) / f"{_safe(gpu_key)}.ledger"
+
+
+@dataclass
+class _LockFile:
+    """A file whose bytes this process locks one at a time (``lockf`` record locks)."""
+
+    path: Path
+    _fd: int = field(default=-1, repr=False, kw_only=True)
+
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    def close(self) -> None:
+        """Close the file: drops every lock this process holds on it."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _try_lock(self, byte: int) -> bool:
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, byte, os.SEEK_SET)
+        except OSError:
+            return False
+        return True
+
+    def _unlock(self, byte: int) -> None:
+        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, byte, os.SEEK_SET)
+
+    def _held_elsewhere(self, byte: int) -> bool:
+        """Whether another process holds ``byte`` (probes by locking and unlocking it)."""
+        if not self._try_lock(byte):
+            return True
+        self._unlock(byte)
+        return False
 
 
 @dataclass
@@ -100,30 +143,21 @@ class Lease:
 
 
 @dataclass
-class VramLedger:
+class VramLedger(_LockFile):
     """One GPU's budget of ``budget_gib`` on one host."""
 
-    path: Path
     budget_gib: float
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
-    _fd: int = field(default=-1, repr=False)
 
     @property
     def units(self) -> int:
         return units_for(self.budget_gib)
 
     def open(self) -> VramLedger:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._open()
         fcntl.lockf(self._fd, fcntl.LOCK_SH, 1, PRESENCE, os.SEEK_SET)
         return self
-
-    def close(self) -> None:
-        """Close the file: drops every lock this process holds on it."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
 
     def acquire(
         self, gib: float, timeout_s: float, before_waiting: Callable[[], None] | None = None
@@ -141,23 +175,25 @@ class VramLedger:
                 f"a lease of {gib:.1f} GiB exceeds the whole budget of {self.budget_gib:.1f} GiB"
             )
         start = self.clock()
-        waiting = False
+        waited = False
+
+        def wait() -> None:
+            nonlocal waited
+            if not waited and before_waiting is not None:
+                before_waiting()
+            waited = True
+            self._wait_or_fail(start, gib, timeout_s)
+
         # Through the turnstile first, newcomers included: while a process waits for its
         # units holding it, everyone else queues behind it.
         while not self._try_lock(TURNSTILE):
-            if not waiting and before_waiting is not None:
-                before_waiting()
-            waiting = True
-            self._wait_or_fail(start, gib, timeout_s)
+            wait()
         try:
             while (got := self._try_units(need)) is None:
-                if not waiting and before_waiting is not None:
-                    before_waiting()
-                waiting = True
-                self._wait_or_fail(start, gib, timeout_s)
+                wait()
         finally:
             self._unlock(TURNSTILE)
-        return Lease(gib, got, self.clock() - start if waiting else 0.0)
+        return Lease(gib, got, self.clock() - start if waited else 0.0)
 
     def release(self, lease: Lease) -> None:
         for unit in lease.units:
@@ -166,10 +202,8 @@ class VramLedger:
 
     def free_gib(self) -> float:
         """The budget not leased by other processes right now (probes each unit)."""
-        free = [unit for unit in range(self.units) if self._try_lock(unit)]
-        for unit in free:
-            self._unlock(unit)
-        return len(free) / UNITS_PER_GIB
+        free = sum(not self._held_elsewhere(unit) for unit in range(self.units))
+        return free / UNITS_PER_GIB
 
     def _wait_or_fail(self, start: float, gib: float, timeout_s: float) -> None:
         waited = self.clock() - start
@@ -194,34 +228,20 @@ class VramLedger:
             self._unlock(unit)
         return None
 
-    def _try_lock(self, unit: int) -> bool:
-        try:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, unit, os.SEEK_SET)
-        except OSError:
-            return False
-        return True
-
-    def _unlock(self, unit: int) -> None:
-        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, unit, os.SEEK_SET)
-
 
 SLOTS_PER_GPU = 1024
-BINDING_LOCK = 1 << 40
+BINDING_LOCK = TURNSTILE  # the same gate byte, in the seats file
 
 
 @dataclass
-class SeatBoard:
+class SeatBoard(_LockFile):
     """Which of a run's workers on this host sit on which GPU: one exclusive lock byte per
     (GPU position, slot), held by a worker for its life and released by the operating system
     when it exits. A worker that replaces a crashed one (xdist restarts them) sees the freed
     seat, so it can sit where the crashed one sat instead of doubling up elsewhere."""
 
-    path: Path
-    _fd: int = field(default=-1, repr=False)
-
     def open(self) -> SeatBoard:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._open()
         return self
 
     def choose_and_sit(self, choose: Callable[[list[int]], int], n_gpus: int) -> int:
@@ -230,28 +250,17 @@ class SeatBoard:
         fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, BINDING_LOCK, os.SEEK_SET)  # a short wait
         try:
             taken = [
-                sum(not self._free(first + slot) for slot in range(SLOTS_PER_GPU))
+                sum(self._held_elsewhere(first + slot) for slot in range(SLOTS_PER_GPU))
                 for first in range(0, n_gpus * SLOTS_PER_GPU, SLOTS_PER_GPU)
             ]
             position = choose(taken)
-            for slot in range(SLOTS_PER_GPU):
-                byte = position * SLOTS_PER_GPU + slot
-                try:
-                    fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, byte, os.SEEK_SET)
-                except OSError:
-                    continue
-                break
+            first = position * SLOTS_PER_GPU
+            for byte in range(first, first + SLOTS_PER_GPU):
+                if self._try_lock(byte):
+                    break
             return position
         finally:
-            fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, BINDING_LOCK, os.SEEK_SET)
-
-    def _free(self, byte: int) -> bool:
-        try:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, byte, os.SEEK_SET)
-        except OSError:
-            return False
-        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, byte, os.SEEK_SET)
-        return True
+            self._unlock(BINDING_LOCK)
 
 
 def seat_board(testrun: str) -> SeatBoard:

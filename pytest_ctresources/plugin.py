@@ -23,7 +23,7 @@ from pytest_ctresources.allocator import AllocConf
 from pytest_ctresources.binding import Binding, bind_worker, is_worker, open_seats, plan_line
 from pytest_ctresources.cleanup import cleanup_after_test
 from pytest_ctresources.fixtures import ct_config, ct_session
-from pytest_ctresources.options import DEFAULT_ALLOC_CONF, add_options
+from pytest_ctresources.options import DEFAULT_ALLOC_CONF, add_options, binding_mode
 from pytest_ctresources.runtime import RUNTIME_KEY, runtime_of, start_runtime
 from pytest_ctresources.summary import FIGURES_PROPERTY, SummaryReporter
 
@@ -47,7 +47,11 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     early_config.stash[_ALLOC_KEY] = alloc
     early_config.add_cleanup(alloc.undo)
     # An xdist worker is bound to its GPU here, before conftests can initialise CUDA.
-    mode = (early_config.getini("ct_gpu_binding") or "auto").strip().lower()
+    # (A bad ct_gpu_binding is left for the settings to report, at configure.)
+    try:
+        mode = binding_mode(early_config.getini("ct_gpu_binding") or "auto")
+    except ValueError:
+        mode = "off"
     if mode == "auto" and is_worker(os.environ):
         binding = _bind_worker()
         if binding is not None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from pytest_ctresources.allocator import ALLOC_CONF_ENV, AllocConf, CapacityCap
-from pytest_ctresources.binding import TESTRUN_ENV, Binding
+from pytest_ctresources.binding import Binding, testrun_id
 from pytest_ctresources.cleanup import cleanup_python_cuda, cuda_initialised
 from pytest_ctresources.config import CircuitTracerConfig
 from pytest_ctresources.exceptions import AllocConfIneffectiveWarning
@@ -118,8 +118,9 @@ def start_runtime(
     )
     if binding is not None:
         budget = capacity.value if capacity else binding.gpu.total_gib
-        testrun = os.environ.get(TESTRUN_ENV) or "local"
-        runtime.worker_gpu = start_worker_gpu(binding, testrun, budget, settings.leases.value)
+        runtime.worker_gpu = start_worker_gpu(
+            binding, testrun_id(os.environ), budget, settings.leases.value
+        )
     if runtime.capacity_cap is not None and not runs_no_tests(config):
         # The emulated card must bind from the first CUDA allocation, whoever imports torch
         # and whenever: importing torch here does not initialise CUDA.
