@@ -4,6 +4,9 @@
         --dtypes bfloat16,float32 --batch-sizes 32,64,128,256 --prompt-tokens 8,25,100 \
         --out peaks.jsonl
 
+``--model`` takes a comma-separated list of bundled names (``testing.BUNDLED_MODELS``); each
+model is built, measured over the grid and freed before the next.
+
 Calibration data for a VRAM estimator (issue 5). For each dtype the bundled random-weight
 model is built once on the GPU; for each (batch size, prompt length) point one
 ``circuit_tracer.attribute`` runs on a prompt of random token ids (first id 2, BOS), and the
@@ -15,7 +18,11 @@ what it measured):
   wrapping the model's ``setup_attribution`` (phase 0) and ``run_forward_pass`` (phase 1); the
   rest of the call (logit and feature attribution: the backward passes) is phase 2;
 - the call's peak allocated and reserved, the number of active features, logit targets and
-  the wall time.
+  the wall time;
+- ``gpu_busy``: the mean of NVML's GPU utilisation (the share of time a kernel was running),
+  sampled every 50 ms during the call, when nvidia-ml-py is installed;
+- ``dims``, ``n_model_params`` and ``n_transcoder_params`` of the model, so an estimate can
+  be checked against the point without the registry.
 
 Without CUDA it runs on the CPU with the tiny model and records no memory (a smoke test).
 """
@@ -23,9 +30,11 @@ Without CUDA it runs on the CPU with the tiny model and records no memory (a smo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -70,78 +79,155 @@ class PhaseMeter:
         setattr(obj, name, wrapped)
 
 
+class BusySampler:
+    """Mean NVML GPU utilisation of device 0 over a block, sampled in a thread."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.interval_s = interval_s
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            index = int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0)
+            self._handle: Any = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self._nvml: Any = pynvml
+        except Exception:  # no NVML, no GPU, or a UUID in CUDA_VISIBLE_DEVICES: no samples
+            self._nvml = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            rates = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
+            self.samples.append(int(rates.gpu))
+
+    def __enter__(self) -> BusySampler:
+        self.samples = []
+        self._stop.clear()
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def mean(self) -> float | None:
+        return round(sum(self.samples) / len(self.samples), 1) if self.samples else None
+
+
 def measure(args: argparse.Namespace) -> int:
+    import torch
+
+    from pytest_ctresources import testing
+
+    cuda = torch.cuda.is_available()
+    model_names = args.model.split(",") if cuda else [testing.TINY_GEMMA2]
+    busy = BusySampler()
+    with Path(args.out).open("a") as handle:
+        for model_name in model_names:
+            for dtype in args.dtypes.split(","):
+                measure_model(model_name, dtype, args, handle, busy, cuda)
+    return 0
+
+
+def measure_model(
+    model_name: str,
+    dtype: str,
+    args: argparse.Namespace,
+    handle: Any,
+    busy: BusySampler,
+    cuda: bool,
+) -> None:
+    """Build one model and measure every (prompt length, batch size) point of the grid."""
+    import gc
+
     import torch
     from circuit_tracer import attribute
 
     from pytest_ctresources import testing
 
-    cuda = torch.cuda.is_available()
-    model_name = args.model if cuda else testing.TINY_GEMMA2
-    out = Path(args.out)
-    with out.open("a") as handle:
-        for dtype in args.dtypes.split(","):
+    dims = testing.model_dims_of(model_name)
+    if cuda:
+        torch.cuda.empty_cache()
+    model = testing.build_named_model(
+        model_name, testing.RANDOM_TRANSCODERS, dtype=dtype, device="cuda" if cuda else "cpu"
+    )
+    meter = PhaseMeter(torch, cuda)
+    meter.wrap(model, "setup_attribution")
+    meter.wrap(model, "run_forward_pass")
+    vocab = model.cfg.d_vocab
+    for tokens in parse_ints(args.prompt_tokens):
+        generator = torch.Generator().manual_seed(tokens)
+        ids = torch.randint(3, vocab, (tokens - 1,), generator=generator).tolist()
+        prompt = [2, *ids]
+        for batch in parse_ints(args.batch_sizes):
             if cuda:
                 torch.cuda.empty_cache()
-            device = "cuda" if cuda else "cpu"
-            model = testing.build_named_model(
-                model_name, testing.RANDOM_TRANSCODERS, dtype=dtype, device=device
-            )
-            meter = PhaseMeter(torch, cuda)
-            meter.wrap(model, "setup_attribution")
-            meter.wrap(model, "run_forward_pass")
-            vocab = model.cfg.d_vocab
-            for tokens in parse_ints(args.prompt_tokens):
-                generator = torch.Generator().manual_seed(tokens)
-                ids = torch.randint(3, vocab, (tokens - 1,), generator=generator).tolist()
-                prompt = [2, *ids]
-                for batch in parse_ints(args.batch_sizes):
-                    if cuda:
-                        torch.cuda.empty_cache()
-                    resident = torch.cuda.memory_allocated() if cuda else 0
-                    meter.reset()
-                    start = time.perf_counter()
+            resident = torch.cuda.memory_allocated() if cuda else 0
+            meter.reset()
+            start = time.perf_counter()
+            record: dict[str, Any] = {
+                "model": model_name,
+                "dtype": dtype,
+                "batch_size": batch,
+                "prompt_tokens": tokens,
+                "max_feature_nodes": args.max_feature_nodes,
+                "resident_bytes": resident,
+                "dims": dataclasses.asdict(dims),
+                "n_model_params": dims.n_model_params,
+                "n_transcoder_params": dims.n_transcoder_params,
+            }
+            try:
+                with busy:
                     graph = attribute(
-                        prompt,
-                        model,
-                        batch_size=batch,
-                        max_feature_nodes=args.max_feature_nodes,
+                        prompt, model, batch_size=batch, max_feature_nodes=args.max_feature_nodes
                     )
-                    meter.mark()  # phase 2: everything after the forward pass
-                    seconds = time.perf_counter() - start
-                    record: dict[str, Any] = {
-                        "model": model_name,
-                        "dtype": dtype,
-                        "batch_size": batch,
-                        "prompt_tokens": tokens,
-                        "max_feature_nodes": args.max_feature_nodes,
-                        "active_features": int(graph.active_features.shape[0]),
-                        "logit_targets": len(graph.logit_targets),
-                        "seconds": round(seconds, 2),
-                        "resident_bytes": resident,
-                        "phases": meter.marks,
-                    }
-                    if cuda:
-                        record["peak_allocated_bytes"] = max(m["peak"] for m in meter.marks)
-                        record["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
-                        record["device"] = torch.cuda.get_device_name()
-                        record["torch"] = torch.__version__
-                    del graph
-                    handle.write(json.dumps(record) + "\n")
-                    handle.flush()
-                    peak = record.get("peak_allocated_bytes", 0) / 2**30
-                    print(
-                        f"{dtype} tokens={tokens} batch={batch}: peak {peak:.2f} GiB, "
-                        f"{record['active_features']} active, {seconds:.1f} s",
-                        flush=True,
-                    )
-            del model
-    return 0
+            except torch.cuda.OutOfMemoryError:
+                # Recorded, not fatal: the point did not fit the card, which the estimate
+                # must predict too.
+                record |= {"oom": True, "device_total_bytes": torch.cuda.mem_get_info()[1]}
+                handle.write(json.dumps(record) + "\n")
+                handle.flush()
+                print(f"{model_name} {dtype} tokens={tokens} batch={batch}: OOM", flush=True)
+                gc.collect()
+                continue
+            meter.mark()  # phase 2: everything after the forward pass
+            seconds = time.perf_counter() - start
+            record |= {
+                "active_features": int(graph.active_features.shape[0]),
+                "logit_targets": len(graph.logit_targets),
+                "seconds": round(seconds, 2),
+                "gpu_busy": busy.mean(),
+                "phases": meter.marks,
+            }
+            if cuda:
+                record["peak_allocated_bytes"] = max(m["peak"] for m in meter.marks)
+                record["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+                record["device"] = torch.cuda.get_device_name()
+                record["torch"] = torch.__version__
+            del graph
+            handle.write(json.dumps(record) + "\n")
+            handle.flush()
+            peak = record.get("peak_allocated_bytes", 0) / 2**30
+            print(
+                f"{model_name} {dtype} tokens={tokens} batch={batch}: peak {peak:.2f} GiB, "
+                f"{record['active_features']} active, {seconds:.1f} s, "
+                f"GPU busy {record['gpu_busy']}%",
+                flush=True,
+            )
+    del model, meter
+    gc.collect()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="ctresources/random-gemma-2-2b")
+    parser.add_argument(
+        "--model", default="ctresources/random-gemma-2-2b", help="comma-separated bundled names"
+    )
     parser.add_argument("--dtypes", default="bfloat16")
     parser.add_argument("--batch-sizes", default="32,64,128,256")
     parser.add_argument("--prompt-tokens", default="8,25,100")

@@ -61,8 +61,14 @@ if TYPE_CHECKING:
 __all__ = [
     "BUNDLED_MODELS",
     "BUNDLED_TRANSCODER_SETS",
+    "GEMMA_2_2B_CLT_DIMS",
     "GEMMA_2_2B_DIMS",
+    "GEMMA_3_4B_DIMS",
+    "LLAMA_3_2_1B_DIMS",
     "RANDOM_GEMMA_2_2B",
+    "RANDOM_GEMMA_2_2B_CLT",
+    "RANDOM_GEMMA_3_4B",
+    "RANDOM_LLAMA_3_2_1B",
     "RANDOM_TRANSCODERS",
     "TINY_GEMMA2",
     "TINY_GEMMA2_DIMS",
@@ -84,6 +90,13 @@ TINY_GEMMA2: Final = "ctresources/tiny-gemma-2"
 TINY_LLAMA: Final = "ctresources/tiny-llama"
 #: Random weights of real gemma-2-2b dimensions (offline): for capacity tests and benchmarks.
 RANDOM_GEMMA_2_2B: Final = "ctresources/random-gemma-2-2b"
+#: Random gemma-2-2b with one cross-layer transcoder of 16384 features per layer (the size of
+#: circuit-tracer's 426k gemma-2-2b CLT).
+RANDOM_GEMMA_2_2B_CLT: Final = "ctresources/random-gemma-2-2b-clt"
+#: Random weights of real gemma-3-4b (text) dimensions with 16k per-layer transcoders.
+RANDOM_GEMMA_3_4B: Final = "ctresources/random-gemma-3-4b"
+#: Random weights of real Llama-3.2-1B dimensions with 131k-wide skip transcoders.
+RANDOM_LLAMA_3_2_1B: Final = "ctresources/random-llama-3.2-1b"
 #: Name of the bundled random JumpReLU transcoder set (for ``TRANSCODER_SET``); it fits any
 #: bundled model, because its transcoders are generated to match the model's dimensions.
 RANDOM_TRANSCODERS: Final = "ctresources/random-jumprelu"
@@ -298,12 +311,49 @@ GEMMA_2_2B_DIMS: Final = ModelDims(
     max_position=8192,
 )
 
+#: gemma-2-2b with a cross-layer transcoder of 16384 features per layer (426k in all):
+#: 14.2e9 transcoder parameters, ~28 GB in bfloat16. GPU only.
+GEMMA_2_2B_CLT_DIMS: Final = dataclasses.replace(GEMMA_2_2B_DIMS, cross_layer=True)
+#: gemma-3-4b's text model (google/gemma-3-4b-pt ``text_config``) with 16k transcoders.
+#: GPU only.
+GEMMA_3_4B_DIMS: Final = ModelDims(
+    n_layers=34,
+    d_model=2560,
+    d_mlp=10240,
+    vocab_size=262208,
+    n_heads=8,
+    n_kv_heads=4,
+    head_dim=256,
+    d_transcoder=16384,
+    architecture="gemma3",
+    max_position=8192,
+)
+#: Llama-3.2-1B with 131072-wide skip transcoders (about 8.6e9 transcoder parameters). The
+#: random model does not tie its embeddings (the real one does): 0.26e9 more parameters, no
+#: other difference in memory. GPU only.
+LLAMA_3_2_1B_DIMS: Final = ModelDims(
+    n_layers=16,
+    d_model=2048,
+    d_mlp=8192,
+    vocab_size=128256,
+    n_heads=32,
+    n_kv_heads=8,
+    head_dim=64,
+    d_transcoder=131072,
+    architecture="llama",
+    max_position=8192,
+    skip_connection=True,
+)
+
 #: Bundled model names and their dimensions (read-only).
 BUNDLED_MODELS: Final[Mapping[str, ModelDims]] = MappingProxyType(
     {
         TINY_GEMMA2: TINY_GEMMA2_DIMS,
         TINY_LLAMA: TINY_LLAMA_DIMS,
         RANDOM_GEMMA_2_2B: GEMMA_2_2B_DIMS,
+        RANDOM_GEMMA_2_2B_CLT: GEMMA_2_2B_CLT_DIMS,
+        RANDOM_GEMMA_3_4B: GEMMA_3_4B_DIMS,
+        RANDOM_LLAMA_3_2_1B: LLAMA_3_2_1B_DIMS,
     }
 )
 #: Bundled transcoder-set names.
