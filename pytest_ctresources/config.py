@@ -50,6 +50,18 @@ def _positive_int(value: object) -> int:
     return value  # type: ignore[return-value]
 
 
+#: ``BATCH_SIZE: auto``: ct_session.attribute picks the batch size from the VRAM estimate.
+AUTO = "auto"
+
+
+def _batch_size(value: object) -> int | str:
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    if not _is_int(value) or value <= 0:  # type: ignore[operator]
+        raise ConfigError(f"must be a positive integer or 'auto', got {value!r}")
+    return value  # type: ignore[return-value]
+
+
 def _positive_number(value: object) -> float:
     if not (_is_int(value) or isinstance(value, float)) or not value > 0:  # type: ignore[operator]
         raise ConfigError(f"must be a positive number, got {value!r}")
@@ -179,9 +191,17 @@ FIELDS: Mapping[str, FieldSpec] = {
         FieldSpec(
             "batch_size",
             256,
+            _batch_size,
+            _text_to_int,
+            help="source nodes per backward pass in attribute(); 'auto': the largest the "
+            "VRAM estimate fits on the GPU",
+        ),
+        FieldSpec(
+            "batch_size_max",
+            512,
             _positive_int,
             _text_to_int,
-            help="source nodes per backward pass in attribute()",
+            help="the largest batch size 'auto' chooses",
         ),
         FieldSpec(
             "max_feature_nodes",
@@ -277,7 +297,8 @@ class CircuitTracerConfig:
     transcoder_set: str | None = None
     backend: Backend = "nnsight"
     dtype: DType = "float32"
-    batch_size: int = 256
+    batch_size: int | Literal["auto"] = 256
+    batch_size_max: int = 512
     max_feature_nodes: int = 8192
     max_n_logits: int = 10
     desired_logit_prob: float = 0.95

@@ -11,7 +11,7 @@ from pytest_ctresources.config import CircuitTracerConfig
 from pytest_ctresources.markers import MarkerError
 from pytest_ctresources.runtime import runtime_of
 from pytest_ctresources.session import CtSession
-from pytest_ctresources.summary import ATTRIBUTIONS_PROPERTY, HALVINGS_PROPERTY
+from pytest_ctresources.summary import ATTRIBUTIONS_PROPERTY, AUTO_PROPERTY, HALVINGS_PROPERTY
 
 
 @pytest.fixture
@@ -47,6 +47,7 @@ def ct_session(
         oom_retry=runtime.settings.oom_retry.value,
         oom_retry_floor=runtime.settings.oom_retry_floor.value,
         meter=node.stash.get(METER_KEY, None),
+        auto_budget=runtime.auto_budget(),
     )
     node.stash[SESSION_KEY] = session
     try:
@@ -55,6 +56,10 @@ def ct_session(
         if session.calls:
             node.user_properties.append(
                 (ATTRIBUTIONS_PROPERTY, [call.kwargs["batch_size"] for call in session.calls])
+            )
+        if session.auto_choices:
+            node.user_properties.append(
+                (AUTO_PROPERTY, [choice.describe() for choice in session.auto_choices])
             )
         if session.halvings:
             node.user_properties.append((HALVINGS_PROPERTY, halving_summary(session)))

@@ -691,3 +691,39 @@ def _torch_device(props: Any) -> tuple[str, int, str | None]:
         # torch names MIG devices "<GPU> MIG <profile>", which tells which prefix applies.
         uuid = ("MIG-" if " MIG " in f" {name} " else "GPU-") + uuid
     return name, int(props.total_memory), uuid or None
+
+
+def free_bytes(facts: GpuFacts) -> list[int | None]:
+    """Free memory of each GPU in ``facts`` now, from the same source (None if unknown).
+
+    NVML is asked by UUID; the torch source asks ``torch.cuda.mem_get_info`` (which creates
+    a CUDA context: only for commands, never at pytest start-up); fake GPUs have no figure.
+    """
+    if facts.source == "nvml":
+        try:
+            nvml = _load_pynvml()
+            nvml.nvmlInit()
+        except Exception:
+            return [None] * len(facts.gpus)
+        try:
+            return [_nvml_free(nvml, gpu.uuid) for gpu in facts.gpus]
+        finally:
+            _quietly(nvml.nvmlShutdown)
+    if facts.source == "torch":
+        torch = _load_torch()
+
+        def torch_free(index: int) -> int | None:
+            return _quietly(lambda: int(torch.cuda.mem_get_info(index)[0]))
+
+        return [torch_free(gpu.index) for gpu in facts.gpus]
+    return [None] * len(facts.gpus)
+
+
+def _nvml_free(nvml: Any, uuid: str | None) -> int | None:
+    if uuid is None:
+        return None
+    handle = _quietly(lambda: nvml.nvmlDeviceGetHandleByUUID(uuid))
+    if handle is None:
+        return None
+    info = _quietly(lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
+    return None if info is None else int(info.free)

@@ -64,8 +64,14 @@ def explain(
     if cfg is not None:
         lines.append("config in effect:")
         lines += [f"  {line}" for line in cfg.describe()]
-        half = max(1, cfg.batch_size // 2)
-        lines.append(f"next step: try {batch_size_advice(cfg, half)}")
+        if isinstance(cfg.batch_size, int):
+            half = max(1, cfg.batch_size // 2)
+            lines.append(f"next step: try {batch_size_advice(cfg, half)}")
+        else:
+            lines.append(
+                "next step: the estimate behind --ct-batch-size auto was too low here; raise "
+                "ct_auto_margin, or set a batch size below the one auto chose"
+            )
     else:
         lines.append(
             "next step: lower the test's memory use, or declare its need with "

@@ -72,6 +72,14 @@ def binding_mode(text: str) -> str:
     return value
 
 
+def fraction(text: str) -> float:
+    """Parse a share in [0, 1)."""
+    value = _number(text, zero_ok=True, message="must be a number from 0 to below 1")
+    if value >= 1:
+        raise ValueError(f"must be a number from 0 to below 1, got {text!r}")
+    return value
+
+
 def seconds(text: str) -> float:
     """Parse a positive number of seconds."""
     return _number(text, zero_ok=False, message="must be a positive number of seconds")
@@ -123,10 +131,21 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "--ct-batch-size",
         "ct_batch_size",
         "CT_BATCH_SIZE",
-        "N",
-        "batch size of circuit-tracer attribution for every test (overrides YAML and markers)",
+        "N|auto",
+        "batch size of circuit-tracer attribution for every test (overrides YAML and "
+        "markers); 'auto' lets ct_session choose the largest whose estimated peak fits the GPU",
         _field_parser("batch_size"),
         field="batch_size",
+    ),
+    SettingSpec(
+        "ct_batch_size_max",
+        "--ct-batch-size-max",
+        "ct_batch_size_max",
+        "CT_BATCH_SIZE_MAX",
+        "N",
+        "the largest batch size --ct-batch-size auto chooses (default 512)",
+        _field_parser("batch_size_max"),
+        field="batch_size_max",
     ),
     SettingSpec(
         "ct_max_feature_nodes",
@@ -204,6 +223,18 @@ INI_ONLY: tuple[tuple[str, str, str], ...] = (
         "ct_lease_timeout",
         "seconds a test waits for its VRAM lease before it fails",
         "1800",
+    ),
+    (
+        "ct_auto_margin",
+        "share of the GPU's capacity that --ct-batch-size auto keeps free beyond the "
+        "estimate's peak (reserved margin and CUDA context included)",
+        "0.1",
+    ),
+    (
+        "ct_estimate_prompt_tokens",
+        "prompt length in tokens assumed by the VRAM estimate of a ct_session test with no "
+        "declared need, made before its prompt is known (skip decisions and leases)",
+        "32",
     ),
     (
         "ct_alloc_conf",

@@ -64,6 +64,7 @@ def build_report(
         "tests": [record.to_dict() for record in summary.records.values()],
         "placements": [placement.to_dict() for placement in summary.placements.values()],
         "attributions": summary.attributions,
+        "auto_batch_sizes": summary.auto_choices,
         "vram_skips": summary.vram_skips,
     }
 

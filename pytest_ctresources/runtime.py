@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from pytest_ctresources.allocator import ALLOC_CONF_ENV, AllocConf, CapacityCap
+from pytest_ctresources.autobatch import Budget
 from pytest_ctresources.binding import Binding, testrun_id
 from pytest_ctresources.cleanup import cleanup_python_cuda, cuda_initialised
 from pytest_ctresources.config import CircuitTracerConfig
@@ -54,6 +55,19 @@ class Runtime:
     def test_gpu(self) -> GpuInfo | None:
         """The GPU a test in this process runs on: the first visible one."""
         return self.gpu_facts().gpu(0)
+
+    def auto_budget(self) -> Budget:
+        """What ``--ct-batch-size auto`` may fill: the test GPU's capacity (or the
+        ``--ct-vram-capacity`` cap) less the ``ct_auto_margin`` share."""
+        margin = self.settings.auto_margin
+        margin_value = float(margin.value)
+        capacity = self.settings.vram_capacity_gib
+        if capacity is not None:
+            return Budget(capacity.value, str(capacity.source), margin_value)
+        gpu = self.test_gpu()
+        if gpu is None:
+            return Budget(None, "no CUDA GPU detected", margin_value)
+        return Budget(gpu.total_gib, gpu.describe(), margin_value)
 
     def config_for(self, item: pytest.Item) -> CircuitTracerConfig:
         """The item's resolved config, computed once and kept in its stash.

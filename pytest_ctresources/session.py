@@ -12,8 +12,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pytest_ctresources import oom
+from pytest_ctresources.autobatch import AutoChoice, Budget
 from pytest_ctresources.cleanup import cleanup_python_cuda
-from pytest_ctresources.config import FIELDS, CircuitTracerConfig, ConfigError, validate_typed
+from pytest_ctresources.config import (
+    AUTO,
+    FIELDS,
+    CircuitTracerConfig,
+    ConfigError,
+    validate_typed,
+)
 from pytest_ctresources.measure import VramFigures, VramMeter
 
 if TYPE_CHECKING:
@@ -96,6 +103,7 @@ class CtSession:
         cfg: the resolved :class:`~pytest_ctresources.config.CircuitTracerConfig` of the test.
         calls: every successful :meth:`attribute` call's keyword arguments, in order.
         halvings: every out-of-memory :meth:`attribute` recovered from, in order.
+        auto_choices: the batch size ``batch_size="auto"`` chose for each call, and why.
         oom_retry: whether :meth:`attribute` halves the batch size and retries after OOM.
         oom_retry_floor: the smallest batch size it retries with.
     """
@@ -108,10 +116,13 @@ class CtSession:
         oom_retry: bool = True,
         oom_retry_floor: int = 1,
         meter: VramMeter | None = None,
+        auto_budget: Budget | None = None,
     ) -> None:
         self.cfg = cfg
         self.calls: list[AttributionCall] = []
         self.halvings: list[oom.Halving] = []
+        self.auto_choices: list[AutoChoice] = []
+        self.auto_budget = auto_budget
         self.oom_retry = oom_retry
         self.oom_retry_floor = oom_retry_floor
         self._cache = cache if cache is not None else ModelCache()
@@ -134,6 +145,10 @@ class CtSession:
         ``overrides`` (config fields are validated as in a marker; other ``attribute()``
         parameters such as ``attribution_targets`` pass through). ``model`` defaults to
         :meth:`load_model`.
+
+        With ``batch_size="auto"`` the batch size is the largest whose estimated peak fits
+        the budget (:mod:`pytest_ctresources.autobatch`), chosen per call and recorded in
+        :attr:`auto_choices`.
 
         On ``torch.cuda.OutOfMemoryError`` (with ``oom_retry``), the memory the failed attempt
         held is freed, the batch size halved and the call retried, down to
@@ -158,6 +173,12 @@ class CtSession:
             model = self.load_model()
         from circuit_tracer import attribute
 
+        if kwargs["batch_size"] == AUTO:
+            from pytest_ctresources.autobatch import choose
+
+            choice = choose(model, prompt, self.cfg, self.auto_budget or _budget_of(model))
+            self.auto_choices.append(choice)
+            kwargs["batch_size"] = choice.batch_size
         while True:
             try:
                 graph = attribute(prompt, model, **kwargs)
@@ -177,3 +198,16 @@ class CtSession:
     def close(self) -> None:
         """Drop this session's references; the model stays cached for the next test."""
         self.calls.clear()
+
+
+def _budget_of(model: Any) -> Budget:
+    """Outside pytest: the whole memory of the model's GPU, less 10%."""
+    from pytest_ctresources.autobatch import _device_of
+
+    device = _device_of(model)
+    if device.type != "cuda":
+        return Budget(None, "no CUDA GPU", 0.1)
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory / (1 << 30)
+    return Budget(total, torch.cuda.get_device_name(device), 0.1)

@@ -26,6 +26,7 @@ from pytest_ctresources.options import (
     SettingSpec,
     binding_mode,
     byte_size,
+    fraction,
     non_negative_gib,
     positive_count,
     seconds,
@@ -64,6 +65,8 @@ class Settings:
     leases: Sourced[bool]
     default_vram_gib: Sourced[float]
     lease_timeout_s: Sourced[float]
+    auto_margin: Sourced[float]
+    estimate_prompt_tokens: Sourced[int]
     report_forced: bool = False
     report_top: int = 10
     report_json: Path | None = None
@@ -207,6 +210,8 @@ def resolve_settings(
     binding = _ini_or_default(ini, "ct_gpu_binding", inifile, binding_mode)
     default_gib = _ini_or_default(ini, "ct_default_vram_gib", inifile, non_negative_gib)
     timeout = _ini_or_default(ini, "ct_lease_timeout", inifile, seconds)
+    margin = _ini_or_default(ini, "ct_auto_margin", inifile, fraction)
+    prompt_tokens = _ini_or_default(ini, "ct_estimate_prompt_tokens", inifile, positive_count)
     return Settings(
         ini_layer=ini_layer,
         experiment=experiment,
@@ -225,6 +230,8 @@ def resolve_settings(
         leases=leases,  # type: ignore[arg-type]
         default_vram_gib=default_gib,  # type: ignore[arg-type]
         lease_timeout_s=timeout,  # type: ignore[arg-type]
+        auto_margin=margin,  # type: ignore[arg-type]
+        estimate_prompt_tokens=prompt_tokens,  # type: ignore[arg-type]
         report_forced=bool(options.get("ct_report")),
         report_top=int(options.get("ct_report_top") or 10),  # type: ignore[call-overload]
         report_json=_writable(options.get("ct_report_json"), "--ct-report-json", invocation_dir),

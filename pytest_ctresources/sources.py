@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
-SourceKind = Literal["default", "ini", "yaml", "marker", "env", "option", "learned"]
+SourceKind = Literal["default", "ini", "yaml", "marker", "env", "option", "learned", "estimate"]
 
 T = TypeVar("T")
 
@@ -48,6 +48,10 @@ class Source:
     @classmethod
     def marker(cls, name: str, nodeid: str) -> Source:
         return cls("marker", f"@pytest.mark.{name} on {nodeid}")
+
+    @classmethod
+    def estimate(cls, what: str) -> Source:
+        return cls("estimate", f"estimated for {what}")
 
     @classmethod
     def learned(cls, gib: float, gpu: str, date: str) -> Source:

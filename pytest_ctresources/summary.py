@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 #: user_properties key under which ct_session records the batch sizes of its attributions.
 ATTRIBUTIONS_PROPERTY = "ct_attribution_batch_sizes"
+#: user_properties key of the batch sizes ``--ct-batch-size auto`` chose, with reasons.
+AUTO_PROPERTY = "ct_auto_batch_sizes"
 #: user_properties key of the OOM halvings ct_session.attribute recovered from.
 HALVINGS_PROPERTY = "ct_oom_halvings"
 #: user_properties key under which the cleanup records how many figures it closed.
@@ -32,7 +34,7 @@ VRAM_SKIP_PATTERN = re.compile(r"needs [0-9.]+ GiB VRAM")
 
 
 _OUTCOME_RANK = {"passed": 0, "skipped": 1, "failed": 2}
-_NEED_KIND_NAMES = {"marker": "marker", "learned": "learned"}
+_NEED_KIND_NAMES = {"marker": "marker", "learned": "learned", "estimate": "estimate"}
 
 
 @dataclass
@@ -99,6 +101,7 @@ class RunSummary:
     vram_skips: dict[str, str] = field(default_factory=dict)
     records: dict[str, TestRecord] = field(default_factory=dict)
     halvings: dict[str, str] = field(default_factory=dict)
+    auto_choices: dict[str, list[str]] = field(default_factory=dict)
     placements: dict[str, Placement] = field(default_factory=dict)
     _outcomes: dict[str, str] = field(default_factory=dict)
 
@@ -114,6 +117,8 @@ class RunSummary:
                 self.attributions.setdefault(report.nodeid, []).extend(value)
             elif name == HALVINGS_PROPERTY:
                 self.halvings[report.nodeid] = str(value)
+            elif name == AUTO_PROPERTY and isinstance(value, list):
+                self.auto_choices.setdefault(report.nodeid, []).extend(map(str, value))
         if report.skipped and isinstance(report.longrepr, tuple):
             reason = str(report.longrepr[2]).removeprefix("Skipped: ")
             if VRAM_SKIP_PATTERN.match(reason):
@@ -132,7 +137,13 @@ class RunSummary:
         for record in self.records.values():
             flags = []
             peak = record.peak_reserved_bytes
-            if record.need_gib is not None and peak > record.need_gib * GIB:
+            estimated = record.need_kind == "estimate"
+            if estimated and record.need_gib is not None and peak > record.need_gib * GIB:
+                flags.append(
+                    f"ESTIMATE LOW: peak {peak / GIB:.2f} GiB reserved > {record.need_gib:.1f} "
+                    f"GiB {record.need_source}; write {suggested_marker(peak, record.nodeid)}"
+                )
+            elif record.need_gib is not None and peak > record.need_gib * GIB:
                 flags.append(
                     f"UNDER-DECLARED: peak {peak / GIB:.2f} GiB reserved > declared "
                     f"{record.need_gib:.1f} GiB ({record.need_source}); write "
@@ -164,7 +175,12 @@ class RunSummary:
 
     def is_empty(self) -> bool:
         return not (
-            self.attributions or self.vram_skips or self.records or self.halvings or self.placements
+            self.attributions
+            or self.vram_skips
+            or self.records
+            or self.halvings
+            or self.auto_choices
+            or self.placements
         )
 
     def lines(self, settings_lines: list[str], gpu_lines: list[str]) -> list[str]:
@@ -177,6 +193,8 @@ class RunSummary:
             + (f", batch size(s) {', '.join(map(str, sizes))}" if sizes else "")
         )
         out += [f"  {nodeid}: {text}" for nodeid, text in sorted(self.halvings.items())]
+        for nodeid, choices in sorted(self.auto_choices.items()):
+            out += [f"  {nodeid}: auto {text}" for text in choices]
         out.append(f"skipped for VRAM: {len(self.vram_skips)} test(s)")
         out += [f"  {nodeid}: {reason}" for nodeid, reason in sorted(self.vram_skips.items())]
         out += placement_lines(list(self.placements.values()))

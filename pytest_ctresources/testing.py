@@ -761,6 +761,11 @@ def build_replacement_model(
         _check_tokenizer_fits(tokenizer_dir, dims.vocab_size)
 
     default_in, default_out = _DEFAULT_HOOKS[dims.architecture]
+    if dims.cross_layer:
+        # circuit-tracer's CLTs (mntss/clt-gemma-2-2b-426k, clt-llama-3.2-1b-524k) read the
+        # residual stream before the MLP. (Its CLT does not cast its input to its own dtype,
+        # so Gemma-2's float32 normalised MLP input would not work in bfloat16 anyway.)
+        default_in = "hook_resid_mid"
     try:
         with _seeded(seed, torch_device):
             # Everything created in this block -- model parameters and buffers, transcoders --

@@ -21,6 +21,8 @@ def skip_reason(
     qualifier = "" if need_source.kind == "marker" else f" ({need_source})"
     needs = f"needs {need_gib:.1f} GiB VRAM{qualifier}"
     if gpu is None:
+        if need_source.kind == "estimate":
+            return None  # without a GPU, ct_session runs the model on the CPU
         return f"{needs}; no CUDA GPU detected"
     if capacity is not None:
         if need_gib <= capacity.value:

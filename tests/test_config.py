@@ -117,7 +117,7 @@ def test_yaml_values_params_and_sources(tmp_path: Path) -> None:
     [
         ("BATCH_SIZ: 128\n", "unknown key 'BATCH_SIZ' (did you mean BATCH_SIZE?)"),
         ("PROMPT: hi\n", "unknown key 'PROMPT'; experiment parameters of your own go under PARAMS"),
-        ("BATCH_SIZE: big\n", "BATCH_SIZE must be a positive integer, got 'big'"),
+        ("BATCH_SIZE: big\n", "BATCH_SIZE must be a positive integer or 'auto', got 'big'"),
         ("- 1\n- 2\n", "the top level must be a mapping of KEY: value, got a list"),
         ("BATCH_SIZE: [\n", "malformed YAML"),
         ("PARAMS: 3\n", "PARAMS must be a mapping"),

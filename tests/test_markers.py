@@ -109,7 +109,7 @@ def test_config_vram_gib_is_a_need_too(
         ("vram(gb=20)", "unknown keyword 'gb' (did you mean gib?)"),
         ("vram()", "missing a required argument: 'gib'"),
         ("vram(True)", "gib must be a positive number of GiB, got True"),
-        ("ct_config(batch_size=0)", "batch_size must be a positive integer, got 0"),
+        ("ct_config(batch_size=0)", "batch_size must be a positive integer or 'auto', got 0"),
         ("ct_config(batch_sise=8)", "unknown field 'batch_sise' (did you mean batch_size?)"),
         ("ct_config(path=3)", "path must be a string, got 3"),
         ("ct_config(path='nope.yaml')", "nope.yaml: cannot read experiment config"),

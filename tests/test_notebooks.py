@@ -24,7 +24,11 @@ pytest_plugins = ["pytester"]
 
 def notebook(*sources: str, parameters: str | None = None, metadata: dict | None = None):  # type: ignore[no-untyped-def]
     nb = new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     if metadata is not None:
         nb.metadata["ctresources"] = metadata
     if parameters is not None:
@@ -102,18 +106,29 @@ def test_settings_reach_the_kernel_and_parameters_are_injected(pytester: pytest.
 
 
 def test_overwrite_shows_the_injected_cell(pytester: pytest.Pytester) -> None:
-    path = write(pytester.path / "nb.ipynb", notebook("y = BATCH_SIZE * 2", parameters="BATCH_SIZE = 1"))
-    pytester.runpytest_subprocess("--nbmake", "--overwrite", "--ct-batch-size", "8").assert_outcomes(passed=1)
+    path = write(
+        pytester.path / "nb.ipynb", notebook("y = BATCH_SIZE * 2", parameters="BATCH_SIZE = 1")
+    )
+    pytester.runpytest_subprocess(
+        "--nbmake", "--overwrite", "--ct-batch-size", "8"
+    ).assert_outcomes(passed=1)
     cells = nbformat.read(path, as_version=4).cells
     assert cells[1].metadata["tags"] == [INJECTED_TAG]
     assert "BATCH_SIZE = 8" in cells[1].source
 
 
 def test_overwrite_twice_keeps_one_injected_cell(pytester: pytest.Pytester) -> None:
-    path = write(pytester.path / "nb.ipynb", notebook("assert BATCH_SIZE in (8, 16)", parameters="BATCH_SIZE = 1"))
-    pytester.runpytest_subprocess("--nbmake", "--overwrite", "--ct-batch-size", "8").assert_outcomes(passed=1)
+    path = write(
+        pytester.path / "nb.ipynb",
+        notebook("assert BATCH_SIZE in (8, 16)", parameters="BATCH_SIZE = 1"),
+    )
+    pytester.runpytest_subprocess(
+        "--nbmake", "--overwrite", "--ct-batch-size", "8"
+    ).assert_outcomes(passed=1)
     write(pytester.path / "check.ipynb", notebook("assert BATCH_SIZE == 16"))  # the new value wins
-    pytester.runpytest_subprocess("--nbmake", "--overwrite", "--ct-batch-size", "16").assert_outcomes(passed=2)
+    pytester.runpytest_subprocess(
+        "--nbmake", "--overwrite", "--ct-batch-size", "16"
+    ).assert_outcomes(passed=2)
     cells = nbformat.read(path, as_version=4).cells
     injected = [cell for cell in cells if INJECTED_TAG in cell.metadata.get("tags", [])]
     assert len(injected) == 1 and "BATCH_SIZE = 16" in injected[0].source
@@ -130,11 +145,16 @@ def test_a_left_behind_copy_is_not_collected(pytester: pytest.Pytester) -> None:
 def test_relative_ct_config_reaches_the_kernel(pytester: pytest.Pytester) -> None:
     (pytester.path / "configs").mkdir()
     (pytester.path / "configs" / "exp.yaml").write_text("BATCH_SIZE: 4\n")
-    write(pytester.path / "notebooks" / "nb.ipynb", notebook(
-        "import os, yaml\n"
-        "assert yaml.safe_load(open(os.environ['CT_CONFIG']))['BATCH_SIZE'] == BATCH_SIZE == 4"
-    ))
-    pytester.runpytest_subprocess("--nbmake", "--ct-config", "configs/exp.yaml", "notebooks").assert_outcomes(passed=1)
+    write(
+        pytester.path / "notebooks" / "nb.ipynb",
+        notebook(
+            "import os, yaml\n"
+            "assert yaml.safe_load(open(os.environ['CT_CONFIG']))['BATCH_SIZE'] == BATCH_SIZE == 4"
+        ),
+    )
+    pytester.runpytest_subprocess(
+        "--nbmake", "--ct-config", "configs/exp.yaml", "notebooks"
+    ).assert_outcomes(passed=1)
 
 
 def test_no_parameters_cell_is_said(pytester: pytest.Pytester) -> None:
@@ -145,9 +165,13 @@ def test_no_parameters_cell_is_said(pytester: pytest.Pytester) -> None:
 
 
 def test_one_item_per_experiment_config(pytester: pytest.Pytester) -> None:
-    write(pytester.path / "notebooks" / "exp.ipynb",
-          notebook("assert PROMPT.startswith('the') and MAX_FEATURE_NODES < 100",
-                   parameters="PROMPT = ''\nMAX_FEATURE_NODES = 8192"))
+    write(
+        pytester.path / "notebooks" / "exp.ipynb",
+        notebook(
+            "assert PROMPT.startswith('the') and MAX_FEATURE_NODES < 100",
+            parameters="PROMPT = ''\nMAX_FEATURE_NODES = 8192",
+        ),
+    )
     configs = pytester.path / "configs"
     configs.mkdir()
     for name, nodes in (("small", 10), ("large", 50)):
@@ -157,29 +181,39 @@ def test_one_item_per_experiment_config(pytester: pytest.Pytester) -> None:
     (configs / "no_notebook.yaml").write_text("BATCH_SIZE: 3\n")  # not an item
     result = pytester.runpytest_subprocess("--nbmake", "configs", "-v")
     result.assert_outcomes(passed=2)
-    result.stdout.fnmatch_lines(["configs/large.yaml::exp.ipynb PASSED*", "configs/small.yaml::exp.ipynb PASSED*"])
+    result.stdout.fnmatch_lines(
+        ["configs/large.yaml::exp.ipynb PASSED*", "configs/small.yaml::exp.ipynb PASSED*"]
+    )
     result = pytester.runpytest_subprocess("--nbmake", "configs", "-k", "small")
     result.assert_outcomes(passed=1, deselected=1)
 
 
-def test_metadata_marks_select_and_vram_skips(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_metadata_marks_select_and_vram_skips(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("CT_FAKE_GPUS", "NVIDIA GeForce RTX 4090=23.6")
     write(pytester.path / "slow.ipynb", notebook("x = 1", metadata={"marks": ["slow"]}))
     write(pytester.path / "big.ipynb", notebook("x = 1", metadata={"vram_gib": 40}))
     pytester.makeini("[pytest]\nmarkers =\n    slow: slow\n")
     result = pytester.runpytest_subprocess("--nbmake", "-m", "not slow", "-rs")
     result.assert_outcomes(skipped=1, deselected=1)
-    result.stdout.fnmatch_lines(["SKIPPED [1] big.ipynb: needs 40.0 GiB VRAM; GPU 0 (NVIDIA GeForce RTX 4090) has 23.6 GiB"])
+    result.stdout.fnmatch_lines(
+        ["SKIPPED [1] big.ipynb: needs 40.0 GiB VRAM; GPU 0 (NVIDIA GeForce RTX 4090) has 23.6 GiB"]
+    )
     pytester.runpytest_subprocess("--nbmake", "-m", "slow").assert_outcomes(passed=1, deselected=1)
 
 
-def test_config_vram_gib_skips_a_notebook(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_vram_gib_skips_a_notebook(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("CT_FAKE_GPUS", "Card=8")
     write(pytester.path / "nb.ipynb", notebook("x = 1"))
     (pytester.path / "exp.yaml").write_text("NOTEBOOK: nb.ipynb\nVRAM_GIB: 20\n")
     result = pytester.runpytest_subprocess("--nbmake", "exp.yaml", "-rs")
     result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["*needs 20.0 GiB VRAM (VRAM_GIB in *exp.yaml); GPU 0 (Card) has 8.0 GiB"])
+    result.stdout.fnmatch_lines(
+        ["*needs 20.0 GiB VRAM (VRAM_GIB in *exp.yaml); GPU 0 (Card) has 8.0 GiB"]
+    )
 
 
 def test_failures_stay_contained(pytester: pytest.Pytester) -> None:
@@ -187,14 +221,17 @@ def test_failures_stay_contained(pytester: pytest.Pytester) -> None:
     write(pytester.path / "b_dies.ipynb", notebook("import os\nos._exit(1)"))
     write(pytester.path / "c_fine.ipynb", notebook("x = 1"))
     (pytester.path / "d_bad.yaml").write_text("NOTEBOOK: c_fine.ipynb\nBATCH_SIZE: big\n")
-    write(pytester.path / "e_unregistered_mark.ipynb", notebook("x = 1", metadata={"marks": ["slowish"]}))
+    write(
+        pytester.path / "e_unregistered_mark.ipynb",
+        notebook("x = 1", metadata={"marks": ["slowish"]}),
+    )
     (pytester.path / "f_not_a_notebook.ipynb").write_text("[]")
     result = pytester.runpytest_subprocess("--nbmake", "-p", "no:randomly", "--strict-markers")
     result.assert_outcomes(passed=1, failed=1, errors=4)
     result.stdout.fnmatch_lines(
         [
             "*a_bad_metadata.ipynb: metadata 'ctresources.vram_gib' must be a positive number, got 'lots'",
-            "*d_bad.yaml: BATCH_SIZE must be a positive integer, got 'big'",
+            "*d_bad.yaml: BATCH_SIZE must be a positive integer or 'auto', got 'big'",
             "*'slowish' not found in `markers` configuration option*",
             "*f_not_a_notebook.ipynb: not a readable notebook:*",
             "*the kernel running *b_dies.ipynb died*",
@@ -213,12 +250,17 @@ def test_parallel_notebooks_do_not_collide(pytester: pytest.Pytester) -> None:
 def test_kernel_figures_reach_the_report(pytester: pytest.Pytester) -> None:
     # CPU stand-in for a kernel that used CUDA: the start-up file's report, written by hand,
     # must come back as the notebook's figures in the JSON report (the GPU run does it live).
-    write(pytester.path / "nb.ipynb", notebook(
-        "import json, os\n"
-        "json.dump({'device': 0, 'peak_allocated_bytes': 3 * 2**30, 'peak_reserved_bytes': 4 * 2**30}"
-        ", open(os.environ['CT_NOTEBOOK_VRAM_FILE'], 'w'))"
-    ))
-    pytester.runpytest_subprocess("--nbmake", "--ct-report-json", "r.json").assert_outcomes(passed=1)
+    write(
+        pytester.path / "nb.ipynb",
+        notebook(
+            "import json, os\n"
+            "json.dump({'device': 0, 'peak_allocated_bytes': 3 * 2**30, 'peak_reserved_bytes': 4 * 2**30}"
+            ", open(os.environ['CT_NOTEBOOK_VRAM_FILE'], 'w'))"
+        ),
+    )
+    pytester.runpytest_subprocess("--nbmake", "--ct-report-json", "r.json").assert_outcomes(
+        passed=1
+    )
     (record,) = json.loads((pytester.path / "r.json").read_text())["tests"]
     assert record["nodeid"] == "nb.ipynb::nb.ipynb"
     assert record["peak_allocated_bytes"] == 3 * 2**30
@@ -228,12 +270,15 @@ def test_capacity_reaches_the_kernel(pytester: pytest.Pytester) -> None:
     # The kernel's start-up file arms the same allocator cap as the pytest process: with a
     # cap set, torch is imported at kernel start (CUDA is not initialised; the GPU test
     # shows the cap binding inside the kernel).
-    write(pytester.path / "nb.ipynb", notebook(
-        "import os, sys\n"
-        "assert os.environ['CT_VRAM_CAPACITY'] == '8.0', os.environ.get('CT_VRAM_CAPACITY')\n"
-        "assert 'torch' in sys.modules\n"
-        "assert not sys.modules['torch'].cuda.is_initialized()"
-    ))
+    write(
+        pytester.path / "nb.ipynb",
+        notebook(
+            "import os, sys\n"
+            "assert os.environ['CT_VRAM_CAPACITY'] == '8.0', os.environ.get('CT_VRAM_CAPACITY')\n"
+            "assert 'torch' in sys.modules\n"
+            "assert not sys.modules['torch'].cuda.is_initialized()"
+        ),
+    )
     pytester.runpytest_subprocess("--nbmake", "--ct-vram-capacity", "8").assert_outcomes(passed=1)
     pytester.runpytest_subprocess("--nbmake").assert_outcomes(failed=1)
 
@@ -244,15 +289,20 @@ def test_strict_fails_an_under_declared_notebook(
     # CPU stand-in for a kernel peak of 5 GiB against a declared 1 GiB (as in
     # test_kernel_figures_reach_the_report).
     monkeypatch.setenv("CT_FAKE_GPUS", "Card=24")
-    write(pytester.path / "nb.ipynb", notebook(
-        "import json, os\n"
-        "json.dump({'device': 0, 'peak_allocated_bytes': 5 * 2**30, 'peak_reserved_bytes': 5 * 2**30}"
-        ", open(os.environ['CT_NOTEBOOK_VRAM_FILE'], 'w'))",
-        metadata={"vram_gib": 1},
-    ))
+    write(
+        pytester.path / "nb.ipynb",
+        notebook(
+            "import json, os\n"
+            "json.dump({'device': 0, 'peak_allocated_bytes': 5 * 2**30, 'peak_reserved_bytes': 5 * 2**30}"
+            ", open(os.environ['CT_NOTEBOOK_VRAM_FILE'], 'w'))",
+            metadata={"vram_gib": 1},
+        ),
+    )
     result = pytester.runpytest_subprocess("--nbmake", "--ct-strict")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
-        ["*UNDER-DECLARED: peak 5.00 GiB reserved exceeds the declared 1.0 GiB*"
-         "\"ctresources\": {\"vram_gib\": 5} in the notebook's metadata*"]
+        [
+            "*UNDER-DECLARED: peak 5.00 GiB reserved exceeds the declared 1.0 GiB*"
+            '"ctresources": {"vram_gib": 5} in the notebook\'s metadata*'
+        ]
     )

@@ -104,18 +104,21 @@ def test_no_header_without_verbose(pytester: pytest.Pytester) -> None:
 @pytest.mark.parametrize(
     ("args", "line"),
     [
-        (["--ct-batch-size", "0"], "*argument --ct-batch-size: must be a positive integer, got 0"),
+        (
+            ["--ct-batch-size", "0"],
+            "*argument --ct-batch-size: must be a positive integer or 'auto', got 0",
+        ),
         (
             ["--ct-batch-size", "-3"],
-            "*argument --ct-batch-size: must be a positive integer, got -3",
+            "*argument --ct-batch-size: must be a positive integer or 'auto', got -3",
         ),
         (
             ["--ct-batch-size", "abc"],
-            "*argument --ct-batch-size: must be a positive integer, got 'abc'",
+            "*argument --ct-batch-size: must be a positive integer or 'auto', got 'abc'",
         ),
         (
             ["--ct-batch-size", "1.5"],
-            "*argument --ct-batch-size: must be a positive integer, got '1.5'",
+            "*argument --ct-batch-size: must be a positive integer or 'auto', got '1.5'",
         ),
         (["--ct-max-feature-nodes", "x"], "*argument --ct-max-feature-nodes: must be a positive*"),
         (
@@ -148,7 +151,7 @@ def test_bad_options_are_usage_errors(
         (
             {"CT_BATCH_SIZE": "big"},
             "",
-            "ERROR: env CT_BATCH_SIZE: must be a positive integer, got 'big'",
+            "ERROR: env CT_BATCH_SIZE: must be a positive integer or 'auto', got 'big'",
         ),
         ({"CT_VRAM_CAPACITY": "0"}, "", "ERROR: env CT_VRAM_CAPACITY: must be a positive number*"),
         (
@@ -207,7 +210,7 @@ def test_bad_env_and_ini_are_usage_errors(
     ("yaml_text", "message"),
     [
         ("- a\n- b\n", "the top level must be a mapping of KEY: value, got a list"),
-        ("BATCH_SIZE: big\n", "BATCH_SIZE must be a positive integer, got 'big'"),
+        ("BATCH_SIZE: big\n", "BATCH_SIZE must be a positive integer or 'auto', got 'big'"),
         ("BATCH_SIZ: 3\n", "unknown key 'BATCH_SIZ' (did you mean BATCH_SIZE?)*"),
         ("MODEL_NAME: [unclosed\n", "malformed YAML*"),
     ],

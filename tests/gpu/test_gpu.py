@@ -232,12 +232,45 @@ def test_gemma_2_2b_oom_recovered_by_halving(pytester: pytest.Pytester) -> None:
     keep_artifacts(pytester.path / "gemma_halving.json", pytester.path / "gemma_halving.png")
 
 
+def test_auto_batch_size_fits_where_256_does_not(pytester: pytest.Pytester) -> None:
+    shutil.copy(SCENARIOS / "scenario_auto_batch.py", pytester.path)
+    result = pytester.runpytest_subprocess(
+        "scenario_auto_batch.py",
+        "-s",
+        "--ct-batch-size",
+        "auto",
+        "--ct-vram-capacity",
+        "14",
+        "--ct-report-json",
+        "auto_batch.json",
+    )
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "  scenario_auto_batch.py::*: auto batch size * (25 prompt tokens, * active "
+            "features, predicted * GiB; the largest that fits; budget 12.6 GiB = 14.0 GiB "
+            "(--ct-vram-capacity) less 10% margin)"
+        ]
+    )
+    report = json.loads((pytester.path / "auto_batch.json").read_text())
+    (record,) = report["tests"]
+    assert record["peak_reserved_bytes"] <= 14 * 2**30
+    assert record["oom_halvings"] is None
+    (choices,) = report["auto_batch_sizes"].values()
+    assert len(choices) == 1
+    keep_artifacts(pytester.path / "auto_batch.json")
+
+
 def _gpu_notebook(path: Path, source: str, vram_gib: float) -> None:
     nbformat = pytest.importorskip("nbformat")
     from nbformat.v4 import new_code_cell, new_notebook
 
     nb = new_notebook(cells=[new_code_cell(source)])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     nb.metadata["ctresources"] = {"vram_gib": vram_gib}
     nbformat.write(nb, path)
 
@@ -259,7 +292,9 @@ def test_two_notebooks_at_sixty_percent_and_one_over_capacity(pytester: pytest.P
     need = round(share / 2**30 + 1, 1)
     _gpu_notebook(pytester.path / "nb_first.ipynb", allocate, need)
     _gpu_notebook(pytester.path / "nb_second.ipynb", allocate, need)
-    _gpu_notebook(pytester.path / "nb_too_big.ipynb", "raise AssertionError('ran')", capacity_gib + 10)
+    _gpu_notebook(
+        pytester.path / "nb_too_big.ipynb", "raise AssertionError('ran')", capacity_gib + 10
+    )
     result = pytester.runpytest_subprocess(
         "--nbmake",
         "-p",

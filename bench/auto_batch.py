@@ -1,0 +1,204 @@
+"""``--ct-batch-size auto`` against hand-picked batch sizes, under a capped GPU.
+
+    python bench/auto_batch.py --capacity 24 --out auto_batch.jsonl
+
+For each configuration (a random-weight model of real size, a dtype and a prompt length) the
+script caps PyTorch's allocator at ``--capacity`` GiB (what ``--ct-vram-capacity`` does),
+builds the model once, then runs ``circuit_tracer.attribute`` at every batch size of
+``--batch-sizes`` (recording time, or OOM) and once through ``CtSession.attribute`` with
+``batch_size="auto"`` (recording the choice, its reason, time, peak, or OOM), all in the
+same process, one after the other. The batch sizes alternate with the auto run so that
+drift in the machine affects both sides alike: manual sizes first, then auto, then the
+fastest manual size that fitted again, so its time is the better of two.
+
+It prints one line per run and, per configuration, auto's time over the fastest manual
+batch size that fitted. One JSON object per run goes to ``--out``. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+#: (bundled model, dtype, prompt tokens): the measured architectures that fit 24 GiB.
+CONFIGS: list[tuple[str, str, int]] = [
+    ("ctresources/random-gemma-2-2b", "bfloat16", 25),
+    ("ctresources/random-gemma-2-2b", "bfloat16", 100),
+    ("ctresources/random-gemma-2-2b", "float32", 25),
+    ("ctresources/random-gemma-3-4b", "bfloat16", 40),
+    ("ctresources/random-llama-3.2-1b", "bfloat16", 40),
+]
+
+
+def parse_ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--capacity", type=float, default=24.0, help="GiB (default 24)")
+    parser.add_argument("--batch-sizes", default="16,32,64,128,256,512")
+    parser.add_argument("--max-feature-nodes", type=int, default=4096)
+    parser.add_argument("--only", default="", help="comma-separated config indices")
+    parser.add_argument("--out", default="auto_batch.jsonl")
+    args = parser.parse_args()
+
+    import torch
+
+    from pytest_ctresources.allocator import CapacityCap
+
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    CapacityCap(args.capacity).arm(import_torch=True)
+    wanted = {int(i) for i in args.only.split(",") if i} or set(range(len(CONFIGS)))
+    with Path(args.out).open("a") as out:
+        for index, config in enumerate(CONFIGS):
+            if index in wanted:
+                run_config(config, args, out)
+    return 0
+
+
+def attribution(model: Any, prompt: list[int], batch: int, nodes: int) -> dict[str, Any]:
+    import torch
+    from circuit_tracer import attribute
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    try:
+        attribute(prompt, model, batch_size=batch, max_feature_nodes=nodes)
+    except torch.cuda.OutOfMemoryError:
+        gc.collect()
+        torch.cuda.empty_cache()
+        return {"oom": True}
+    torch.cuda.synchronize()
+    return {
+        "oom": False,
+        "seconds": round(time.perf_counter() - start, 3),
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+    }
+
+
+def auto_attribution(
+    model: Any, prompt: list[int], model_name: str, dtype: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    import torch
+
+    from pytest_ctresources.autobatch import Budget
+    from pytest_ctresources.config import CircuitTracerConfig
+    from pytest_ctresources.session import CtSession
+
+    cfg = CircuitTracerConfig.defaults().layered(
+        {
+            "model_name": model_name,
+            "transcoder_set": "ctresources/random-jumprelu",
+            "dtype": dtype,
+            "batch_size": "auto",
+            "max_feature_nodes": args.max_feature_nodes,
+        },
+        CircuitTracerConfig.defaults().source_of("dtype"),
+    )
+    budget = Budget(args.capacity, f"--capacity {args.capacity:g}", 0.1)
+    session = CtSession(cfg, oom_retry=False, auto_budget=budget)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    try:
+        session.attribute(prompt, model)
+    except torch.cuda.OutOfMemoryError:
+        gc.collect()
+        torch.cuda.empty_cache()
+        choice = session.auto_choices[-1] if session.auto_choices else None
+        return {"oom": True, "choice": choice.describe() if choice else None}
+    torch.cuda.synchronize()
+    choice = session.auto_choices[-1]
+    return {
+        "oom": False,
+        "seconds": round(time.perf_counter() - start, 3),
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+        "batch_size": choice.batch_size,
+        "predicted_gib": None if choice.predicted_gib is None else round(choice.predicted_gib, 2),
+        "choice": choice.describe(),
+    }
+
+
+def run_config(config: tuple[str, str, int], args: argparse.Namespace, out: Any) -> None:
+    import torch
+
+    from pytest_ctresources import testing
+
+    model_name, dtype, tokens = config
+    torch.cuda.empty_cache()
+    model = testing.build_named_model(
+        model_name, testing.RANDOM_TRANSCODERS, dtype=dtype, device="cuda"
+    )
+    generator = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(3, model.cfg.d_vocab, (tokens - 1,), generator=generator).tolist()
+    prompt = [2, *ids]
+    base = {"model": model_name, "dtype": dtype, "prompt_tokens": tokens, "capacity": args.capacity}
+    # Warm-up (kernels, cuBLAS handles), not recorded.
+    attribution(model, prompt, 16, 64)
+
+    def emit(record: dict[str, Any]) -> None:
+        out.write(json.dumps(base | record) + "\n")
+        out.flush()
+        what = f"batch {record['batch_size']}" if record["kind"] == "manual" else "auto"
+        result = (
+            "OOM"
+            if record["oom"]
+            else f"{record['seconds']:.2f} s, {record['peak_reserved_gib']} GiB"
+        )
+        extra = f"  [{record['choice']}]" if record.get("choice") else ""
+        print(f"{model_name} {dtype} {tokens} tokens, {what}: {result}{extra}", flush=True)
+
+    manual: dict[int, float] = {}
+    for batch in parse_ints(args.batch_sizes):
+        record = attribution(model, prompt, batch, args.max_feature_nodes)
+        emit({"kind": "manual", "batch_size": batch} | record)
+        if not record["oom"]:
+            manual[batch] = record["seconds"]
+    auto = auto_attribution(model, prompt, model_name, dtype, args)
+    emit({"kind": "auto"} | auto)
+    if manual:
+        fastest = min(manual, key=manual.__getitem__)
+        again = attribution(model, prompt, fastest, args.max_feature_nodes)
+        emit({"kind": "manual", "batch_size": fastest, "repeat": True} | again)
+        if not again["oom"]:
+            manual[fastest] = min(manual[fastest], again["seconds"])
+        best = min(manual.values())
+        if not auto["oom"]:
+            ratio = auto["seconds"] / best
+            print(
+                f"  -> auto {auto['seconds']:.2f} s at batch {auto['batch_size']} vs fastest "
+                f"manual {best:.2f} s at batch {fastest}: ratio {ratio:.3f}",
+                flush=True,
+            )
+            out.write(
+                json.dumps(
+                    base
+                    | {
+                        "kind": "summary",
+                        "ratio": round(ratio, 3),
+                        "fastest_manual": fastest,
+                        "auto_batch_size": auto["batch_size"],
+                    }
+                )
+                + "\n"
+            )
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

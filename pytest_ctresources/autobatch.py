@@ -1,0 +1,119 @@
+"""``--ct-batch-size auto``: the largest batch size whose estimated peak fits the GPU.
+
+For each ``ct_session.attribute`` call with ``batch_size: auto``, the choice uses the loaded
+model's own dimensions (read from the object), the prompt's real length, and its real
+number of active transcoder features (from the same one-prompt setup pass ``attribute()``
+starts with). What is already allocated (the model, anything cached) is measured, not
+estimated. The budget is the GPU's capacity (or ``--ct-vram-capacity``) less the
+``ct_auto_margin`` share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pytest_ctresources import estimate as est
+from pytest_ctresources import registry
+from pytest_ctresources.config import CircuitTracerConfig
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much of the GPU an attribution may take, and how that was decided."""
+
+    capacity_gib: float | None  # None: no CUDA GPU (the model runs on the CPU)
+    capacity_source: str
+    margin: float
+
+    @property
+    def budget_bytes(self) -> int:
+        assert self.capacity_gib is not None
+        return int(self.capacity_gib * (1 - self.margin) * GIB)
+
+    def describe(self) -> str:
+        if self.capacity_gib is None:
+            return self.capacity_source
+        return (
+            f"budget {self.capacity_gib * (1 - self.margin):.1f} GiB = "
+            f"{self.capacity_gib:.1f} GiB ({self.capacity_source}) less "
+            f"{100 * self.margin:g}% margin"
+        )
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """One batch size ``auto`` chose, and why."""
+
+    batch_size: int
+    prompt_tokens: int
+    active_features: int | None
+    predicted_gib: float | None
+    reason: str
+
+    def describe(self) -> str:
+        facts = f"{self.prompt_tokens} prompt tokens"
+        if self.active_features is not None:
+            facts += f", {self.active_features} active features"
+        if self.predicted_gib is not None:
+            facts += f", predicted {self.predicted_gib:.2f} GiB"
+        return f"batch size {self.batch_size} ({facts}; {self.reason})"
+
+
+def _device_of(model: Any) -> Any:
+    import torch
+
+    device = getattr(model, "device", None)
+    if device is None:
+        device = next(model.parameters()).device
+    return torch.device(device)
+
+
+def choose(model: Any, prompt: Any, cfg: CircuitTracerConfig, budget: Budget) -> AutoChoice:
+    """The batch size for ``attribute(prompt, model)`` under ``budget``."""
+    import torch
+
+    input_ids = model.ensure_tokenized(prompt)
+    tokens = int(input_ids.numel())
+    ceiling = cfg.batch_size_max
+    device = _device_of(model)
+    if device.type != "cuda" or budget.capacity_gib is None:
+        reason = "the model is not on a CUDA GPU" if device.type != "cuda" else budget.describe()
+        return AutoChoice(ceiling, tokens, None, None, f"{reason}: the ceiling {ceiling}")
+    context = model.setup_attribution(input_ids)
+    active = int(context.activation_matrix._nnz())
+    del context
+    model_shape, transcoders = registry.shapes_of_loaded(model)
+    workload = est.Workload(
+        dtype=cfg.dtype,
+        batch_size=1,
+        prompt_tokens=tokens,
+        active_per_token=active / max(tokens - 1, 1),
+        max_feature_nodes=cfg.max_feature_nodes,
+        n_logits=cfg.max_n_logits,
+    )
+    resident = int(torch.cuda.memory_allocated(device))
+    found = est.largest_fitting_batch(
+        model_shape,
+        transcoders,
+        workload,
+        budget.budget_bytes,
+        ceiling=ceiling,
+        resident_bytes=resident,
+    )
+    if found is None:
+        one = est.estimate(model_shape, transcoders, workload)
+        predicted = (one.total_bytes - one.resident_bytes + resident) / GIB
+        return AutoChoice(
+            1,
+            tokens,
+            active,
+            predicted,
+            f"not even batch size 1 is predicted to fit the {budget.describe()}; trying 1",
+        )
+    batch, prediction = found
+    predicted = (prediction.total_bytes - prediction.resident_bytes + resident) / GIB
+    limit = f"the ceiling {ceiling}" if batch == ceiling else "the largest that fits"
+    return AutoChoice(batch, tokens, active, predicted, f"{limit}; {budget.describe()}")

@@ -1,0 +1,328 @@
+"""The ``ct-resources`` command: what GPUs the plugin sees, and what an attribution will need.
+
+    ct-resources gpus [--json]
+    ct-resources estimate --config example_configs/gemma-2-2b-it.yaml --prompt-tokens 40
+    ct-resources estimate --model google/gemma-2-2b --transcoders gemma \\
+        --dtype bfloat16 --batch-size 256 --gpu-gib 24 [--json]
+
+Nothing here imports torch unless GPU detection has to fall back to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from pytest_ctresources import estimate as est
+from pytest_ctresources import registry
+from pytest_ctresources.config import DTYPE_ALIASES, DTYPES, ConfigError
+
+GIB: Final = 1 << 30
+DEFAULT_ACTIVE_PER_TOKEN: Final = est.DEFAULT_ACTIVE_PER_TOKEN
+DEFAULT_PROMPT_TOKENS: Final = 32
+DEFAULT_CEILING: Final = 512
+
+
+class CliError(Exception):
+    """A user error: printed as ``ct-resources: error: ...`` with exit status 2."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """What ``estimate`` was asked, resolved from a config file and the flags."""
+
+    model: est.ModelShape
+    transcoders: est.TranscoderShape
+    workload: est.Workload
+    auto_batch: bool
+    ceiling: int
+
+
+def _dtype(text: str) -> str:
+    value = DTYPE_ALIASES.get(text, text)
+    if value not in DTYPES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(DTYPES)}; got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _batch(text: str) -> int | str:
+    return "auto" if text.strip().lower() == "auto" else _positive_int(text)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ct-resources",
+        description="GPU facts and VRAM estimates for circuit-tracer attribution "
+        "(pytest-ctresources)",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    gpus = commands.add_parser("gpus", help="the GPUs the plugin detects")
+    gpus.add_argument("--json", action="store_true", help="one JSON object")
+    estimate = commands.add_parser(
+        "estimate", help="predict the peak VRAM of attribute() and the batch sizes that fit"
+    )
+    source = estimate.add_argument_group("what to estimate (a config, or a model and a set)")
+    source.add_argument("--config", metavar="YAML", help="experiment config (MODEL_NAME, ...)")
+    source.add_argument("--model", help="model name (see the registry) or a config.json path")
+    source.add_argument("--transcoders", metavar="SET", help="transcoder set name or alias")
+    estimate.add_argument("--dtype", type=_dtype, help="bfloat16 or float32 (default: config's)")
+    estimate.add_argument(
+        "--batch-size", type=_batch, metavar="N|auto", help="default: config's, else 256"
+    )
+    estimate.add_argument(
+        "--prompt-tokens",
+        type=_positive_int,
+        default=DEFAULT_PROMPT_TOKENS,
+        metavar="N",
+        help=f"prompt length in tokens, BOS and chat template included "
+        f"(default {DEFAULT_PROMPT_TOKENS})",
+    )
+    estimate.add_argument(
+        "--active-features",
+        type=_positive_float,
+        default=DEFAULT_ACTIVE_PER_TOKEN,
+        metavar="K",
+        help=f"active transcoder features per layer and token (default "
+        f"{DEFAULT_ACTIVE_PER_TOKEN}, an assumption)",
+    )
+    estimate.add_argument("--max-feature-nodes", type=_positive_int, metavar="N")
+    estimate.add_argument(
+        "--gpu-gib", type=_positive_float, metavar="G", help="card size (default: detected GPU 0)"
+    )
+    estimate.add_argument(
+        "--ceiling",
+        type=_positive_int,
+        default=DEFAULT_CEILING,
+        metavar="N",
+        help=f"largest batch size the table and 'auto' consider (default {DEFAULT_CEILING})",
+    )
+    estimate.add_argument("--json", action="store_true", help="one JSON object")
+    return parser
+
+
+def resolve(args: argparse.Namespace) -> Request:
+    """Turn the flags (and ``--config``) into shapes and a workload."""
+    values: dict[str, Any] = {}
+    if args.config:
+        from pytest_ctresources.experiment_yaml import load_experiment_yaml
+
+        try:
+            values = dict(load_experiment_yaml(args.config).values)
+        except ConfigError as exc:
+            raise CliError(str(exc)) from None
+    model_name = args.model or values.get("model_name")
+    set_name = args.transcoders or values.get("transcoder_set")
+    if not model_name or not set_name:
+        raise CliError(
+            "name a model and a transcoder set: --config YAML, or --model NAME --transcoders SET"
+        )
+    try:
+        model = registry.model_shape(model_name)
+        info = registry.transcoder_info(set_name, model_name)
+    except registry.UnknownShape as exc:
+        raise CliError(str(exc)) from None
+    transcoders = info.loaded(
+        lazy_encoder=bool(values.get("lazy_encoder", False)),
+        lazy_decoder=bool(values.get("lazy_decoder", True)),
+    )
+    batch = args.batch_size if args.batch_size is not None else values.get("batch_size", 256)
+    workload = est.Workload(
+        dtype=args.dtype or values.get("dtype", "float32"),
+        batch_size=1 if batch == "auto" else int(batch),
+        prompt_tokens=args.prompt_tokens,
+        active_per_token=args.active_features,
+        max_feature_nodes=args.max_feature_nodes or values.get("max_feature_nodes", 8192),
+    )
+    return Request(model, transcoders, workload, batch == "auto", args.ceiling)
+
+
+def _gpu_budget(args: argparse.Namespace) -> tuple[float | None, str]:
+    if args.gpu_gib is not None:
+        return args.gpu_gib, f"--gpu-gib {args.gpu_gib:g}"
+    from pytest_ctresources.gpus import detect_gpus
+
+    facts = detect_gpus()
+    gpu = facts.gpu(0)
+    if gpu is None:
+        return None, f"no GPU detected ({facts.detail}); pass --gpu-gib"
+    return gpu.total_gib, f"{gpu.name}, {gpu.total_gib:.1f} GiB ({facts.source})"
+
+
+def _table_sizes(ceiling: int, chosen: int) -> list[int]:
+    sizes = {1 << power for power in range(0, 20) if 1 << power <= ceiling}
+    sizes.add(chosen)
+    return sorted(size for size in sizes if size >= 8 or size == chosen)
+
+
+def run_estimate(args: argparse.Namespace, out: Any) -> int:
+    request = resolve(args)
+    gpu_gib, gpu_text = _gpu_budget(args)
+    workload = request.workload
+    choice = None
+    if gpu_gib is not None:
+        choice = est.largest_fitting_batch(
+            request.model,
+            request.transcoders,
+            workload,
+            int(gpu_gib * GIB),
+            ceiling=request.ceiling,
+        )
+    if request.auto_batch:
+        if choice is None:
+            raise CliError(
+                "--batch-size auto needs a GPU size (--gpu-gib) and a workload that fits it at "
+                "batch size 1"
+            )
+        workload = est.with_batch(workload, choice[0])
+    prediction = est.estimate(request.model, request.transcoders, workload)
+    rows = est.batch_table(
+        request.model,
+        request.transcoders,
+        workload,
+        _table_sizes(request.ceiling, workload.batch_size),
+    )
+    if args.json:
+        payload = prediction.to_dict() | {
+            "gpu_gib": gpu_gib,
+            "gpu": gpu_text,
+            "largest_fitting_batch_size": choice[0] if choice else None,
+            "table": [
+                {
+                    "batch_size": row.workload.batch_size,
+                    "peak_gib": round(row.peak_gib, 3),
+                    "total_gib": round(row.total_gib, 3),
+                    "fits": None if gpu_gib is None else row.total_gib <= gpu_gib,
+                }
+                for row in rows
+            ],
+        }
+        json.dump(payload, out, indent=2)
+        out.write("\n")
+        return 0
+    _print_estimate(out, prediction, rows, gpu_gib, gpu_text, choice, request)
+    return 0
+
+
+def _print_estimate(
+    out: Any,
+    prediction: est.Estimate,
+    rows: Sequence[est.Estimate],
+    gpu_gib: float | None,
+    gpu_text: str,
+    choice: tuple[int, est.Estimate] | None,
+    request: Request,
+) -> None:
+    model, tc, work = prediction.model, prediction.transcoders, prediction.workload
+    softcap = f", logit softcap {model.final_logit_softcap:g}" if model.final_logit_softcap else ""
+    kind = "cross-layer" if tc.cross_layer else "per-layer"
+    skip = ", skip connection" if tc.skip_connection else ""
+    write = out.write
+    write(
+        f"model        {model.name}: {model.n_params / 1e9:.2f}e9 parameters, {model.n_layers} "
+        f"layers, d_model {model.d_model}, vocabulary {model.vocab_size}{softcap}\n"
+    )
+    write(f"transcoders  {tc.name}: {kind}, {tc.width} features per layer{skip}\n")
+    nodes = "all" if work.max_feature_nodes is None else work.max_feature_nodes
+    auto = " (auto)" if request.auto_batch else ""
+    write(
+        f"workload     {work.dtype}, batch size {work.batch_size}{auto}, {work.prompt_tokens} "
+        f"prompt tokens, {work.active_per_token:g} active features per layer and token "
+        f"({work.active_features} in all), max_feature_nodes {nodes}\n"
+    )
+    write(f"GPU          {gpu_text}\n\n")
+    write("breakdown                GiB\n")
+    for term in prediction.terms:
+        write(f"  {term.name:<20} {term.gib:>7.2f}  {term.note}\n")
+    write(
+        f"  {'peak allocated':<20} {prediction.peak_gib:>7.2f}  in the {prediction.peak_phase} "
+        "pass\n"
+    )
+    write(f"  {'peak reserved':<20} {prediction.peak_reserved_bytes / GIB:>7.2f}\n")
+    write(f"  {'total on the card':<20} {prediction.total_gib:>7.2f}\n\n")
+    fits_header = f"fits {gpu_gib:.1f} GiB" if gpu_gib is not None else "fits"
+    write(f"batch size   peak GiB   total GiB   {fits_header}\n")
+    for row in rows:
+        fits = "-" if gpu_gib is None else ("yes" if row.total_gib <= gpu_gib else "no")
+        mark = "  <- this run" if row.workload.batch_size == work.batch_size else ""
+        write(
+            f"{row.workload.batch_size:>10} {row.peak_gib:>10.2f} {row.total_gib:>11.2f}   "
+            f"{fits}{mark}\n"
+        )
+    if gpu_gib is not None:
+        if choice is None:
+            write(f"\nnot even batch size 1 fits {gpu_gib:.1f} GiB\n")
+        else:
+            write(f"\nlargest batch size that fits (up to {request.ceiling}): {choice[0]}\n")
+
+
+def run_gpus(args: argparse.Namespace, out: Any) -> int:
+    from pytest_ctresources.gpus import detect_gpus, free_bytes
+
+    facts = detect_gpus()
+    free = free_bytes(facts)
+    if args.json:
+        payload = facts.to_dict() | {
+            "free_gib": [None if f is None else round(f / GIB, 3) for f in free]
+        }
+        json.dump(payload, out, indent=2)
+        out.write("\n")
+        return 0
+    if not facts.gpus:
+        out.write(f"no CUDA GPU detected ({facts.detail})\n")
+        return 0
+    out.write(f"source: {facts.detail}\n")
+    visible = facts.cuda_visible_devices
+    out.write(f"CUDA_VISIBLE_DEVICES: {'(unset)' if visible is None else visible}\n")
+    out.write("index  name                          total GiB   free GiB   physical  uuid\n")
+    for gpu, free_now in zip(facts.gpus, free, strict=True):
+        free_text = "-" if free_now is None else f"{free_now / GIB:.1f}"
+        physical = "-" if gpu.physical_index is None else str(gpu.physical_index)
+        out.write(
+            f"{gpu.index:>5}  {gpu.name:<28} {gpu.total_gib:>10.1f} {free_text:>10}   "
+            f"{physical:>8}  {gpu.uuid or '-'}\n"
+        )
+    for caveat in facts.caveats:
+        out.write(f"note: {caveat}\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "gpus":
+            return run_gpus(args, sys.stdout)
+        return run_estimate(args, sys.stdout)
+    except CliError as exc:
+        parser.exit(2, f"ct-resources: error: {exc}\n")
+    except ValueError as exc:  # a malformed CT_FAKE_GPUS, say
+        parser.exit(2, f"ct-resources: error: {exc}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

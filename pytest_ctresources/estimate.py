@@ -1,0 +1,469 @@
+"""Predict the peak CUDA memory of circuit-tracer's ``attribute()`` before running it.
+
+Pure arithmetic over shapes: no torch import, so the ``ct-resources`` command and the skip
+decisions can use it without loading anything. The model follows circuit-tracer 0.5.0's
+nnsight backend (``attribution/attribute.py``, ``attribution/context_nnsight.py``,
+``replacement_model/replacement_model_nnsight.py``); what each term holds:
+
+- **weights**: the model's parameters in the model dtype.
+- **transcoders**: the transcoder weights that stay on the GPU. A per-layer set holds
+  encoder, decoder (and ``W_skip``) per layer; a cross-layer transcoder's layer-l features
+  have decoders to every layer from l on. Sets loaded lazily (safetensors with
+  ``lazy_decoder``/``lazy_encoder``) keep those matrices on disk and read rows on demand.
+- **setup** (``setup_attribution``, kept for the whole call): encoder and decoder vectors of
+  every active feature (a CLT feature has one decoder vector per layer it writes to), the
+  error vectors (n_layers x tokens x d_model), token embeddings, one prompt's logits and the
+  sparse activation matrix.
+- **forward** (``run_forward_pass``): the model runs on ``batch_size`` copies of the prompt
+  with gradients on, and this is where the call peaks at every point measured so far. At the
+  peak the vocabulary-sized logits of all copies are alive (Gemma-2's final-logit softcap
+  adds copies) next to the residual-stream activations kept for the backward passes. Both
+  scale with batch x tokens; their per-element factors are calibrated from measurements
+  (:data:`CALIBRATION`).
+- **backward** (logit and feature attribution): the kept activations, the row buffer
+  (row size x batch), and, when ``max_feature_nodes`` is below the number of active
+  features, the float32 copy of the partial edge matrix that ``compute_partial_influences``
+  makes on the GPU to rank features (rows up to max_feature_nodes + logits, one column per
+  node).
+- **reserved margin**: what PyTorch's caching allocator holds beyond the allocated peak.
+- **CUDA context**: memory the driver takes per process, outside PyTorch's allocator.
+
+The allocated peak is weights + transcoders + setup + max(forward, backward). The figures the
+factors come from, and the error at every measured point, are in ``docs/estimator.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Final, Literal
+
+GIB: Final = 1 << 30
+Dtype = Literal["float32", "bfloat16", "float16"]
+DTYPE_BYTES: Final = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: Active features per layer and token when nobody says: about the average L0 of GemmaScope's
+#: gemma-2-2b transcoders (41 to 76 by layer, from the file names circuit-tracer's ``gemma``
+#: config lists). An assumption, not a measurement; ``ct-resources estimate
+#: --active-features`` changes it, and ``--ct-batch-size auto`` counts the real ones.
+DEFAULT_ACTIVE_PER_TOKEN: Final = 64
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs to know about a transformer.
+
+    Attributes:
+        name: Hugging Face id (or bundled name).
+        n_layers, d_model, d_mlp, vocab_size, n_heads, n_kv_heads, head_dim: its config.
+        n_params: parameters held on the GPU (tied embeddings counted once).
+        family: gemma2, gemma3, llama or qwen3: what the forward pass keeps depends on it.
+        final_logit_softcap: Gemma-2's ``final_logit_softcapping`` (None when absent).
+    """
+
+    name: str
+    family: str
+    n_layers: int
+    d_model: int
+    d_mlp: int
+    vocab_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_params: int
+    final_logit_softcap: float | None = None
+
+
+@dataclass(frozen=True)
+class TranscoderShape:
+    """What the estimate needs to know about a transcoder set.
+
+    Attributes:
+        name: circuit-tracer's name for the set (alias or Hugging Face repo).
+        width: features per layer.
+        cross_layer: one cross-layer transcoder (CLT) rather than one transcoder per layer.
+        skip_connection: each layer has a ``W_skip`` (d_model x d_model).
+        lazy_encoder, lazy_decoder: the encoder / decoder matrices stay on disk and rows are
+            read on demand (circuit-tracer supports this for safetensors sets only; npz sets,
+            such as GemmaScope's, always load fully).
+    """
+
+    name: str
+    width: int
+    cross_layer: bool = False
+    skip_connection: bool = False
+    lazy_encoder: bool = False
+    lazy_decoder: bool = False
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One ``attribute()`` call.
+
+    Attributes:
+        dtype: the model's dtype.
+        batch_size: ``attribute(batch_size=...)``.
+        prompt_tokens: prompt length in tokens, BOS (and any chat template) included.
+        active_per_token: active transcoder features per layer and token (a transcoder
+            set's L0); together with the prompt length it sets the number of feature nodes.
+        max_feature_nodes: ``attribute(max_feature_nodes=...)``; None keeps them all.
+        n_logits: logit targets (``max_n_logits``, 10 by default).
+        offload: ``attribute(offload=...)``: ``"cpu"`` or ``"disk"`` moves transcoders and MLPs
+            off the GPU after the phase that last needs them; the forward peak, which holds
+            them all, does not change.
+    """
+
+    dtype: Dtype
+    batch_size: int
+    prompt_tokens: int
+    active_per_token: float
+    max_feature_nodes: int | None = 8192
+    n_logits: int = 10
+    offload: Literal["cpu", "disk"] | None = None
+
+    @property
+    def active_features(self) -> int:
+        """Active features of the prompt. Position 0 (BOS) never has any: circuit-tracer
+        zeroes it."""
+        return math.ceil(self.active_per_token * max(self.prompt_tokens - 1, 0))
+
+
+@dataclass(frozen=True)
+class FamilyFactors:
+    """How much one architecture keeps per batch-token, in units of its own tensors.
+
+    Attributes:
+        kept_dtype: residual-stream-sized tensors per layer (d_model elements) in the model
+            dtype that the forward pass keeps for the backward passes.
+        kept_fp32: the same, always in float32 (Gemma's RMSNorm computes in float32).
+        logits: vocabulary-sized tensors alive at the forward peak, in the model dtype:
+            2 with Gemma-2's final-logit softcap (the tanh output autograd keeps, and the
+            result), 1 without.
+        transient: d_mlp-sized tensors of the last layers' work alive at the peak besides
+            the logits (the gated MLP's intermediates), in the model dtype.
+        measured: whether points of this family were measured (see docs/estimator.md).
+    """
+
+    kept_dtype: float
+    kept_fp32: float
+    logits: float
+    transient: float
+    measured: str
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Factors fitted to measured peaks (``bench/fit_estimator.py``, ``docs/estimator.md``).
+
+    Attributes:
+        families: :class:`FamilyFactors` per architecture family (gemma2, gemma3, llama,
+            qwen3); an unknown family uses ``llama``'s.
+        unembed_share: the backward passes hold this share of the unembedding matrix
+            (vocabulary x d_model) in the model dtype at their peak.
+        backward_layers: residual-stream-sized gradients per layer and batch-token at the
+            backward peak, in the model dtype.
+        reserved, reserved_bytes: reserved minus allocated at the peak is at most
+            ``reserved`` x what the call adds + ``reserved_bytes`` (an envelope over the
+            measured points, with expandable segments).
+        context_bytes: the CUDA context of one process, outside PyTorch's allocator.
+        workspace_bytes: allocated besides the parameters once the model has run (cuBLAS
+            workspaces): measured resident memory minus the weights.
+        safety: the allocated peak is multiplied by it.
+    """
+
+    families: Mapping[str, FamilyFactors]
+    unembed_share: float
+    backward_layers: float
+    reserved: float
+    reserved_bytes: int
+    context_bytes: int
+    workspace_bytes: int = 0
+    safety: float = 1.0
+
+    def family(self, name: str) -> FamilyFactors:
+        return self.families.get(name, self.families["llama"])
+
+
+#: Fitted by ``bench/fit_estimator.py`` from the points in ``docs/calibration/`` (one H200,
+#: torch 2.11, circuit-tracer 0.5.0, nnsight backend, transformers 4.57.3); the fit and the
+#: error at every point are in ``docs/estimator.md``.
+CALIBRATION: Final = Calibration(
+    families=MappingProxyType(
+        {
+            "gemma2": FamilyFactors(1.074, 1.004, 2.0, 5.78, "bf16 and fp32"),
+            "gemma3": FamilyFactors(0.057, 1.004, 1.0, 6.83, "bf16"),
+            "llama": FamilyFactors(1.125, 0.001, 1.0, 2.25, "bf16 and fp32"),
+            "qwen3": FamilyFactors(1.125, 0.001, 1.0, 2.25, "none: Llama's factors"),
+        }
+    ),
+    unembed_share=0.25,
+    backward_layers=1.0,
+    reserved=0.12,
+    reserved_bytes=150 << 20,
+    context_bytes=0,
+    workspace_bytes=102760960,
+)
+
+
+@dataclass(frozen=True)
+class Term:
+    """One line of the breakdown."""
+
+    name: str
+    bytes: int
+    note: str = ""
+
+    @property
+    def gib(self) -> float:
+        return self.bytes / GIB
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A predicted peak, with its parts.
+
+    ``peak_allocated_bytes`` is what ``torch.cuda.max_memory_allocated()`` would report for
+    the call; ``peak_reserved_bytes`` adds the caching allocator's margin; ``total_bytes`` adds
+    the CUDA context: what the process takes from the card.
+    """
+
+    model: ModelShape
+    transcoders: TranscoderShape
+    workload: Workload
+    terms: tuple[Term, ...]
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    total_bytes: int
+    peak_phase: str
+    calibration: Calibration = field(repr=False)
+
+    @property
+    def peak_gib(self) -> float:
+        """The predicted allocated peak in GiB (2^30 bytes)."""
+        return self.peak_allocated_bytes / GIB
+
+    @property
+    def total_gib(self) -> float:
+        return self.total_bytes / GIB
+
+    @property
+    def resident_bytes(self) -> int:
+        """Weights and transcoders: allocated before the call starts."""
+        return sum(t.bytes for t in self.terms if t.name in ("weights", "transcoders"))
+
+    @property
+    def call_bytes(self) -> int:
+        """What the call adds to the resident weights at its allocated peak."""
+        return self.peak_allocated_bytes - self.resident_bytes
+
+    def term(self, name: str) -> Term:
+        for candidate in self.terms:
+            if candidate.name == name:
+                return candidate
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready: every size in GiB, ``peak_gib`` the allocated peak."""
+        return {
+            "model": self.model.name,
+            "transcoders": self.transcoders.name,
+            "dtype": self.workload.dtype,
+            "batch_size": self.workload.batch_size,
+            "prompt_tokens": self.workload.prompt_tokens,
+            "active_per_token": self.workload.active_per_token,
+            "active_features": self.workload.active_features,
+            "max_feature_nodes": self.workload.max_feature_nodes,
+            "peak_gib": round(self.peak_gib, 3),
+            "peak_reserved_gib": round(self.peak_reserved_bytes / GIB, 3),
+            "total_gib": round(self.total_gib, 3),
+            "peak_phase": self.peak_phase,
+            "breakdown_gib": {t.name: round(t.gib, 3) for t in self.terms},
+        }
+
+
+def transcoder_params_on_gpu(model: ModelShape, tc: TranscoderShape) -> int:
+    """Transcoder parameters resident on the GPU (lazily loaded matrices excluded)."""
+    n, d, w = model.n_layers, model.d_model, tc.width
+    encoder = 0 if tc.lazy_encoder else n * w * d
+    decoder_blocks = n * (n + 1) // 2 if tc.cross_layer else n
+    decoder = 0 if tc.lazy_decoder else decoder_blocks * w * d
+    skip = n * d * d if tc.skip_connection else 0
+    # b_enc and threshold per feature, b_dec per layer.
+    small = n * (2 * w + d)
+    return encoder + decoder + skip + small
+
+
+def _decoder_vectors_per_feature(model: ModelShape, tc: TranscoderShape) -> float:
+    """Decoder vectors setup keeps per active feature: 1, or for a CLT the mean number of
+    layers a feature writes to, (n_layers + 1) / 2 when features spread evenly over layers."""
+    return (model.n_layers + 1) / 2 if tc.cross_layer else 1.0
+
+
+def estimate(
+    model: ModelShape,
+    transcoders: TranscoderShape,
+    workload: Workload,
+    calibration: Calibration = CALIBRATION,
+) -> Estimate:
+    """Predict the memory of one ``attribute()`` call. Sizes are bytes."""
+    cal = calibration
+    b = DTYPE_BYTES[workload.dtype]
+    n_layers, d, vocab = model.n_layers, model.d_model, model.vocab_size
+    tokens, batch = workload.prompt_tokens, workload.batch_size
+    nnz = workload.active_features
+    batch_tokens = batch * tokens
+    layer_row = n_layers * d * b  # one token's residual stream over all layers, in bytes
+
+    weights = model.n_params * b + cal.workspace_bytes
+    transcoder_bytes = transcoder_params_on_gpu(model, transcoders) * b
+    factors = cal.family(model.family)
+
+    decoders = _decoder_vectors_per_feature(model, transcoders)
+    setup = int(
+        nnz * d * b * (1 + decoders)  # encoder and decoder vectors of active features
+        + n_layers * tokens * d * b  # error vectors
+        + tokens * d * b  # token embeddings
+        + tokens * vocab * b  # one prompt's logits (ctx.logits)
+        + nnz * (3 * 8 + b)  # sparse activation matrix: int64 indices and values
+    )
+    # setup_attribution's own peak: the MLP input and output caches and the reconstruction
+    # are alive next to what it keeps (measured: twice what it keeps).
+    setup_peak = 2 * setup
+
+    # Per batch-token, kept for the backward passes: per layer, residual-stream-sized
+    # tensors and the attention probabilities (heads x tokens), plus a skip connection's
+    # output.
+    skip_factor = 1.0 if transcoders.skip_connection else 0.0
+    kept_per_token = n_layers * (
+        d * (factors.kept_dtype * b + factors.kept_fp32 * 4 + skip_factor * b)
+        + model.n_heads * tokens * b
+    )
+    kept = int(batch_tokens * kept_per_token)
+    forward = kept + int(
+        batch_tokens * (factors.logits * vocab + factors.transient * model.d_mlp) * b
+    )
+
+    row_size = nnz + (n_layers + 1) * tokens
+    feature_nodes = (
+        nnz if workload.max_feature_nodes is None else min(workload.max_feature_nodes, nnz)
+    )
+    influence = 0
+    if feature_nodes < nnz:
+        # compute_partial_influences: float32 copy of edge_matrix[:rows] on the GPU.
+        influence = (feature_nodes + workload.n_logits) * (row_size + workload.n_logits) * 4
+    gradients = int(batch_tokens * cal.backward_layers * layer_row + row_size * batch * b)
+    unembed = int(cal.unembed_share * vocab * d * b)
+    backward = kept + gradients + max(influence, unembed)
+
+    call_peak = max(setup_peak, setup + max(forward, backward))
+    peak_allocated = int((weights + transcoder_bytes + call_peak) * cal.safety)
+    margin = int(cal.reserved * call_peak) + cal.reserved_bytes
+    peak_reserved = peak_allocated + margin
+    total = peak_reserved + cal.context_bytes
+
+    tc_note = (
+        "lazy "
+        + "+".join(
+            part
+            for part, lazy in (
+                ("encoder", transcoders.lazy_encoder),
+                ("decoder", transcoders.lazy_decoder),
+            )
+            if lazy
+        )
+        if (transcoders.lazy_encoder or transcoders.lazy_decoder)
+        else "all on the GPU"
+    )
+    terms = (
+        Term("weights", weights, f"{model.n_params / 1e9:.2f}e9 parameters, workspaces"),
+        Term("transcoders", transcoder_bytes, tc_note),
+        Term("setup", setup, f"{nnz} active features"),
+        Term(
+            "forward",
+            forward,
+            f"batch {batch} x {tokens} tokens"
+            + (", softcapped logits" if model.final_logit_softcap else ""),
+        ),
+        Term(
+            "backward",
+            backward,
+            f"influence ranking {influence / GIB:.2f} GiB" if influence else "all features",
+        ),
+        Term("reserved margin", margin, "caching allocator"),
+        Term("CUDA context", cal.context_bytes, "per process"),
+    )
+    return Estimate(
+        model=model,
+        transcoders=transcoders,
+        workload=workload,
+        terms=terms,
+        peak_allocated_bytes=peak_allocated,
+        peak_reserved_bytes=peak_reserved,
+        total_bytes=total,
+        peak_phase="forward" if forward >= backward else "backward",
+        calibration=cal,
+    )
+
+
+def largest_fitting_batch(
+    model: ModelShape,
+    transcoders: TranscoderShape,
+    workload: Workload,
+    budget_bytes: int,
+    *,
+    ceiling: int,
+    resident_bytes: int | None = None,
+    calibration: Calibration = CALIBRATION,
+) -> tuple[int, Estimate] | None:
+    """The largest batch size <= ``ceiling`` whose predicted total fits ``budget_bytes``.
+
+    ``resident_bytes``, when given (what is already allocated, measured), replaces the
+    estimate's weights and transcoders. Returns None when not even batch size 1 fits.
+    The predicted total grows with the batch size, so a bisection finds it.
+    """
+
+    def need(batch: int) -> tuple[int, Estimate]:
+        est = estimate(
+            model,
+            transcoders,
+            with_batch(workload, batch),
+            calibration,
+        )
+        total = est.total_bytes
+        if resident_bytes is not None:
+            total += resident_bytes - est.resident_bytes
+        return total, est
+
+    low_total, low_est = need(1)
+    if low_total > budget_bytes:
+        return None
+    best = (1, low_est)
+    lo, hi = 1, ceiling
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        total, est = need(mid)
+        if total <= budget_bytes:
+            lo, best = mid, (mid, est)
+        else:
+            hi = mid - 1
+    return best
+
+
+def with_batch(workload: Workload, batch: int) -> Workload:
+    """``workload`` at another batch size."""
+    return replace(workload, batch_size=batch)
+
+
+def batch_table(
+    model: ModelShape,
+    transcoders: TranscoderShape,
+    workload: Workload,
+    batch_sizes: Iterable[int],
+    calibration: Calibration = CALIBRATION,
+) -> Sequence[Estimate]:
+    """One estimate per batch size, the rest of ``workload`` unchanged."""
+    return [
+        estimate(model, transcoders, with_batch(workload, batch), calibration)
+        for batch in batch_sizes
+    ]

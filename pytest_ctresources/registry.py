@@ -1,0 +1,455 @@
+"""Where the estimator's shapes come from: an offline registry, a config.json, a loaded model.
+
+The registry lists the models and transcoder sets circuit-tracer 0.5.0 knows, with the
+dimensions of their Hugging Face ``config.json`` (sources in ``docs/estimator.md``). Nothing
+here downloads anything; :func:`model_from_config_json` reads a local file and
+:func:`shapes_of_loaded` reads a ReplacementModel already in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Final
+
+from pytest_ctresources.config import AUTO, CircuitTracerConfig
+from pytest_ctresources.estimate import Estimate, ModelShape, TranscoderShape, Workload, estimate
+
+
+class UnknownShape(LookupError):
+    """A model or transcoder set the registry does not know; the message lists the known."""
+
+
+def count_params(
+    *,
+    family: str,
+    n_layers: int,
+    d_model: int,
+    d_mlp: int,
+    vocab_size: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    tied: bool,
+) -> int:
+    """Parameters of a (bias-free) decoder-only model of ``family``: gemma2, gemma3, llama or
+    qwen3. Tied embeddings are counted once, as the nnsight backend stores them."""
+    attention = d_model * head_dim * (2 * n_heads + 2 * n_kv_heads)
+    mlp = 3 * d_model * d_mlp
+    norms = {"gemma2": 4 * d_model, "gemma3": 4 * d_model + 2 * head_dim}.get(
+        family, 2 * d_model + (2 * head_dim if family == "qwen3" else 0)
+    )
+    embeddings = vocab_size * d_model * (1 if tied else 2)
+    return n_layers * (attention + mlp + norms) + embeddings + d_model
+
+
+#: Gemma-3 4b and 12b are multimodal: circuit-tracer loads them with their SigLIP vision
+#: tower (416,866,032 parameters) and a projector (1152 x d_model + 1152).
+_SIGLIP_PARAMS: Final = 416_866_032
+
+
+def _model(
+    name: str,
+    family: str,
+    n_layers: int,
+    d_model: int,
+    d_mlp: int,
+    vocab_size: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    *,
+    tied: bool = True,
+    vision: bool = False,
+) -> ModelShape:
+    params = count_params(
+        family=family,
+        n_layers=n_layers,
+        d_model=d_model,
+        d_mlp=d_mlp,
+        vocab_size=vocab_size,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        tied=tied,
+    )
+    if vision:
+        params += _SIGLIP_PARAMS + 1152 * d_model + 1152
+    return ModelShape(
+        name=name,
+        family=family,
+        n_layers=n_layers,
+        d_model=d_model,
+        d_mlp=d_mlp,
+        vocab_size=vocab_size,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        n_params=params,
+        final_logit_softcap=30.0 if family == "gemma2" else None,
+    )
+
+
+def _models() -> dict[str, ModelShape]:
+    gemma_2_2b = ("gemma2", 26, 2304, 9216, 256000, 8, 4, 256)
+    gemma_3_1b = ("gemma3", 26, 1152, 6912, 262144, 4, 1, 256)
+    gemma_3_4b = ("gemma3", 34, 2560, 10240, 262208, 8, 4, 256)
+    gemma_3_12b = ("gemma3", 48, 3840, 15360, 262208, 16, 8, 256)
+    table = [
+        _model("google/gemma-2-2b", *gemma_2_2b),
+        _model("google/gemma-2-2b-it", *gemma_2_2b),
+        _model("google/gemma-2-9b", "gemma2", 42, 3584, 14336, 256000, 16, 8, 256),
+        _model("google/gemma-2-9b-it", "gemma2", 42, 3584, 14336, 256000, 16, 8, 256),
+        _model("google/gemma-3-1b-pt", *gemma_3_1b),
+        _model("google/gemma-3-1b-it", *gemma_3_1b),
+        _model("google/gemma-3-4b-pt", *gemma_3_4b, vision=True),
+        _model("google/gemma-3-4b-it", *gemma_3_4b, vision=True),
+        _model("google/gemma-3-12b-pt", *gemma_3_12b, vision=True),
+        _model("google/gemma-3-12b-it", *gemma_3_12b, vision=True),
+        _model("meta-llama/Llama-3.2-1B", "llama", 16, 2048, 8192, 128256, 32, 8, 64),
+        _model("meta-llama/Llama-3.2-1B-Instruct", "llama", 16, 2048, 8192, 128256, 32, 8, 64),
+        _model("Qwen/Qwen3-0.6B", "qwen3", 28, 1024, 3072, 151936, 16, 8, 128),
+        _model("Qwen/Qwen3-1.7B", "qwen3", 28, 2048, 6144, 151936, 16, 8, 128),
+        _model("Qwen/Qwen3-4B", "qwen3", 36, 2560, 9728, 151936, 32, 8, 128),
+        _model("Qwen/Qwen3-8B", "qwen3", 36, 4096, 12288, 151936, 32, 8, 128, tied=False),
+        _model("Qwen/Qwen3-14B", "qwen3", 40, 5120, 17408, 151936, 40, 8, 128, tied=False),
+    ]
+    return {shape.name: shape for shape in table}
+
+
+MODELS: Final[Mapping[str, ModelShape]] = MappingProxyType(_models())
+
+
+@dataclass(frozen=True)
+class TranscoderSetInfo:
+    """A transcoder set as circuit-tracer loads it.
+
+    Attributes:
+        shape: width, cross-layer, skip connection (lazy flags not yet applied).
+        models: the models it was trained on.
+        lazy_capable: whether circuit-tracer can keep its matrices on disk (its own
+            safetensors layout); GemmaScope npz and GemmaScope-2 files always load fully.
+    """
+
+    shape: TranscoderShape
+    models: tuple[str, ...]
+    lazy_capable: bool
+
+    def loaded(self, *, lazy_encoder: bool = False, lazy_decoder: bool = True) -> TranscoderShape:
+        """The shape with circuit-tracer's lazy-loading flags applied (its defaults here)."""
+        from dataclasses import replace
+
+        if not self.lazy_capable:
+            return self.shape
+        return replace(self.shape, lazy_encoder=lazy_encoder, lazy_decoder=lazy_decoder)
+
+
+def _set(
+    name: str,
+    width: int,
+    models: tuple[str, ...],
+    *,
+    lazy: bool,
+    clt: bool = False,
+    skip: bool = False,
+) -> TranscoderSetInfo:
+    return TranscoderSetInfo(
+        TranscoderShape(name=name, width=width, cross_layer=clt, skip_connection=skip),
+        models,
+        lazy,
+    )
+
+
+_GEMMA_2_2B = ("google/gemma-2-2b", "google/gemma-2-2b-it")
+_LLAMA_1B = ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-1B-Instruct")
+
+TRANSCODER_SETS: Final[Mapping[str, TranscoderSetInfo]] = MappingProxyType(
+    {
+        info.shape.name: info
+        for info in (
+            _set("mwhanna/gemma-scope-transcoders", 16384, _GEMMA_2_2B, lazy=False),
+            _set("mntss/transcoder-Llama-3.2-1B", 131072, _LLAMA_1B, lazy=True, skip=True),
+            _set("mntss/clt-gemma-2-2b-426k", 16384, _GEMMA_2_2B, lazy=True, clt=True),
+            _set("mntss/clt-gemma-2-2b-2.5M", 98304, _GEMMA_2_2B, lazy=True, clt=True),
+            _set("mntss/clt-llama-3.2-1b-524k", 32768, _LLAMA_1B, lazy=True, clt=True),
+            _set("mwhanna/qwen3-0.6b-transcoders-lowl0", 163840, ("Qwen/Qwen3-0.6B",), lazy=True),
+            _set("mwhanna/qwen3-1.7b-transcoders-lowl0", 163840, ("Qwen/Qwen3-1.7B",), lazy=True),
+            _set("mwhanna/qwen3-4b-transcoders", 163840, ("Qwen/Qwen3-4B",), lazy=True),
+            _set("mwhanna/qwen3-8b-transcoders", 163840, ("Qwen/Qwen3-8B",), lazy=True),
+            _set("mwhanna/qwen3-14b-transcoders-lowl0", 163840, ("Qwen/Qwen3-14B",), lazy=True),
+        )
+    }
+)
+
+#: circuit-tracer's short names (``hf_utils.py``).
+ALIASES: Final[Mapping[str, str]] = MappingProxyType(
+    {"gemma": "mwhanna/gemma-scope-transcoders", "llama": "mntss/transcoder-Llama-3.2-1B"}
+)
+
+# GemmaScope-2 transcoders: one repo per Gemma-3 model, a subfolder per variant, e.g.
+# mwhanna/gemma-scope-2-4b-it/transcoder_all/width_16k_l0_medium_affine. Width from the
+# name; ``_affine`` adds a skip connection; always loaded fully.
+_GEMMA_SCOPE_2 = re.compile(
+    r"gemma-scope-2-(?P<size>1b|4b|12b)-(?P<kind>pt|it)"
+    r"/(?P<layout>transcoder_all|clt)/width_(?P<width>\d+)k\w*?(?P<affine>_affine)?$"
+)
+
+
+def _gemma_scope_2(name: str) -> TranscoderSetInfo | None:
+    match = _GEMMA_SCOPE_2.search(name)
+    if match is None:
+        return None
+    model = f"google/gemma-3-{match['size']}-{match['kind']}"
+    # "16k" is 2^14 features, "262k" 2^18: the nearest power of two.
+    width = 1 << round(math.log2(int(match["width"]) * 1000))
+    return _set(
+        name,
+        width,
+        (model,),
+        lazy=False,
+        clt=match["layout"] == "clt",
+        skip=match["affine"] is not None,
+    )
+
+
+def known_models() -> list[str]:
+    from pytest_ctresources import testing
+
+    return sorted([*MODELS, *testing.BUNDLED_MODELS])
+
+
+def known_transcoder_sets() -> list[str]:
+    return sorted(
+        [
+            *ALIASES,
+            *TRANSCODER_SETS,
+            "mwhanna/gemma-scope-2-{1b,4b,12b}-{pt,it}/transcoder_all/width_{16k,262k}_...",
+        ]
+    )
+
+
+def model_shape(name: str) -> ModelShape:
+    """The registry's (or a bundled random model's) shape of model ``name``."""
+    if name in MODELS:
+        return MODELS[name]
+    from pytest_ctresources import testing
+
+    if testing.is_bundled_model(name):
+        return _bundled_model(name)
+    path = Path(name)
+    if path.name == "config.json" or (path.is_dir() and (path / "config.json").is_file()):
+        return model_from_config_json(path)
+    raise UnknownShape(
+        f"unknown model {name!r}; known: {', '.join(known_models())} "
+        "(or give the path of a local config.json)"
+    )
+
+
+def transcoder_info(name: str, model: str | None = None) -> TranscoderSetInfo:
+    """The registry's entry for transcoder set ``name`` (an alias, repo or GemmaScope-2
+    subfolder); ``model`` is needed for the bundled random set, which fits any model."""
+    from pytest_ctresources import testing
+
+    if name in testing.BUNDLED_TRANSCODER_SETS and model is not None:
+        if testing.is_bundled_model(model):
+            dims = testing.model_dims_of(model)
+            return _set(
+                name,
+                dims.d_transcoder,
+                (model,),
+                lazy=False,
+                clt=dims.cross_layer,
+                skip=dims.skip_connection,
+            )
+    resolved = ALIASES.get(name, name)
+    if resolved in TRANSCODER_SETS:
+        return TRANSCODER_SETS[resolved]
+    found = _gemma_scope_2(resolved)
+    if found is not None:
+        return found
+    raise UnknownShape(
+        f"unknown transcoder set {name!r}; known: {', '.join(known_transcoder_sets())}"
+        + (f", {', '.join(sorted(testing.BUNDLED_TRANSCODER_SETS))}" if model else "")
+    )
+
+
+def _bundled_model(name: str) -> ModelShape:
+    from pytest_ctresources import testing
+
+    dims = testing.model_dims_of(name)
+    return ModelShape(
+        name=name,
+        family=dims.architecture,
+        n_layers=dims.n_layers,
+        d_model=dims.d_model,
+        d_mlp=dims.d_mlp,
+        vocab_size=dims.vocab_size,
+        n_heads=dims.n_heads,
+        n_kv_heads=dims.n_kv_heads,
+        head_dim=dims.head_dim,
+        n_params=dims.n_model_params,
+        final_logit_softcap=30.0 if dims.architecture == "gemma2" else None,
+    )
+
+
+_FAMILIES: Final = {
+    "gemma2": "gemma2",
+    "gemma3": "gemma3",
+    "gemma3_text": "gemma3",
+    "llama": "llama",
+    "qwen3": "qwen3",
+}
+
+
+def model_from_config_json(path: str | Path) -> ModelShape:
+    """A model's shape from its Hugging Face ``config.json`` (or the folder holding it).
+
+    Multimodal Gemma-3 configs keep the language model in ``text_config``; its vision tower
+    is counted as circuit-tracer loads it.
+
+    Raises:
+        UnknownShape: the file is missing, not JSON, or lacks a needed key.
+    """
+    file = Path(path)
+    if file.is_dir():
+        file = file / "config.json"
+    try:
+        config: dict[str, Any] = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise UnknownShape(f"cannot read model config {str(file)!r}: {exc}") from None
+    vision = "vision_config" in config and "text_config" in config
+    text = config.get("text_config", config)
+    model_type = str(text.get("model_type", config.get("model_type", "")))
+    family = _FAMILIES.get(model_type)
+    if family is None:
+        raise UnknownShape(
+            f"{file}: model_type {model_type!r} is not one of {', '.join(sorted(_FAMILIES))}"
+        )
+    try:
+        n_heads = int(text["num_attention_heads"])
+        d_model = int(text["hidden_size"])
+        dims = {
+            "n_layers": int(text["num_hidden_layers"]),
+            "d_model": d_model,
+            "d_mlp": int(text["intermediate_size"]),
+            "vocab_size": int(text["vocab_size"]),
+            "n_heads": n_heads,
+            "n_kv_heads": int(text.get("num_key_value_heads", n_heads)),
+            "head_dim": int(text.get("head_dim") or d_model // n_heads),
+        }
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UnknownShape(f"{file}: missing or invalid key {exc}") from None
+    tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
+    params = count_params(family=family, tied=tied, **dims)
+    if vision:
+        params += _SIGLIP_PARAMS + 1152 * d_model + 1152
+    softcap = text.get("final_logit_softcapping")
+    if family == "gemma2" and "final_logit_softcapping" not in text:
+        softcap = 30.0  # Gemma2Config's default
+    return ModelShape(
+        name=str(config.get("_name_or_path") or file.parent.name),
+        family=family,
+        n_params=params,
+        final_logit_softcap=float(softcap) if softcap else None,
+        **dims,
+    )
+
+
+def shapes_of_loaded(model: Any) -> tuple[ModelShape, TranscoderShape]:
+    """The shapes of a loaded ReplacementModel (either backend), read from the object.
+
+    The weights are the model's own parameters (transcoders excluded), counted from the
+    tensors, so anything the registry does not know is still right.
+    """
+    cfg = model.cfg
+    transcoders = model.transcoders
+    transcoder_ids = {id(p) for p in transcoders.parameters()}
+    seen: set[int] = set()
+    n_params = 0
+    for parameter in model.parameters():
+        key = parameter.data_ptr() if parameter.device.type != "meta" else id(parameter)
+        if id(parameter) in transcoder_ids or key in seen:
+            continue
+        seen.add(key)
+        n_params += parameter.numel()
+    n_heads = int(cfg.n_heads)
+    softcap = getattr(cfg, "output_logits_soft_cap", None)
+    architecture = str(getattr(cfg, "original_architecture", "") or "")
+    shape = ModelShape(
+        name=str(getattr(cfg, "model_name", "loaded model")),
+        family=_family_of_architecture(architecture),
+        n_layers=int(cfg.n_layers),
+        d_model=int(cfg.d_model),
+        d_mlp=int(cfg.d_mlp),
+        vocab_size=int(cfg.d_vocab),
+        n_heads=n_heads,
+        n_kv_heads=int(getattr(cfg, "n_key_value_heads", None) or n_heads),
+        head_dim=int(cfg.d_head),
+        n_params=n_params,
+        final_logit_softcap=float(softcap) if softcap and softcap > 0 else None,
+    )
+    return shape, _loaded_transcoders(transcoders)
+
+
+def _family_of_architecture(architecture: str) -> str:
+    """``Gemma2ForCausalLM`` -> gemma2, ``Gemma3ForConditionalGeneration`` -> gemma3, ...;
+    anything else is estimated as Llama."""
+    lowered = architecture.lower()
+    for prefix in ("gemma2", "gemma3", "qwen3", "llama"):
+        if lowered.startswith(prefix):
+            return prefix
+    return "llama"
+
+
+def _loaded_transcoders(transcoders: Any) -> TranscoderShape:
+    scan = getattr(transcoders, "scan", None)
+    name = scan if isinstance(scan, str) else type(transcoders).__name__
+    if hasattr(transcoders, "transcoders"):  # TranscoderSet: one per layer
+        first = transcoders.transcoders[0]
+        return TranscoderShape(
+            name=name,
+            width=int(first.d_transcoder),
+            skip_connection=bool(getattr(transcoders, "skip_connection", False)),
+            lazy_encoder=bool(getattr(first, "lazy_encoder", False)),
+            lazy_decoder=bool(getattr(first, "lazy_decoder", False)),
+        )
+    return TranscoderShape(  # CrossLayerTranscoder
+        name=name,
+        width=int(transcoders.d_transcoder),
+        cross_layer=True,
+        skip_connection=bool(getattr(transcoders, "skip_connection", False)),
+        lazy_encoder=bool(getattr(transcoders, "lazy_encoder", False)),
+        lazy_decoder=bool(getattr(transcoders, "lazy_decoder", False)),
+    )
+
+
+def estimate_config(
+    cfg: CircuitTracerConfig, prompt_tokens: int, active_per_token: float
+) -> Estimate | None:
+    """The estimate of one attribution under ``cfg``, or None when its model or transcoder
+    set is not configured or not known. ``batch_size: auto`` is estimated at batch size 1,
+    the least auto can choose."""
+    if not cfg.model_name or not cfg.transcoder_set:
+        return None
+    try:
+        model = model_shape(cfg.model_name)
+        info = transcoder_info(cfg.transcoder_set, cfg.model_name)
+    except UnknownShape:
+        return None
+    batch = 1 if cfg.batch_size == AUTO else int(cfg.batch_size)
+    workload = Workload(
+        dtype=cfg.dtype,
+        batch_size=batch,
+        prompt_tokens=prompt_tokens,
+        active_per_token=active_per_token,
+        max_feature_nodes=cfg.max_feature_nodes,
+        n_logits=cfg.max_n_logits,
+        offload=cfg.offload,
+    )
+    transcoders = info.loaded(lazy_encoder=cfg.lazy_encoder, lazy_decoder=cfg.lazy_decoder)
+    return estimate(model, transcoders, workload)
