@@ -29,6 +29,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pytest_ctresources import oom
+
 #: (bundled model, dtype, prompt tokens): the measured architectures that fit 24 GiB.
 CONFIGS: list[tuple[str, str, int]] = [
     ("ctresources/random-gemma-2-2b", "bfloat16", 25),
@@ -68,18 +70,30 @@ def main() -> int:
     return 0
 
 
+def free_memory() -> None:
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def attribution(model: Any, prompt: list[int], batch: int, nodes: int) -> dict[str, Any]:
     import torch
     from circuit_tracer import attribute
 
-    torch.cuda.empty_cache()
+    free_memory()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     try:
         attribute(prompt, model, batch_size=batch, max_feature_nodes=nodes)
-    except torch.cuda.OutOfMemoryError:
-        gc.collect()
-        torch.cuda.empty_cache()
+    except torch.cuda.OutOfMemoryError as exc:
+        # The failed call's frames hold its activations until they are cleared.
+        oom.release(exc)
+        failed = True
+    else:
+        failed = False
+    if failed:
+        free_memory()
         return {"oom": True}
     torch.cuda.synchronize()
     return {
@@ -110,14 +124,18 @@ def auto_attribution(
     )
     budget = Budget(args.capacity, f"--capacity {args.capacity:g}", 0.1)
     session = CtSession(cfg, oom_retry=False, auto_budget=budget)
-    torch.cuda.empty_cache()
+    free_memory()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     try:
         session.attribute(prompt, model)
-    except torch.cuda.OutOfMemoryError:
-        gc.collect()
-        torch.cuda.empty_cache()
+    except torch.cuda.OutOfMemoryError as exc:
+        oom.release(exc)
+        failed = True
+    else:
+        failed = False
+    if failed:
+        free_memory()
         choice = session.auto_choices[-1] if session.auto_choices else None
         return {"oom": True, "choice": choice.describe() if choice else None}
     torch.cuda.synchronize()
@@ -196,8 +214,7 @@ def run_config(config: tuple[str, str, int], args: argparse.Namespace, out: Any)
                 + "\n"
             )
     del model
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_memory()
 
 
 if __name__ == "__main__":

@@ -89,11 +89,15 @@ def shapes(record: dict[str, Any]) -> tuple[est.ModelShape, est.TranscoderShape,
         n_params=record["n_model_params"],
         final_logit_softcap=softcap,
     )
+    from pytest_ctresources import testing
+
+    hook = testing.default_hooks(testing.ModelDims(**dims))[0]
     transcoders = est.TranscoderShape(
         name="random",
         width=dims["d_transcoder"],
         cross_layer=dims["cross_layer"],
         skip_connection=dims["skip_connection"],
+        feature_input_hook=hook,
     )
     tokens = record["prompt_tokens"]
     workload = est.Workload(
@@ -131,6 +135,8 @@ def fit(points: list[dict[str, Any]]) -> est.Calibration:
             structural = bt * model.n_layers * model.n_heads * work.prompt_tokens * b
             if tc.skip_connection:
                 structural += bt * layers * b
+            if tc.feature_input_hook == est.NORMALIZED_HOOK:
+                structural += bt * layers * b
             rows.append([bt * layers * b / kept, bt * layers * 4 / kept])
             targets.append((kept - structural) / kept)
             forward_peak = phases[1]["peak"] - phases[0]["after"]
@@ -146,10 +152,13 @@ def fit(points: list[dict[str, Any]]) -> est.Calibration:
             kd = float(
                 np.mean([(t - r[1] * kf) / r[0] for r, t in zip(rows, targets, strict=True)])
             )
-        softcap = rest[0][4].final_logit_softcap is not None
-        logits = 2.0 if softcap else 1.0
+        logits = 1.0  # per CALIBRATION's convention; a softcap adds one copy
         transients = [
-            ((peak - kept) / bt / b - logits * model.vocab_size) / model.d_mlp
+            (
+                (peak - kept) / bt / b
+                - (logits + (model.final_logit_softcap is not None)) * model.vocab_size
+            )
+            / model.d_mlp
             for peak, kept, bt, b, model in rest
             if bt >= 1024  # small batches: a fixed part of the peak dominates
         ]

@@ -51,6 +51,7 @@ class Variant:
     name: str
     pytest_args: list[str]
     gpus: list[str]
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -114,7 +115,7 @@ def run_variant(variant: Variant, env: dict[str, str], out: Path) -> Result:
     args = [sys.executable, "-m", "pytest", SUITE, "-p", "no:randomly", "-p", "no:cacheprovider"]
     args += ["--durations=3"]  # where the time goes: in the log
     args += ["-q", *variant.pytest_args, f"--junitxml={junit}", f"--ct-report-json={report}"]
-    variant_env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(variant.gpus)}
+    variant_env = {**env, **variant.env, "CUDA_VISIBLE_DEVICES": ",".join(variant.gpus)}
     changed = {k: v for k, v in variant_env.items() if os.environ.get(k) != v}
     command = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(changed.items()))
     command = f"{command} {shlex.join(args)}".strip()
@@ -203,6 +204,12 @@ def main() -> int:
         Variant("leases-1gpu", ["-n", str(w)], gpus[:1]),
         Variant("no-leases-1gpu", ["-n", str(w), "--ct-no-leases"], gpus[:1]),
     ]
+    # The same run with each worker's CPU threads limited to its share of the cores (torch
+    # otherwise starts one thread per core in every worker).
+    threads = str(max(1, (os.cpu_count() or 1) // w))
+    variants.append(
+        Variant("leases-1gpu-threads", ["-n", str(w)], gpus[:1], {"OMP_NUM_THREADS": threads})
+    )
     if args.crowded:
         c = str(args.crowded)
         variants += [

@@ -4,6 +4,7 @@
     ct-resources estimate --config example_configs/gemma-2-2b-it.yaml --prompt-tokens 40
     ct-resources estimate --model google/gemma-2-2b --transcoders gemma \\
         --dtype bfloat16 --batch-size 256 --gpu-gib 24 [--json]
+    ct-resources table --cards 24,48,80 --prompt-tokens 32,128   # the README's guidance
 
 Nothing here imports torch unless GPU detection has to fall back to it.
 """
@@ -121,6 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"largest batch size the table and 'auto' consider (default {DEFAULT_CEILING})",
     )
     estimate.add_argument("--json", action="store_true", help="one JSON object")
+    table = commands.add_parser(
+        "table", help="largest batch size that fits, per card, model, dtype and prompt length"
+    )
+    table.add_argument("--cards", default="24,48,80", metavar="GIB,...", help="card sizes")
+    table.add_argument("--prompt-tokens", default="32,128", metavar="N,...", help="prompt lengths")
+    table.add_argument("--dtypes", default="bfloat16,float32", metavar="DTYPE,...")
+    table.add_argument(
+        "--active-features", type=_positive_float, default=DEFAULT_ACTIVE_PER_TOKEN, metavar="K"
+    )
+    table.add_argument("--ceiling", type=_positive_int, default=DEFAULT_CEILING, metavar="N")
     return parser
 
 
@@ -279,6 +290,56 @@ def _print_estimate(
             write(f"\nlargest batch size that fits (up to {request.ceiling}): {choice[0]}\n")
 
 
+#: The pairs the README's table covers: circuit-tracer's own examples.
+TABLE_PAIRS: Final = (
+    ("google/gemma-2-2b", "gemma"),
+    ("google/gemma-2-2b", "mntss/clt-gemma-2-2b-426k"),
+    ("meta-llama/Llama-3.2-1B", "llama"),
+    ("google/gemma-3-4b-it", "mwhanna/gemma-scope-2-4b-it/transcoder_all/width_16k_l0_small"),
+    ("google/gemma-3-4b-it", "mwhanna/gemma-scope-2-4b-it/transcoder_all/width_262k_l0_small"),
+    ("Qwen/Qwen3-4B", "mwhanna/qwen3-4b-transcoders"),
+)
+
+
+def _csv(text: str, parse: Any) -> list[Any]:
+    try:
+        return [parse(part) for part in text.split(",") if part.strip()]
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise CliError(f"bad list {text!r}: {exc}") from None
+
+
+def run_table(args: argparse.Namespace, out: Any) -> int:
+    """A Markdown table: the largest batch size (up to the ceiling) whose estimated total
+    fits each card, for circuit-tracer's example models and transcoder sets."""
+    cards = _csv(args.cards, _positive_float)
+    prompts = _csv(args.prompt_tokens, _positive_int)
+    dtypes = _csv(args.dtypes, _dtype)
+    header = "| model | transcoders | dtype | prompt tokens | " + " | ".join(
+        f"{card:g} GiB" for card in cards
+    )
+    out.write(header + " |\n")
+    out.write("|---|---|---|---|" + "---|" * len(cards) + "\n")
+    for model_name, set_name in TABLE_PAIRS:
+        model = registry.model_shape(model_name)
+        transcoders = registry.transcoder_info(set_name).loaded()
+        for dtype in dtypes:
+            for tokens in prompts:
+                work = est.Workload(dtype, 1, tokens, args.active_features)
+                cells = []
+                for card in cards:
+                    found = est.largest_fitting_batch(
+                        model, transcoders, work, int(card * GIB), ceiling=args.ceiling
+                    )
+                    cells.append("does not fit" if found is None else str(found[0]))
+                short_set = set_name.split("/transcoder_all/")[-1]
+                out.write(
+                    f"| {model_name} | {short_set} | {dtype} | {tokens} | "
+                    + " | ".join(cells)
+                    + " |\n"
+                )
+    return 0
+
+
 def run_gpus(args: argparse.Namespace, out: Any) -> int:
     from pytest_ctresources.gpus import detect_gpus, free_bytes
 
@@ -316,6 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "gpus":
             return run_gpus(args, sys.stdout)
+        if args.command == "table":
+            return run_table(args, sys.stdout)
         return run_estimate(args, sys.stdout)
     except CliError as exc:
         parser.exit(2, f"ct-resources: error: {exc}\n")

@@ -43,6 +43,8 @@ from typing import Final, Literal
 GIB: Final = 1 << 30
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPE_BYTES: Final = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: The hook GemmaScope's gemma-2 transcoders read (see TranscoderShape.feature_input_hook).
+NORMALIZED_HOOK: Final = "ln2.hook_normalized"
 #: Active features per layer and token when nobody says: about the average L0 of GemmaScope's
 #: gemma-2-2b transcoders (41 to 76 by layer, from the file names circuit-tracer's ``gemma``
 #: config lists). An assumption, not a measurement; ``ct-resources estimate
@@ -87,6 +89,9 @@ class TranscoderShape:
         lazy_encoder, lazy_decoder: the encoder / decoder matrices stay on disk and rows are
             read on demand (circuit-tracer supports this for safetensors sets only; npz sets,
             such as GemmaScope's, always load fully).
+        feature_input_hook: where the transcoders read: GemmaScope's ``ln2.hook_normalized``
+            (Gemma's normalised MLP input) makes the forward pass keep one more
+            residual-stream-sized tensor per layer than ``hook_resid_mid`` or ``mlp.hook_in``.
     """
 
     name: str
@@ -95,6 +100,7 @@ class TranscoderShape:
     skip_connection: bool = False
     lazy_encoder: bool = False
     lazy_decoder: bool = False
+    feature_input_hook: str = "hook_resid_mid"
 
 
 @dataclass(frozen=True)
@@ -137,9 +143,9 @@ class FamilyFactors:
         kept_dtype: residual-stream-sized tensors per layer (d_model elements) in the model
             dtype that the forward pass keeps for the backward passes.
         kept_fp32: the same, always in float32 (Gemma's RMSNorm computes in float32).
-        logits: vocabulary-sized tensors alive at the forward peak, in the model dtype:
-            2 with Gemma-2's final-logit softcap (the tanh output autograd keeps, and the
-            result), 1 without.
+        logits: vocabulary-sized tensors alive at the forward peak, in the model dtype,
+            without a final-logit softcap; a softcap (Gemma-2) adds one: the tanh output
+            autograd keeps next to the result.
         transient: d_mlp-sized tensors of the last layers' work alive at the peak besides
             the logits (the gated MLP's intermediates), in the model dtype.
         measured: whether points of this family were measured (see docs/estimator.md).
@@ -161,8 +167,10 @@ class Calibration:
             qwen3); an unknown family uses ``llama``'s.
         unembed_share: the backward passes hold this share of the unembedding matrix
             (vocabulary x d_model) in the model dtype at their peak.
-        backward_layers: residual-stream-sized gradients per layer and batch-token at the
-            backward peak, in the model dtype.
+        backward_gather: copies of the per-layer gradient gathered at the decoder vectors'
+            positions (batch x decoders writing to a layer x d_model) at the backward peak.
+        backward_layers: residual-stream-sized gradients per layer and batch-token alive
+            with them, in the model dtype.
         reserved, reserved_bytes: reserved minus allocated at the peak is at most
             ``reserved`` x what the call adds + ``reserved_bytes`` (an envelope over the
             measured points, with expandable segments).
@@ -174,6 +182,7 @@ class Calibration:
 
     families: Mapping[str, FamilyFactors]
     unembed_share: float
+    backward_gather: float
     backward_layers: float
     reserved: float
     reserved_bytes: int
@@ -191,17 +200,21 @@ class Calibration:
 CALIBRATION: Final = Calibration(
     families=MappingProxyType(
         {
-            "gemma2": FamilyFactors(1.074, 1.004, 2.0, 5.78, "bf16 and fp32"),
+            "gemma2": FamilyFactors(0.075, 1.004, 1.0, 5.78, "bf16 and fp32"),
             "gemma3": FamilyFactors(0.057, 1.004, 1.0, 6.83, "bf16"),
             "llama": FamilyFactors(1.125, 0.001, 1.0, 2.25, "bf16 and fp32"),
             "qwen3": FamilyFactors(1.125, 0.001, 1.0, 2.25, "none: Llama's factors"),
         }
     ),
     unembed_share=0.25,
-    backward_layers=1.0,
+    backward_gather=1.0,
+    backward_layers=0.35,
     reserved=0.12,
     reserved_bytes=150 << 20,
-    context_bytes=0,
+    # bench/cuda_context.py on the H200 (driver 580.159.04, torch 2.11): NVML's used memory
+    # minus PyTorch's reserved, after the first matmuls (docs/estimator.md). Other GPUs and
+    # drivers differ by a few hundred MiB.
+    context_bytes=718_077_952,
     workspace_bytes=102760960,
 )
 
@@ -333,16 +346,16 @@ def estimate(
 
     # Per batch-token, kept for the backward passes: per layer, residual-stream-sized
     # tensors and the attention probabilities (heads x tokens), plus a skip connection's
-    # output.
+    # output and the normalised input GemmaScope's transcoders read.
     skip_factor = 1.0 if transcoders.skip_connection else 0.0
+    skip_factor += 1.0 if transcoders.feature_input_hook == NORMALIZED_HOOK else 0.0
     kept_per_token = n_layers * (
         d * (factors.kept_dtype * b + factors.kept_fp32 * 4 + skip_factor * b)
         + model.n_heads * tokens * b
     )
     kept = int(batch_tokens * kept_per_token)
-    forward = kept + int(
-        batch_tokens * (factors.logits * vocab + factors.transient * model.d_mlp) * b
-    )
+    logits = factors.logits + (1.0 if model.final_logit_softcap else 0.0)
+    forward = kept + int(batch_tokens * (logits * vocab + factors.transient * model.d_mlp) * b)
 
     row_size = nnz + (n_layers + 1) * tokens
     feature_nodes = (
@@ -352,9 +365,15 @@ def estimate(
     if feature_nodes < nnz:
         # compute_partial_influences: float32 copy of edge_matrix[:rows] on the GPU.
         influence = (feature_nodes + workload.n_logits) * (row_size + workload.n_logits) * 4
-    gradients = int(batch_tokens * cal.backward_layers * layer_row + row_size * batch * b)
+    # Each backward pass gathers, per layer, the gradient at the position of every decoder
+    # vector that writes to that layer: batch x decoders x d_model. A per-layer transcoder's
+    # layer has its own features' decoders (nnz / n_layers when features spread evenly); a
+    # CLT's last layer receives a decoder from every active feature.
+    decoders_per_layer = nnz if transcoders.cross_layer else nnz / n_layers
+    gather = int(cal.backward_gather * batch * decoders_per_layer * d * b)
+    gradients = int(cal.backward_layers * batch_tokens * layer_row) + row_size * batch * b
     unembed = int(cal.unembed_share * vocab * d * b)
-    backward = kept + gradients + max(influence, unembed)
+    backward = kept + max(gather + gradients, influence, unembed)
 
     call_peak = max(setup_peak, setup + max(forward, backward))
     peak_allocated = int((weights + transcoder_bytes + call_peak) * cal.safety)

@@ -157,12 +157,12 @@ def _set(
     lazy: bool,
     clt: bool = False,
     skip: bool = False,
+    hook: str = "hook_resid_mid",
 ) -> TranscoderSetInfo:
-    return TranscoderSetInfo(
-        TranscoderShape(name=name, width=width, cross_layer=clt, skip_connection=skip),
-        models,
-        lazy,
+    shape = TranscoderShape(
+        name=name, width=width, cross_layer=clt, skip_connection=skip, feature_input_hook=hook
     )
+    return TranscoderSetInfo(shape, models, lazy)
 
 
 _GEMMA_2_2B = ("google/gemma-2-2b", "google/gemma-2-2b-it")
@@ -172,16 +172,52 @@ TRANSCODER_SETS: Final[Mapping[str, TranscoderSetInfo]] = MappingProxyType(
     {
         info.shape.name: info
         for info in (
-            _set("mwhanna/gemma-scope-transcoders", 16384, _GEMMA_2_2B, lazy=False),
+            _set(
+                "mwhanna/gemma-scope-transcoders",
+                16384,
+                _GEMMA_2_2B,
+                lazy=False,
+                hook="ln2.hook_normalized",
+            ),
             _set("mntss/transcoder-Llama-3.2-1B", 131072, _LLAMA_1B, lazy=True, skip=True),
             _set("mntss/clt-gemma-2-2b-426k", 16384, _GEMMA_2_2B, lazy=True, clt=True),
             _set("mntss/clt-gemma-2-2b-2.5M", 98304, _GEMMA_2_2B, lazy=True, clt=True),
             _set("mntss/clt-llama-3.2-1b-524k", 32768, _LLAMA_1B, lazy=True, clt=True),
-            _set("mwhanna/qwen3-0.6b-transcoders-lowl0", 163840, ("Qwen/Qwen3-0.6B",), lazy=True),
-            _set("mwhanna/qwen3-1.7b-transcoders-lowl0", 163840, ("Qwen/Qwen3-1.7B",), lazy=True),
-            _set("mwhanna/qwen3-4b-transcoders", 163840, ("Qwen/Qwen3-4B",), lazy=True),
-            _set("mwhanna/qwen3-8b-transcoders", 163840, ("Qwen/Qwen3-8B",), lazy=True),
-            _set("mwhanna/qwen3-14b-transcoders-lowl0", 163840, ("Qwen/Qwen3-14B",), lazy=True),
+            _set(
+                "mwhanna/qwen3-0.6b-transcoders-lowl0",
+                163840,
+                ("Qwen/Qwen3-0.6B",),
+                lazy=True,
+                hook="mlp.hook_in",
+            ),
+            _set(
+                "mwhanna/qwen3-1.7b-transcoders-lowl0",
+                163840,
+                ("Qwen/Qwen3-1.7B",),
+                lazy=True,
+                hook="mlp.hook_in",
+            ),
+            _set(
+                "mwhanna/qwen3-4b-transcoders",
+                163840,
+                ("Qwen/Qwen3-4B",),
+                lazy=True,
+                hook="mlp.hook_in",
+            ),
+            _set(
+                "mwhanna/qwen3-8b-transcoders",
+                163840,
+                ("Qwen/Qwen3-8B",),
+                lazy=True,
+                hook="mlp.hook_in",
+            ),
+            _set(
+                "mwhanna/qwen3-14b-transcoders-lowl0",
+                163840,
+                ("Qwen/Qwen3-14B",),
+                lazy=True,
+                hook="mlp.hook_in",
+            ),
         )
     }
 )
@@ -214,6 +250,7 @@ def _gemma_scope_2(name: str) -> TranscoderSetInfo | None:
         lazy=False,
         clt=match["layout"] == "clt",
         skip=match["affine"] is not None,
+        hook="mlp.hook_in",
     )
 
 
@@ -265,6 +302,7 @@ def transcoder_info(name: str, model: str | None = None) -> TranscoderSetInfo:
                 lazy=False,
                 clt=dims.cross_layer,
                 skip=dims.skip_connection,
+                hook=testing.default_hooks(dims)[0],
             )
     resolved = ALIASES.get(name, name)
     if resolved in TRANSCODER_SETS:
@@ -378,7 +416,7 @@ def shapes_of_loaded(model: Any) -> tuple[ModelShape, TranscoderShape]:
         seen.add(key)
         n_params += parameter.numel()
     n_heads = int(cfg.n_heads)
-    softcap = getattr(cfg, "output_logits_soft_cap", None)
+    softcap = _loaded_softcap(model)
     architecture = str(getattr(cfg, "original_architecture", "") or "")
     shape = ModelShape(
         name=str(getattr(cfg, "model_name", "loaded model")),
@@ -394,6 +432,18 @@ def shapes_of_loaded(model: Any) -> tuple[ModelShape, TranscoderShape]:
         final_logit_softcap=float(softcap) if softcap and softcap > 0 else None,
     )
     return shape, _loaded_transcoders(transcoders)
+
+
+def _loaded_softcap(model: Any) -> float | None:
+    """The final-logit softcap of a loaded model: TransformerLens's config names it
+    ``output_logits_soft_cap`` (-1 for none); the nnsight backend keeps the Hugging Face
+    config, where it is ``final_logit_softcapping`` (in ``text_config`` for Gemma-3)."""
+    value = getattr(model.cfg, "output_logits_soft_cap", None)
+    if value is None:
+        hf_config = getattr(model, "config", None) or getattr(model, "_hf_config", None)
+        text = getattr(hf_config, "text_config", None) or hf_config
+        value = getattr(text, "final_logit_softcapping", None)
+    return float(value) if value and value > 0 else None
 
 
 def _family_of_architecture(architecture: str) -> str:
@@ -413,6 +463,7 @@ def _loaded_transcoders(transcoders: Any) -> TranscoderShape:
         first = transcoders.transcoders[0]
         return TranscoderShape(
             name=name,
+            feature_input_hook=str(getattr(transcoders, "feature_input_hook", "")),
             width=int(first.d_transcoder),
             skip_connection=bool(getattr(transcoders, "skip_connection", False)),
             lazy_encoder=bool(getattr(first, "lazy_encoder", False)),
@@ -420,6 +471,7 @@ def _loaded_transcoders(transcoders: Any) -> TranscoderShape:
         )
     return TranscoderShape(  # CrossLayerTranscoder
         name=name,
+        feature_input_hook=str(getattr(transcoders, "feature_input_hook", "")),
         width=int(transcoders.d_transcoder),
         cross_layer=True,
         skip_connection=bool(getattr(transcoders, "skip_connection", False)),

@@ -79,6 +79,7 @@ __all__ = [
     "build_named_model",
     "build_replacement_model",
     "default_device",
+    "default_hooks",
     "is_bundled_model",
     "model_dims_of",
     "write_local_tokenizer",
@@ -760,12 +761,7 @@ def build_replacement_model(
     else:
         _check_tokenizer_fits(tokenizer_dir, dims.vocab_size)
 
-    default_in, default_out = _DEFAULT_HOOKS[dims.architecture]
-    if dims.cross_layer:
-        # circuit-tracer's CLTs (mntss/clt-gemma-2-2b-426k, clt-llama-3.2-1b-524k) read the
-        # residual stream before the MLP. (Its CLT does not cast its input to its own dtype,
-        # so Gemma-2's float32 normalised MLP input would not work in bfloat16 anyway.)
-        default_in = "hook_resid_mid"
+    default_in, default_out = default_hooks(dims)
     try:
         with _seeded(seed, torch_device):
             # Everything created in this block -- model parameters and buffers, transcoders --
@@ -791,6 +787,18 @@ def build_replacement_model(
         # model for code that reloads them from ``model.tokenizer.name_or_path``.
         weakref.finalize(model, shutil.rmtree, owned_tokenizer_dir, ignore_errors=True)
     return model
+
+
+def default_hooks(dims: ModelDims) -> tuple[str, str]:
+    """The (input, output) hooks the random transcoders of ``dims`` use, as the public sets
+    of that architecture do."""
+    default_in, default_out = _DEFAULT_HOOKS[dims.architecture]
+    if dims.cross_layer:
+        # circuit-tracer's CLTs (mntss/clt-gemma-2-2b-426k, clt-llama-3.2-1b-524k) read the
+        # residual stream before the MLP. (Its CLT does not cast its input to its own dtype,
+        # so Gemma-2's float32 normalised MLP input would not work in bfloat16 anyway.)
+        default_in = "hook_resid_mid"
+    return default_in, default_out
 
 
 def _check_tokenizer_fits(tokenizer_dir: str, vocab_size: int) -> None:

@@ -16,6 +16,7 @@ import torch  # noqa: F401
 
 CT_ENV_VARS = (
     "CT_BATCH_SIZE",
+    "CT_BATCH_SIZE_MAX",
     "CT_MAX_FEATURE_NODES",
     "CT_CONFIG",
     "CT_VRAM_CAPACITY",

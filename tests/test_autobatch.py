@@ -1,0 +1,251 @@
+"""--ct-batch-size auto and estimated needs, end to end through pytester (CPU).
+
+Projects that run attributions run in a subprocess (torch cannot be imported twice in one
+process). On CPU the model is not on a GPU, so auto takes the ceiling; the choice on a GPU is tested
+with the CUDA branch's inputs stubbed here, and for real in tests/gpu (the H200).
+"""
+
+from __future__ import annotations
+
+import json
+
+import circuit_tracer  # noqa: F401  (imported before any in-process pytester run; see conftest)
+import pytest
+
+from pytest_ctresources import autobatch, testing
+from pytest_ctresources.config import CircuitTracerConfig
+from pytest_ctresources.estimate import DEFAULT_ACTIVE_PER_TOKEN
+from pytest_ctresources.registry import estimate_config
+from tests.conftest import TINY_YAML
+
+pytest_plugins = ["pytester"]
+
+ATTRIBUTION_TEST = """
+def test_attribution(ct_session):
+    graph = ct_session.attribute("the capital of france is")
+    assert graph.adjacency_matrix.shape[0] > 0
+    (choice,) = ct_session.auto_choices
+    print("CHOICE", choice.batch_size)
+"""
+
+
+@pytest.fixture
+def project(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makefile(".yaml", exp=TINY_YAML)
+    pytester.makepyfile(test_auto=ATTRIBUTION_TEST)
+    return pytester
+
+
+def test_option_auto_on_cpu_takes_the_ceiling(project: pytest.Pytester) -> None:
+    result = project.runpytest(
+        "--ct-config",
+        "exp.yaml",
+        "--ct-batch-size",
+        "auto",
+        "--ct-batch-size-max",
+        "48",
+        "-s",
+        "--ct-report-json",
+        "report.json",
+    )
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "test_auto.py CHOICE 48",
+            "*batch_size=auto (--ct-batch-size)*",
+            "attributions: 1 in 1 test(s), batch size(s) 48",
+            "  test_auto.py::test_attribution: auto batch size 48 (6 prompt tokens; the model "
+            "is not on a CUDA GPU: the ceiling 48)",
+        ]
+    )
+    report = json.loads((project.path / "report.json").read_text())
+    assert report["auto_batch_sizes"] == {
+        "test_auto.py::test_attribution": [
+            "batch size 48 (6 prompt tokens; the model is not on a CUDA GPU: the ceiling 48)"
+        ]
+    }
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        ("yaml", "BATCH_SIZE: auto\nBATCH_SIZE_MAX: 24\n"),
+        ("ini", "[pytest]\nct_batch_size = auto\nct_batch_size_max = 24\n"),
+        ("env", None),
+    ],
+    ids=lambda spelling: spelling[0],
+)
+def test_auto_from_yaml_ini_and_env(
+    project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, spelling: tuple[str, str | None]
+) -> None:
+    kind, text = spelling
+    yaml = TINY_YAML.replace("BATCH_SIZE: 128\n", "")
+    if kind == "yaml":
+        yaml += text
+    elif kind == "ini":
+        project.makefile(".ini", pytest=text)
+    else:
+        monkeypatch.setenv("CT_BATCH_SIZE", "auto")
+        monkeypatch.setenv("CT_BATCH_SIZE_MAX", "24")
+    project.makefile(".yaml", exp=yaml)
+    result = project.runpytest_subprocess("--ct-config", "exp.yaml", "-s")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*CHOICE 24", "attributions: 1 in 1 test(s), batch size(s) 24"])
+
+
+@pytest.mark.parametrize(
+    ("args", "ini", "message"),
+    [
+        (
+            ["--ct-batch-size", "automatic"],
+            None,
+            "*argument --ct-batch-size: must be a positive integer or 'auto', got 'automatic'",
+        ),
+        (
+            ["--ct-batch-size-max", "0"],
+            None,
+            "*argument --ct-batch-size-max: must be a positive integer, got 0",
+        ),
+        (
+            [],
+            "ct_auto_margin = 1.5",
+            "ERROR: ini ct_auto_margin*: must be a number from 0 to below 1, got '1.5'",
+        ),
+        (
+            [],
+            "ct_estimate_prompt_tokens = none",
+            "ERROR: ini ct_estimate_prompt_tokens*: must be a positive integer, got 'none'",
+        ),
+    ],
+)
+def test_bad_values_are_usage_errors(
+    pytester: pytest.Pytester, args: list[str], ini: str | None, message: str
+) -> None:
+    if ini:
+        pytester.makefile(".ini", pytest=f"[pytest]\n{ini}\n")
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+
+
+# --- the choice on a GPU, with its inputs stubbed ---------------------------------------------
+
+
+def test_choice_on_a_gpu_uses_measured_memory_and_real_active_features(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    model = testing.build_named_model(testing.TINY_GEMMA2, testing.RANDOM_TRANSCODERS, device="cpu")
+    cfg = CircuitTracerConfig.defaults().layered(
+        {"batch_size": "auto", "batch_size_max": 4096, "max_feature_nodes": 32},
+        CircuitTracerConfig.defaults().source_of("dtype"),
+    )
+    monkeypatch.setattr(autobatch, "_device_of", lambda model: torch.device("cuda"))
+    allocated = {"bytes": 1 << 30}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated["bytes"])
+    roomy = autobatch.choose(
+        model, "the capital of france is", cfg, autobatch.Budget(2.0, "fake", 0.1)
+    )
+    expected_active = int(
+        model.setup_attribution(
+            model.ensure_tokenized("the capital of france is")
+        ).activation_matrix._nnz()
+    )
+    assert roomy.active_features == expected_active
+    assert roomy.prompt_tokens == 6
+    assert roomy.batch_size == 4096
+    assert "the ceiling 4096" in roomy.reason
+    allocated["bytes"] = int(1.5 * (1 << 30))  # less room: a smaller batch
+    tight = autobatch.choose(
+        model, "the capital of france is", cfg, autobatch.Budget(2.0, "fake", 0.1)
+    )
+    assert 1 < tight.batch_size < 4096
+    assert tight.predicted_gib is not None and tight.predicted_gib <= 1.8
+    assert "the largest that fits; budget 1.8 GiB = 2.0 GiB (fake) less 10% margin" in tight.reason
+    allocated["bytes"] = 2 << 30  # already over the budget
+    none = autobatch.choose(
+        model, "the capital of france is", cfg, autobatch.Budget(2.0, "fake", 0.1)
+    )
+    assert none.batch_size == 1
+    assert "not even batch size 1 is predicted to fit" in none.reason
+
+
+# --- estimated needs in skip decisions --------------------------------------------------------
+
+ESTIMATED = """
+import pytest
+
+@pytest.mark.ct_config(model_name="google/gemma-2-2b", transcoder_set="gemma", dtype="bfloat16")
+def test_gemma(ct_session):
+    pass
+
+@pytest.mark.vram(gib=1)
+@pytest.mark.ct_config(model_name="google/gemma-2-2b", transcoder_set="gemma", dtype="bfloat16")
+def test_declared_wins(ct_session):
+    pass
+
+@pytest.mark.ct_config(model_name="someone/unknown-model", transcoder_set="gemma")
+def test_unknown_model_has_no_estimate(ct_session):
+    pass
+
+@pytest.mark.ct_config(model_name="google/gemma-2-2b", transcoder_set="gemma", dtype="bfloat16")
+def test_no_ct_session():
+    pass
+"""
+
+
+def _estimated_gib(prompt_tokens: int) -> float:
+    cfg = CircuitTracerConfig.defaults().layered(
+        {"model_name": "google/gemma-2-2b", "transcoder_set": "gemma", "dtype": "bfloat16"},
+        CircuitTracerConfig.defaults().source_of("dtype"),
+    )
+    prediction = estimate_config(cfg, prompt_tokens, DEFAULT_ACTIVE_PER_TOKEN)
+    assert prediction is not None
+    return round(prediction.total_gib, 2)
+
+
+def test_estimated_need_skips_on_a_small_gpu(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CT_FAKE_GPUS", "Small GPU=12")
+    pytester.makepyfile(test_est=ESTIMATED)
+    result = pytester.runpytest("-rs", "-p", "no:randomly")
+    result.assert_outcomes(passed=3, skipped=1)
+    gib = _estimated_gib(32)
+    assert gib > 12
+    result.stdout.fnmatch_lines(
+        [
+            f"SKIPPED ?1? test_est.py:*: needs {gib:.1f} GiB VRAM (estimated for "
+            "google/gemma-2-2b, bfloat16, batch 256, 32 prompt tokens); GPU 0 (Small GPU) has "
+            "12.0 GiB",
+        ]
+    )
+
+
+def test_estimate_uses_the_ini_prompt_length(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CT_FAKE_GPUS", "Small GPU=12")
+    pytester.makefile(".ini", pytest="[pytest]\nct_estimate_prompt_tokens = 8\n")
+    pytester.makepyfile(test_est=ESTIMATED)
+    result = pytester.runpytest("-rs", "-p", "no:randomly")
+    gib = _estimated_gib(8)
+    outcome = "skipped" if gib > 12 else "passed"
+    result.assert_outcomes(passed=3 + (outcome == "passed"), skipped=int(outcome == "skipped"))
+    assert _estimated_gib(8) < _estimated_gib(32)
+
+
+def test_estimated_need_runs_on_a_big_gpu_and_without_one(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytester.makepyfile(test_est=ESTIMATED)
+    monkeypatch.setenv("CT_FAKE_GPUS", "Big GPU=139.8")
+    pytester.runpytest().assert_outcomes(passed=4)
+    # No GPU: ct_session runs the model on the CPU, so an estimate never skips (a declared
+    # need still does).
+    monkeypatch.setenv("CT_FAKE_GPUS", "")
+    result = pytester.runpytest("-rs")
+    result.assert_outcomes(passed=3, skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED * needs 1.0 GiB VRAM; no CUDA GPU detected"])

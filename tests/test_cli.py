@@ -1,0 +1,209 @@
+"""The ct-resources command: gpus and estimate, through main() and as an installed script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from pytest_ctresources import estimate as est
+from pytest_ctresources import registry
+from pytest_ctresources.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def fail(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_json_peak_is_the_estimators(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run(
+        capsys,
+        "estimate",
+        "--model",
+        "google/gemma-2-2b",
+        "--transcoders",
+        "gemma",
+        "--dtype",
+        "bf16",
+        "--batch-size",
+        "64",
+        "--prompt-tokens",
+        "40",
+        "--gpu-gib",
+        "24",
+        "--json",
+    )
+    payload = json.loads(out)
+    model = registry.MODELS["google/gemma-2-2b"]
+    transcoders = registry.transcoder_info("gemma").loaded()
+    work = est.Workload("bfloat16", 64, 40, est.DEFAULT_ACTIVE_PER_TOKEN)
+    expected = est.estimate(model, transcoders, work)
+    assert payload["peak_gib"] == round(expected.peak_allocated_bytes / GIB, 3)
+    assert payload["batch_size"] == 64
+    assert set(payload["breakdown_gib"]) == {
+        "weights",
+        "transcoders",
+        "setup",
+        "forward",
+        "backward",
+        "reserved margin",
+        "CUDA context",
+    }
+    largest = est.largest_fitting_batch(model, transcoders, work, 24 * GIB, ceiling=512)
+    assert largest is not None
+    assert payload["largest_fitting_batch_size"] == largest[0]
+    for row in payload["table"]:
+        assert row["fits"] == (row["batch_size"] <= largest[0])
+
+
+def test_text_output_has_the_breakdown_and_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run(
+        capsys,
+        "estimate",
+        "--config",
+        str(ROOT / "example_configs" / "gemma-2-2b-it.yaml"),
+        "--prompt-tokens",
+        "60",
+        "--gpu-gib",
+        "24",
+    )
+    lines = out.splitlines()
+    assert lines[0].startswith("model        google/gemma-2-2b-it: 2.61e9 parameters, 26 layers")
+    assert "transcoders  mwhanna/gemma-scope-transcoders: per-layer, 16384" in lines[1]
+    assert "bfloat16, batch size 256, 60 prompt tokens" in lines[2]
+    for name in ("weights", "transcoders", "setup", "forward", "backward", "CUDA context"):
+        assert any(line.startswith(f"  {name} ") for line in lines), name
+    assert "batch size   peak GiB   total GiB   fits 24.0 GiB" in lines
+    assert any(line.endswith("<- this run") for line in lines)
+    assert lines[-1].startswith("largest batch size that fits (up to 512): ")
+
+
+def test_auto_batch_size_is_the_largest_that_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["estimate", "--model", "meta-llama/Llama-3.2-1B", "--transcoders", "llama"]
+    common += ["--dtype", "bfloat16", "--gpu-gib", "16"]
+    auto = json.loads(run(capsys, *common, "--batch-size", "auto", "--json"))
+    assert auto["batch_size"] == auto["largest_fitting_batch_size"]
+    capped = json.loads(run(capsys, *common, "--batch-size", "auto", "--ceiling", "8", "--json"))
+    assert capped["batch_size"] == 8
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--model", "google/gemma-7", "--transcoders", "gemma"],
+            "unknown model 'google/gemma-7'; known: ",
+        ),
+        (
+            ["--model", "google/gemma-2-2b", "--transcoders", "nope"],
+            "unknown transcoder set 'nope'; known: ",
+        ),
+        (["--model", "google/gemma-2-2b"], "name a model and a transcoder set"),
+        (["--config", "missing.yaml"], "missing.yaml: cannot read experiment config"),
+        (
+            ["--model", "google/gemma-2-2b", "--transcoders", "gemma", "--batch-size", "auto"],
+            "--batch-size auto needs a GPU size",
+        ),
+    ],
+)
+def test_errors_are_one_line(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    message: str,
+) -> None:
+    monkeypatch.setenv("CT_FAKE_GPUS", "")  # no GPU, whatever the machine has
+    err = fail(capsys, "estimate", *argv)
+    assert err.startswith(f"ct-resources: error: {message}")
+    assert err.count("\n") == 1
+
+
+def test_bad_flag_values_are_argparse_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    err = fail(capsys, "estimate", "--model", "x", "--transcoders", "y", "--dtype", "fp8")
+    assert "argument --dtype: must be one of float32, bfloat16, float16; got 'fp8'" in err
+    err = fail(capsys, "estimate", "--prompt-tokens", "0")
+    assert "argument --prompt-tokens: must be a positive integer, got '0'" in err
+
+
+def test_gpus_lists_what_the_plugin_detects(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CT_FAKE_GPUS", "NVIDIA A100=39.4;NVIDIA H200=139.8")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    out = run(capsys, "gpus")
+    assert out.splitlines()[:3] == [
+        "source: CT_FAKE_GPUS",
+        "CUDA_VISIBLE_DEVICES: 1,0",
+        "index  name                          total GiB   free GiB   physical  uuid",
+    ]
+    assert out.splitlines()[3].split() == ["0", "NVIDIA", "H200", "139.8", "-", "1", "GPU-fake-1"]
+    assert out.splitlines()[4].split() == ["1", "NVIDIA", "A100", "39.4", "-", "0", "GPU-fake-0"]
+    payload = json.loads(run(capsys, "gpus", "--json"))
+    assert payload["source"] == "fake"
+    assert payload["free_gib"] == [None, None]
+    assert [gpu["name"] for gpu in payload["gpus"]] == ["NVIDIA H200", "NVIDIA A100"]
+
+
+def test_gpus_without_a_gpu(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CT_FAKE_GPUS", "")
+    assert run(capsys, "gpus").startswith("no CUDA GPU detected (")
+
+
+def test_the_console_script_is_installed() -> None:
+    (entry,) = metadata.entry_points(group="console_scripts", name="ct-resources")
+    assert entry.value == "pytest_ctresources.cli:main"
+    script = Path(sys.executable).parent / "ct-resources"
+    result = subprocess.run(
+        [
+            str(script),
+            "estimate",
+            "--model",
+            "Qwen/Qwen3-0.6B",
+            "--transcoders",
+            "mwhanna/qwen3-0.6b-transcoders-lowl0",
+            "--gpu-gib",
+            "24",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["model"] == "Qwen/Qwen3-0.6B"
+
+
+def test_table_is_the_largest_fitting_batch_per_card(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run(capsys, "table", "--cards", "24,80", "--prompt-tokens", "32", "--dtypes", "bf16")
+    lines = out.splitlines()
+    assert lines[0] == "| model | transcoders | dtype | prompt tokens | 24 GiB | 80 GiB |"
+    row = next(line for line in lines if line.startswith("| google/gemma-2-2b | gemma |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    model = registry.MODELS["google/gemma-2-2b"]
+    transcoders = registry.transcoder_info("gemma").loaded()
+    work = est.Workload("bfloat16", 1, 32, est.DEFAULT_ACTIVE_PER_TOKEN)
+    for cell, card in zip(cells[4:], (24, 80), strict=True):
+        found = est.largest_fitting_batch(model, transcoders, work, card * GIB, ceiling=512)
+        assert found is not None
+        assert cell == str(found[0])
+    assert any("does not fit" in line for line in lines)
+    assert fail(capsys, "table", "--cards", "24,big").startswith(
+        "ct-resources: error: bad list '24,big'"
+    )

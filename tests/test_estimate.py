@@ -1,0 +1,300 @@
+"""The VRAM estimator (pure arithmetic), the registry, and their accuracy on measured points."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from pytest_ctresources import estimate as est
+from pytest_ctresources import registry, testing
+
+ROOT = Path(__file__).resolve().parents[1]
+CALIBRATION = sorted((ROOT / "docs" / "calibration").glob("*.jsonl"))
+GIB = 1 << 30
+
+
+def _fit_module():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import fit_estimator
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return fit_estimator
+
+
+def workload(**changes: object) -> est.Workload:
+    base = est.Workload(dtype="bfloat16", batch_size=64, prompt_tokens=32, active_per_token=64)
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+GEMMA = registry.MODELS["google/gemma-2-2b"]
+GEMMA_SET = registry.transcoder_info("gemma").loaded()
+
+
+# --- accuracy on every measured point --------------------------------------------------------
+
+
+def test_every_measured_point_is_within_five_percent() -> None:
+    """The acceptance line of issue 5: allocated-peak error within +-5% at every point."""
+    fit = _fit_module()
+    points = fit.load([str(path) for path in CALIBRATION])
+    results = fit.check(points, est.CALIBRATION)
+    measured = [r for r in results if r["measured"] is not None]
+    assert len(measured) >= 48
+    families = {p["dims"]["architecture"] for p in points}
+    assert {"gemma2", "gemma3", "llama"} <= families
+    bad = [r for r in measured if not -0.05 <= r["error"] <= 0.05]
+    assert not bad, bad
+
+
+def test_points_that_ran_out_of_memory_are_predicted_above_the_card() -> None:
+    fit = _fit_module()
+    points = fit.load([str(path) for path in CALIBRATION])
+    ooms = [r for r in fit.check(points, est.CALIBRATION) if r["measured"] is None]
+    assert ooms
+    for result in ooms:
+        assert result["predicted"] > result["device_gib"]
+
+
+def test_refitting_gives_the_shipped_factors() -> None:
+    """CALIBRATION is what bench/fit_estimator.py fits from docs/calibration (rounded)."""
+    fit = _fit_module()
+    fitted = fit.fit(fit.load([str(path) for path in CALIBRATION]))
+    for family in ("gemma2", "gemma3", "llama"):
+        shipped, new = est.CALIBRATION.family(family), fitted.family(family)
+        assert new.kept_dtype == pytest.approx(shipped.kept_dtype, abs=0.01)
+        assert new.kept_fp32 == pytest.approx(shipped.kept_fp32, abs=0.01)
+        assert new.transient == pytest.approx(shipped.transient, abs=0.05)
+    assert fitted.workspace_bytes == est.CALIBRATION.workspace_bytes
+
+
+# --- structure --------------------------------------------------------------------------------
+
+
+def test_breakdown_adds_up_to_the_peak() -> None:
+    prediction = est.estimate(GEMMA, GEMMA_SET, workload())
+    terms = {t.name: t.bytes for t in prediction.terms}
+    call = terms["setup"] + max(terms["forward"], terms["backward"])
+    assert prediction.peak_allocated_bytes == terms["weights"] + terms["transcoders"] + call
+    assert (
+        prediction.peak_reserved_bytes == prediction.peak_allocated_bytes + terms["reserved margin"]
+    )
+    assert prediction.total_bytes == prediction.peak_reserved_bytes + terms["CUDA context"]
+    assert prediction.to_dict()["peak_gib"] == round(prediction.peak_allocated_bytes / GIB, 3)
+
+
+def test_peak_grows_with_batch_tokens_dtype_and_vocabulary() -> None:
+    small = est.estimate(GEMMA, GEMMA_SET, workload(batch_size=32)).peak_allocated_bytes
+    big = est.estimate(GEMMA, GEMMA_SET, workload(batch_size=256)).peak_allocated_bytes
+    longer = est.estimate(GEMMA, GEMMA_SET, workload(prompt_tokens=128)).peak_allocated_bytes
+    fp32 = est.estimate(GEMMA, GEMMA_SET, workload(dtype="float32")).peak_allocated_bytes
+    base = est.estimate(GEMMA, GEMMA_SET, workload()).peak_allocated_bytes
+    assert small < base < big
+    assert base < longer
+    assert fp32 > 1.9 * base
+    no_softcap = dataclasses.replace(GEMMA, final_logit_softcap=None)
+    assert est.estimate(no_softcap, GEMMA_SET, workload()).peak_allocated_bytes < base
+
+
+def test_transcoder_weights_that_stay_on_the_gpu() -> None:
+    n, d, w = GEMMA.n_layers, GEMMA.d_model, 16384
+    full = est.TranscoderShape("t", w)
+    assert est.transcoder_params_on_gpu(GEMMA, full) == 2 * n * w * d + n * (2 * w + d)
+    lazy = dataclasses.replace(full, lazy_decoder=True)
+    assert est.transcoder_params_on_gpu(GEMMA, lazy) == n * w * d + n * (2 * w + d)
+    skip = dataclasses.replace(full, skip_connection=True)
+    assert (
+        est.transcoder_params_on_gpu(GEMMA, skip) - est.transcoder_params_on_gpu(GEMMA, full)
+        == n * d * d
+    )
+    clt = dataclasses.replace(full, cross_layer=True)
+    assert est.transcoder_params_on_gpu(GEMMA, clt) == (
+        n * w * d + n * (n + 1) // 2 * w * d + n * (2 * w + d)
+    )
+
+
+def test_registry_sets_load_as_circuit_tracer_loads_them() -> None:
+    # GemmaScope npz: always fully resident, whatever the lazy flags say.
+    assert not registry.transcoder_info("gemma").loaded(lazy_decoder=True).lazy_decoder
+    # Safetensors sets: circuit-tracer's default keeps the encoder, reads decoders lazily.
+    llama = registry.transcoder_info("llama").loaded()
+    assert llama.lazy_decoder and not llama.lazy_encoder and llama.skip_connection
+    assert llama.width == 131072
+    clt = registry.transcoder_info("mntss/clt-gemma-2-2b-426k").loaded(lazy_decoder=False)
+    assert clt.cross_layer and not clt.lazy_decoder and clt.width == 16384
+
+
+@pytest.mark.parametrize(
+    ("name", "width", "skip", "model"),
+    [
+        ("mwhanna/gemma-scope-2-4b-it/transcoder_all/width_16k_l0_small", 16384, False, "4b-it"),
+        (
+            "mwhanna/gemma-scope-2-12b-pt/transcoder_all/width_262k_l0_big_affine",
+            262144,
+            True,
+            "12b-pt",
+        ),
+    ],
+)
+def test_gemma_scope_2_names(name: str, width: int, skip: bool, model: str) -> None:
+    info = registry.transcoder_info(name)
+    assert info.shape.width == width
+    assert info.shape.skip_connection is skip
+    assert info.models == (f"google/gemma-3-{model}",)
+    assert not info.lazy_capable
+
+
+def test_influence_ranking_counts_when_features_are_capped() -> None:
+    long_prompt = workload(prompt_tokens=400, batch_size=8)
+    everything = est.estimate(
+        GEMMA, GEMMA_SET, dataclasses.replace(long_prompt, max_feature_nodes=None)
+    )
+    capped = est.estimate(
+        GEMMA, GEMMA_SET, dataclasses.replace(long_prompt, max_feature_nodes=8000)
+    )
+    assert "influence" not in everything.term("backward").note
+    assert "influence ranking" in capped.term("backward").note
+    assert capped.term("backward").bytes > everything.term("backward").bytes
+
+
+# --- the largest batch size that fits --------------------------------------------------------
+
+
+def test_largest_fitting_batch_is_the_boundary() -> None:
+    budget = 20 * GIB
+    batch, prediction = est.largest_fitting_batch(GEMMA, GEMMA_SET, workload(), budget, ceiling=512)  # type: ignore[misc]
+    assert prediction.total_bytes <= budget
+    bigger = est.estimate(GEMMA, GEMMA_SET, workload(batch_size=batch + 1))
+    assert bigger.total_bytes > budget
+    assert 1 < batch < 512
+
+
+def test_largest_fitting_batch_respects_the_ceiling_and_a_card_too_small() -> None:
+    found = est.largest_fitting_batch(GEMMA, GEMMA_SET, workload(), 200 * GIB, ceiling=96)
+    assert found is not None and found[0] == 96
+    assert est.largest_fitting_batch(GEMMA, GEMMA_SET, workload(), 4 * GIB, ceiling=512) is None
+
+
+def test_measured_resident_memory_replaces_the_weights() -> None:
+    free = est.largest_fitting_batch(GEMMA, GEMMA_SET, workload(), 24 * GIB, ceiling=512)
+    crowded = est.largest_fitting_batch(
+        GEMMA, GEMMA_SET, workload(), 24 * GIB, ceiling=512, resident_bytes=14 * GIB
+    )
+    assert free is not None and crowded is not None
+    assert crowded[0] < free[0]
+
+
+# --- where shapes come from ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("google/gemma-2-2b", 2_614_341_888),
+        ("google/gemma-2-9b", 9_241_705_984),
+        ("google/gemma-3-1b-pt", 999_885_952),
+        ("meta-llama/Llama-3.2-1B", 1_235_814_400),
+        ("Qwen/Qwen3-0.6B", 596_049_920),
+    ],
+)
+def test_registry_parameter_counts(name: str, params: int) -> None:
+    assert registry.MODELS[name].n_params == params
+
+
+def test_bundled_models_match_the_random_builders() -> None:
+    for name, dims in testing.BUNDLED_MODELS.items():
+        shape = registry.model_shape(name)
+        assert shape.n_params == dims.n_model_params
+        assert shape.family == dims.architecture
+        info = registry.transcoder_info(testing.RANDOM_TRANSCODERS, name)
+        assert info.shape.width == dims.d_transcoder
+        assert info.shape.cross_layer == dims.cross_layer
+
+
+def test_config_json_of_a_multimodal_gemma_3(tmp_path: Path) -> None:
+    config = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "_name_or_path": "google/gemma-3-4b-it",
+        "text_config": {
+            "model_type": "gemma3_text",
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "num_hidden_layers": 34,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "vocab_size": 262208,
+            "final_logit_softcapping": None,
+        },
+        "vision_config": {"hidden_size": 1152},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = registry.model_shape(str(tmp_path))
+    assert shape == registry.MODELS["google/gemma-3-4b-it"]
+
+
+def test_config_json_of_gemma_2_defaults_its_softcap(tmp_path: Path) -> None:
+    config = {
+        "model_type": "gemma2",
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "vocab_size": 256000,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    shape = registry.model_from_config_json(path)
+    assert dataclasses.replace(shape, name="google/gemma-2-2b") == GEMMA
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "cannot read model config"),
+        ('{"model_type": "mamba"}', "model_type 'mamba' is not one of"),
+        ('{"model_type": "llama", "hidden_size": 8}', "missing or invalid key"),
+    ],
+)
+def test_bad_config_json(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(registry.UnknownShape, match=message):
+        registry.model_from_config_json(path)
+
+
+def test_unknown_names_list_the_known_ones() -> None:
+    with pytest.raises(registry.UnknownShape) as model_error:
+        registry.model_shape("google/gemma-7")
+    assert "google/gemma-2-2b" in str(model_error.value)
+    assert "ctresources/tiny-gemma-2" in str(model_error.value)
+    with pytest.raises(registry.UnknownShape) as set_error:
+        registry.transcoder_info("gemma-3")
+    assert "mntss/clt-gemma-2-2b-426k" in str(set_error.value)
+    assert "gemma" in str(set_error.value)
+
+
+def test_shapes_of_a_loaded_model() -> None:
+    """Dimensions read from a ReplacementModel agree with the registry's for the same model."""
+    for name in (testing.TINY_GEMMA2, testing.TINY_LLAMA):
+        model = testing.build_named_model(name, testing.RANDOM_TRANSCODERS, device="cpu")
+        shape, transcoders = registry.shapes_of_loaded(model)
+        expected = registry.model_shape(name)
+        assert dataclasses.replace(shape, name=name) == expected
+        assert transcoders.width == testing.model_dims_of(name).d_transcoder
+        assert not transcoders.cross_layer
+
+
+def test_shapes_of_a_loaded_cross_layer_transcoder() -> None:
+    dims = dataclasses.replace(testing.TINY_GEMMA2_DIMS, cross_layer=True, skip_connection=True)
+    model = testing.build_replacement_model(dims, device="cpu")
+    _, transcoders = registry.shapes_of_loaded(model)
+    assert transcoders.cross_layer and transcoders.skip_connection
+    assert transcoders.width == dims.d_transcoder
