@@ -2,17 +2,21 @@
 
     python bench/auto_batch.py --capacity 24 --out auto_batch.jsonl
 
-For each configuration (a random-weight model of real size, a dtype and a prompt length) the
-script caps PyTorch's allocator at ``--capacity`` GiB (what ``--ct-vram-capacity`` does),
-builds the model once, then runs ``circuit_tracer.attribute`` at every batch size of
-``--batch-sizes`` (recording time, or OOM) and once through ``CtSession.attribute`` with
-``batch_size="auto"`` (recording the choice, its reason, time, peak, or OOM), all in the
-same process, one after the other. The batch sizes alternate with the auto run so that
-drift in the machine affects both sides alike: manual sizes first, then auto, then the
-fastest manual size that fitted again, so its time is the better of two.
+For each configuration (a random-weight model of real size, a dtype and a prompt length),
+in its own child process, the script caps PyTorch's allocator at ``--capacity`` GiB (what
+``--ct-vram-capacity`` does), builds the model, runs one small warm-up attribution, then:
 
-It prints one line per run and, per configuration, auto's time over the fastest manual
-batch size that fitted. One JSON object per run goes to ``--out``. Needs a CUDA GPU.
+1. one ``CtSession.attribute`` with ``batch_size="auto"`` (recording the choice and its
+   reason, the time including the choice, the peak, or OOM);
+2. ``circuit_tracer.attribute`` at each batch size of ``--batch-sizes`` in increasing order,
+   until the first that runs out of memory (the larger ones would too).
+
+Auto runs before any out-of-memory error because such an error inside circuit-tracer can
+leave memory allocated in the process (seen on the H200: about 8 GiB after three OOMs),
+which would shrink what later runs have; for the same reason each configuration gets a
+fresh process. It prints one line per run and, per configuration, auto's time over the
+fastest manual batch size that fitted. One JSON object per run goes to ``--out``. Needs a
+CUDA GPU.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,8 +57,21 @@ def main() -> int:
     parser.add_argument("--max-feature-nodes", type=int, default=4096)
     parser.add_argument("--only", default="", help="comma-separated config indices")
     parser.add_argument("--out", default="auto_batch.jsonl")
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child is not None:
+        return child(args)
+    wanted = [int(i) for i in args.only.split(",") if i] or list(range(len(CONFIGS)))
+    status = 0
+    for index in wanted:
+        argv = [sys.executable, __file__, "--child", str(index), "--capacity", str(args.capacity)]
+        argv += ["--batch-sizes", args.batch_sizes, "--out", str(Path(args.out).resolve())]
+        argv += ["--max-feature-nodes", str(args.max_feature_nodes)]
+        status |= subprocess.run(argv, check=False).returncode
+    return status
 
+
+def child(args: argparse.Namespace) -> int:
     import torch
 
     from pytest_ctresources.allocator import CapacityCap
@@ -62,11 +80,8 @@ def main() -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     CapacityCap(args.capacity).arm(import_torch=True)
-    wanted = {int(i) for i in args.only.split(",") if i} or set(range(len(CONFIGS)))
     with Path(args.out).open("a") as out:
-        for index, config in enumerate(CONFIGS):
-            if index in wanted:
-                run_config(config, args, out)
+        run_config(CONFIGS[args.child], args, out)
     return 0
 
 
@@ -179,40 +194,25 @@ def run_config(config: tuple[str, str, int], args: argparse.Namespace, out: Any)
         extra = f"  [{record['choice']}]" if record.get("choice") else ""
         print(f"{model_name} {dtype} {tokens} tokens, {what}: {result}{extra}", flush=True)
 
+    auto = auto_attribution(model, prompt, model_name, dtype, args)
+    emit({"kind": "auto"} | auto)
     manual: dict[int, float] = {}
     for batch in parse_ints(args.batch_sizes):
         record = attribution(model, prompt, batch, args.max_feature_nodes)
         emit({"kind": "manual", "batch_size": batch} | record)
-        if not record["oom"]:
-            manual[batch] = record["seconds"]
-    auto = auto_attribution(model, prompt, model_name, dtype, args)
-    emit({"kind": "auto"} | auto)
-    if manual:
+        if record["oom"]:
+            break
+        manual[batch] = record["seconds"]
+    if manual and not auto["oom"]:
         fastest = min(manual, key=manual.__getitem__)
-        again = attribution(model, prompt, fastest, args.max_feature_nodes)
-        emit({"kind": "manual", "batch_size": fastest, "repeat": True} | again)
-        if not again["oom"]:
-            manual[fastest] = min(manual[fastest], again["seconds"])
-        best = min(manual.values())
-        if not auto["oom"]:
-            ratio = auto["seconds"] / best
-            print(
-                f"  -> auto {auto['seconds']:.2f} s at batch {auto['batch_size']} vs fastest "
-                f"manual {best:.2f} s at batch {fastest}: ratio {ratio:.3f}",
-                flush=True,
-            )
-            out.write(
-                json.dumps(
-                    base
-                    | {
-                        "kind": "summary",
-                        "ratio": round(ratio, 3),
-                        "fastest_manual": fastest,
-                        "auto_batch_size": auto["batch_size"],
-                    }
-                )
-                + "\n"
-            )
+        ratio = auto["seconds"] / manual[fastest]
+        print(
+            f"  -> auto {auto['seconds']:.2f} s at batch {auto['batch_size']} vs fastest "
+            f"manual {manual[fastest]:.2f} s at batch {fastest}: ratio {ratio:.3f}",
+            flush=True,
+        )
+        summary = {"kind": "summary", "ratio": round(ratio, 3), "fastest_manual": fastest}
+        out.write(json.dumps(base | summary | {"auto_batch_size": auto["batch_size"]}) + "\n")
     del model
     free_memory()
 

@@ -10,7 +10,6 @@ estimated. The budget is the GPU's capacity (or ``--ct-vram-capacity``) less the
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,9 +85,9 @@ def choose(model: Any, prompt: Any, cfg: CircuitTracerConfig, budget: Budget) ->
     context = model.setup_attribution(input_ids)
     active = int(context.activation_matrix._nnz())
     del context
-    # What is allocated now is what the attribution cannot use; unreachable cycles (an
-    # earlier failure's frames, say) would count as allocated until the collector runs.
-    gc.collect()
+    # What is allocated now is what the attribution cannot use. (Garbage an earlier failure
+    # left in reference cycles counts too until the collector runs; ct_session's own OOM
+    # retry collects it, and a full collection here would cost ~0.2 s per call.)
     model_shape, transcoders = registry.shapes_of_loaded(model)
     workload = est.Workload(
         dtype=cfg.dtype,

@@ -407,7 +407,8 @@ def estimate(
         Term(
             "backward",
             backward,
-            f"influence ranking {influence / GIB:.2f} GiB" if influence else "all features",
+            f"gradients at decoder positions {gather / GIB:.2f} GiB"
+            + (f", influence ranking {influence / GIB:.2f} GiB" if influence else ""),
         ),
         Term("reserved margin", margin, "caching allocator"),
         Term("CUDA context", cal.context_bytes, "per process"),

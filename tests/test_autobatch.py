@@ -37,7 +37,7 @@ def project(pytester: pytest.Pytester) -> pytest.Pytester:
 
 
 def test_option_auto_on_cpu_takes_the_ceiling(project: pytest.Pytester) -> None:
-    result = project.runpytest(
+    result = project.runpytest_subprocess(
         "--ct-config",
         "exp.yaml",
         "--ct-batch-size",
@@ -124,7 +124,7 @@ def test_bad_values_are_usage_errors(
     if ini:
         pytester.makefile(".ini", pytest=f"[pytest]\n{ini}\n")
     pytester.makepyfile("def test_x(): pass")
-    result = pytester.runpytest(*args)
+    result = pytester.runpytest_subprocess(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
 
@@ -146,7 +146,7 @@ def test_choice_on_a_gpu_uses_measured_memory_and_real_active_features(
     allocated = {"bytes": 1 << 30}
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated["bytes"])
     roomy = autobatch.choose(
-        model, "the capital of france is", cfg, autobatch.Budget(2.0, "fake", 0.1)
+        model, "the capital of france is", cfg, autobatch.Budget(4.0, "fake", 0.1)
     )
     expected_active = int(
         model.setup_attribution(
@@ -157,16 +157,16 @@ def test_choice_on_a_gpu_uses_measured_memory_and_real_active_features(
     assert roomy.prompt_tokens == 6
     assert roomy.batch_size == 4096
     assert "the ceiling 4096" in roomy.reason
-    allocated["bytes"] = int(1.5 * (1 << 30))  # less room: a smaller batch
+    allocated["bytes"] = int(2.75 * (1 << 30))  # less room: a smaller batch
     tight = autobatch.choose(
-        model, "the capital of france is", cfg, autobatch.Budget(2.0, "fake", 0.1)
+        model, "the capital of france is", cfg, autobatch.Budget(4.0, "fake", 0.1)
     )
     assert 1 < tight.batch_size < 4096
-    assert tight.predicted_gib is not None and tight.predicted_gib <= 1.8
-    assert "the largest that fits; budget 1.8 GiB = 2.0 GiB (fake) less 10% margin" in tight.reason
-    allocated["bytes"] = 2 << 30  # already over the budget
+    assert tight.predicted_gib is not None and tight.predicted_gib <= 3.6
+    assert "the largest that fits; budget 3.6 GiB = 4.0 GiB (fake) less 10% margin" in tight.reason
+    allocated["bytes"] = int(3.5 * (1 << 30))  # with the context, already over the budget
     none = autobatch.choose(
-        model, "the capital of france is", cfg, autobatch.Budget(2.0, "fake", 0.1)
+        model, "the capital of france is", cfg, autobatch.Budget(4.0, "fake", 0.1)
     )
     assert none.batch_size == 1
     assert "not even batch size 1 is predicted to fit" in none.reason
@@ -211,7 +211,7 @@ def test_estimated_need_skips_on_a_small_gpu(
 ) -> None:
     monkeypatch.setenv("CT_FAKE_GPUS", "Small GPU=12")
     pytester.makepyfile(test_est=ESTIMATED)
-    result = pytester.runpytest("-rs", "-p", "no:randomly")
+    result = pytester.runpytest_subprocess("-rs", "-p", "no:randomly")
     result.assert_outcomes(passed=3, skipped=1)
     gib = _estimated_gib(32)
     assert gib > 12
@@ -230,7 +230,7 @@ def test_estimate_uses_the_ini_prompt_length(
     monkeypatch.setenv("CT_FAKE_GPUS", "Small GPU=12")
     pytester.makefile(".ini", pytest="[pytest]\nct_estimate_prompt_tokens = 8\n")
     pytester.makepyfile(test_est=ESTIMATED)
-    result = pytester.runpytest("-rs", "-p", "no:randomly")
+    result = pytester.runpytest_subprocess("-rs", "-p", "no:randomly")
     gib = _estimated_gib(8)
     outcome = "skipped" if gib > 12 else "passed"
     result.assert_outcomes(passed=3 + (outcome == "passed"), skipped=int(outcome == "skipped"))
@@ -242,10 +242,10 @@ def test_estimated_need_runs_on_a_big_gpu_and_without_one(
 ) -> None:
     pytester.makepyfile(test_est=ESTIMATED)
     monkeypatch.setenv("CT_FAKE_GPUS", "Big GPU=139.8")
-    pytester.runpytest().assert_outcomes(passed=4)
+    pytester.runpytest_subprocess().assert_outcomes(passed=4)
     # No GPU: ct_session runs the model on the CPU, so an estimate never skips (a declared
     # need still does).
     monkeypatch.setenv("CT_FAKE_GPUS", "")
-    result = pytester.runpytest("-rs")
+    result = pytester.runpytest_subprocess("-rs")
     result.assert_outcomes(passed=3, skipped=1)
     result.stdout.fnmatch_lines(["SKIPPED * needs 1.0 GiB VRAM; no CUDA GPU detected"])

@@ -85,7 +85,7 @@ def test_text_output_has_the_breakdown_and_the_table(capsys: pytest.CaptureFixtu
     lines = out.splitlines()
     assert lines[0].startswith("model        google/gemma-2-2b-it: 2.61e9 parameters, 26 layers")
     assert "transcoders  mwhanna/gemma-scope-transcoders: per-layer, 16384" in lines[1]
-    assert "bfloat16, batch size 256, 60 prompt tokens" in lines[2]
+    assert "bfloat16, batch size " in lines[2] and "(auto), 60 prompt tokens" in lines[2]
     for name in ("weights", "transcoders", "setup", "forward", "backward", "CUDA context"):
         assert any(line.startswith(f"  {name} ") for line in lines), name
     assert "batch size   peak GiB   total GiB   fits 24.0 GiB" in lines

@@ -1,0 +1,38 @@
+"""The README quotes the estimator: its guidance table and sample output must be current."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from pytest_ctresources.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def output_of(capsys: pytest.CaptureFixture[str], command: str) -> str:
+    argv = shlex.split(command)
+    assert argv[0] == "ct-resources"
+    assert main(argv[1:]) == 0
+    return capsys.readouterr().out
+
+
+def test_guidance_table_is_what_ct_resources_table_prints(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    table = output_of(capsys, "ct-resources table")
+    assert table.strip() in README, "regenerate the README's table with `ct-resources table`"
+
+
+def test_sample_estimate_is_current(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)  # the command names example_configs/ relative to the repo
+    marker = "$ ct-resources estimate "
+    start = README.index(marker)
+    block = README[start : README.index("```", start)]
+    command, _, shown = block.partition("\n")
+    assert output_of(capsys, command.removeprefix("$ ")).strip() == shown.strip()
