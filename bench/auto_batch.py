@@ -92,15 +92,15 @@ def free_memory() -> None:
     torch.cuda.empty_cache()
 
 
-def attribution(model: Any, prompt: list[int], batch: int, nodes: int) -> dict[str, Any]:
+def timed(call: Any) -> dict[str, Any]:
+    """Run ``call()`` from a clean allocator: its time and peak, or OOM (memory freed)."""
     import torch
-    from circuit_tracer import attribute
 
     free_memory()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     try:
-        attribute(prompt, model, batch_size=batch, max_feature_nodes=nodes)
+        call()
     except torch.cuda.OutOfMemoryError as exc:
         # The failed call's frames hold its activations until they are cleared.
         oom.release(exc)
@@ -118,11 +118,15 @@ def attribution(model: Any, prompt: list[int], batch: int, nodes: int) -> dict[s
     }
 
 
+def attribution(model: Any, prompt: list[int], batch: int, nodes: int) -> dict[str, Any]:
+    from circuit_tracer import attribute
+
+    return timed(lambda: attribute(prompt, model, batch_size=batch, max_feature_nodes=nodes))
+
+
 def auto_attribution(
     model: Any, prompt: list[int], model_name: str, dtype: str, args: argparse.Namespace
 ) -> dict[str, Any]:
-    import torch
-
     from pytest_ctresources.autobatch import Budget
     from pytest_ctresources.config import CircuitTracerConfig
     from pytest_ctresources.session import CtSession
@@ -139,30 +143,14 @@ def auto_attribution(
     )
     budget = Budget(args.capacity, f"--capacity {args.capacity:g}", 0.1)
     session = CtSession(cfg, oom_retry=False, auto_budget=budget)
-    free_memory()
-    torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    try:
-        session.attribute(prompt, model)
-    except torch.cuda.OutOfMemoryError as exc:
-        oom.release(exc)
-        failed = True
-    else:
-        failed = False
-    if failed:
-        free_memory()
-        choice = session.auto_choices[-1] if session.auto_choices else None
-        return {"oom": True, "choice": choice.describe() if choice else None}
-    torch.cuda.synchronize()
-    choice = session.auto_choices[-1]
-    return {
-        "oom": False,
-        "seconds": round(time.perf_counter() - start, 3),
-        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
-        "batch_size": choice.batch_size,
-        "predicted_gib": None if choice.predicted_gib is None else round(choice.predicted_gib, 2),
-        "choice": choice.describe(),
-    }
+    result = timed(lambda: session.attribute(prompt, model))
+    choice = session.auto_choices[-1] if session.auto_choices else None
+    if choice is not None:
+        result["choice"] = choice.describe()
+        result["batch_size"] = choice.batch_size
+        if choice.predicted_gib is not None:
+            result["predicted_gib"] = round(choice.predicted_gib, 2)
+    return result
 
 
 def run_config(config: tuple[str, str, int], args: argparse.Namespace, out: Any) -> None:

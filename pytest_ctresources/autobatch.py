@@ -10,6 +10,7 @@ estimated. The budget is the GPU's capacity (or ``--ct-vram-capacity``) less the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,9 @@ from pytest_ctresources import registry
 from pytest_ctresources.config import CircuitTracerConfig
 
 GIB = 1 << 30
+#: ``ct_auto_margin``'s default: the share of the capacity auto leaves free beyond the
+#: estimate, whose reserved peak is already an upper envelope of the measured ones.
+DEFAULT_AUTO_MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,9 @@ class Budget:
     capacity_gib: float | None  # None: no CUDA GPU (the model runs on the CPU)
     capacity_source: str
     margin: float
+    emulated: bool = False
+    """The capacity caps PyTorch's allocator (``--ct-vram-capacity``): the CUDA context,
+    outside the allocator, does not count against it."""
 
     @property
     def budget_bytes(self) -> int:
@@ -105,6 +112,7 @@ def choose(model: Any, prompt: Any, cfg: CircuitTracerConfig, budget: Budget) ->
         budget.budget_bytes,
         ceiling=ceiling,
         resident_bytes=resident,
+        count_context=not budget.emulated,
     )
     if found is None:
         one = est.estimate(model_shape, transcoders, workload)
@@ -116,7 +124,16 @@ def choose(model: Any, prompt: Any, cfg: CircuitTracerConfig, budget: Budget) ->
             predicted,
             f"not even batch size 1 is predicted to fit the {budget.describe()}; trying 1",
         )
-    batch, prediction = found
-    predicted = (prediction.total_bytes - prediction.resident_bytes + resident) / GIB
-    limit = f"the ceiling {ceiling}" if batch == ceiling else "the largest that fits"
+    largest, _ = found
+    rows = min(cfg.max_feature_nodes, active)
+    batch = est.balanced_batch(largest, rows)
+    prediction = est.estimate(model_shape, transcoders, est.with_batch(workload, batch))
+    measured = prediction.total_bytes if not budget.emulated else prediction.peak_reserved_bytes
+    predicted = (measured - prediction.resident_bytes + resident) / GIB
+    limit = (
+        f"the ceiling {ceiling}" if largest == ceiling else f"{largest} is the largest that fits"
+    )
+    if batch != largest:
+        passes = math.ceil(rows / largest)
+        limit += f"; {batch} needs the same {passes} backward passes over {rows} feature rows"
     return AutoChoice(batch, tokens, active, predicted, f"{limit}; {budget.describe()}")

@@ -51,27 +51,25 @@ def _dtype(text: str) -> str:
 
 
 def _positive_int(text: str) -> int:
+    return int(_positive(text, int, "integer"))
+
+
+def _positive_float(text: str) -> float:
+    return _positive(text, float, "number")
+
+
+def _positive(text: str, convert: Any, kind: str) -> float:
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError:
         value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive {kind}, got {text!r}")
+    return float(value)
 
 
 def _batch(text: str) -> int | str:
     return "auto" if text.strip().lower() == "auto" else _positive_int(text)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,6 +165,7 @@ def resolve(args: argparse.Namespace) -> Request:
         prompt_tokens=args.prompt_tokens,
         active_per_token=args.active_features,
         max_feature_nodes=args.max_feature_nodes or values.get("max_feature_nodes", 8192),
+        offload=values.get("offload"),
     )
     return Request(model, transcoders, workload, batch == "auto", args.ceiling)
 

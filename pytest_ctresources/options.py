@@ -228,7 +228,7 @@ INI_ONLY: tuple[tuple[str, str, str], ...] = (
         "ct_auto_margin",
         "share of the GPU's capacity that --ct-batch-size auto keeps free beyond the "
         "estimate's peak (reserved margin and CUDA context included)",
-        "0.1",
+        "0.05",  # autobatch.DEFAULT_AUTO_MARGIN
     ),
     (
         "ct_estimate_prompt_tokens",

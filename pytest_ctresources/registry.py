@@ -53,45 +53,31 @@ def count_params(
 _SIGLIP_PARAMS: Final = 416_866_032
 
 
+_DIM_NAMES: Final = (
+    "n_layers",
+    "d_model",
+    "d_mlp",
+    "vocab_size",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+)
+
+
 def _model(
-    name: str,
-    family: str,
-    n_layers: int,
-    d_model: int,
-    d_mlp: int,
-    vocab_size: int,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    *,
-    tied: bool = True,
-    vision: bool = False,
+    name: str, family: str, *dims: int, tied: bool = True, vision: bool = False
 ) -> ModelShape:
-    params = count_params(
-        family=family,
-        n_layers=n_layers,
-        d_model=d_model,
-        d_mlp=d_mlp,
-        vocab_size=vocab_size,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
-        tied=tied,
-    )
+    """A registry entry: ``dims`` in the order of :data:`_DIM_NAMES`."""
+    named = dict(zip(_DIM_NAMES, dims, strict=True))
+    params = count_params(family=family, tied=tied, **named)
     if vision:
-        params += _SIGLIP_PARAMS + 1152 * d_model + 1152
+        params += _SIGLIP_PARAMS + 1152 * named["d_model"] + 1152
     return ModelShape(
         name=name,
         family=family,
-        n_layers=n_layers,
-        d_model=d_model,
-        d_mlp=d_mlp,
-        vocab_size=vocab_size,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
         n_params=params,
         final_logit_softcap=30.0 if family == "gemma2" else None,
+        **named,
     )
 
 

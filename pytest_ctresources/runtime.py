@@ -63,7 +63,7 @@ class Runtime:
         margin_value = float(margin.value)
         capacity = self.settings.vram_capacity_gib
         if capacity is not None:
-            return Budget(capacity.value, str(capacity.source), margin_value)
+            return Budget(capacity.value, str(capacity.source), margin_value, emulated=True)
         gpu = self.test_gpu()
         if gpu is None:
             return Budget(None, "no CUDA GPU detected", margin_value)

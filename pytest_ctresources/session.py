@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pytest_ctresources import oom
-from pytest_ctresources.autobatch import AutoChoice, Budget
+from pytest_ctresources.autobatch import DEFAULT_AUTO_MARGIN, AutoChoice, Budget
 from pytest_ctresources.cleanup import cleanup_python_cuda
 from pytest_ctresources.config import (
     AUTO,
@@ -201,13 +201,13 @@ class CtSession:
 
 
 def _budget_of(model: Any) -> Budget:
-    """Outside pytest: the whole memory of the model's GPU, less 10%."""
+    """Outside pytest: the whole memory of the model's GPU, less ct_auto_margin's default."""
     from pytest_ctresources.autobatch import _device_of
 
     device = _device_of(model)
     if device.type != "cuda":
-        return Budget(None, "no CUDA GPU", 0.1)
+        return Budget(None, "no CUDA GPU", DEFAULT_AUTO_MARGIN)
     import torch
 
     total = torch.cuda.get_device_properties(device).total_memory / (1 << 30)
-    return Budget(total, torch.cuda.get_device_name(device), 0.1)
+    return Budget(total, torch.cuda.get_device_name(device), DEFAULT_AUTO_MARGIN)

@@ -12,7 +12,8 @@ import json
 import circuit_tracer  # noqa: F401  (imported before any in-process pytester run; see conftest)
 import pytest
 
-from pytest_ctresources import autobatch, testing
+from pytest_ctresources import autobatch, registry, testing
+from pytest_ctresources import estimate as est
 from pytest_ctresources.config import CircuitTracerConfig
 from pytest_ctresources.estimate import DEFAULT_ACTIVE_PER_TOKEN
 from pytest_ctresources.registry import estimate_config
@@ -137,39 +138,53 @@ def test_choice_on_a_gpu_uses_measured_memory_and_real_active_features(
 ) -> None:
     import torch
 
+    prompt = "the capital of france is"
     model = testing.build_named_model(testing.TINY_GEMMA2, testing.RANDOM_TRANSCODERS, device="cpu")
     cfg = CircuitTracerConfig.defaults().layered(
-        {"batch_size": "auto", "batch_size_max": 4096, "max_feature_nodes": 32},
+        {"batch_size": "auto", "batch_size_max": 4096, "max_feature_nodes": 4096},
         CircuitTracerConfig.defaults().source_of("dtype"),
     )
     monkeypatch.setattr(autobatch, "_device_of", lambda model: torch.device("cuda"))
     allocated = {"bytes": 1 << 30}
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated["bytes"])
-    roomy = autobatch.choose(
-        model, "the capital of france is", cfg, autobatch.Budget(4.0, "fake", 0.1)
-    )
-    expected_active = int(
-        model.setup_attribution(
-            model.ensure_tokenized("the capital of france is")
-        ).activation_matrix._nnz()
-    )
-    assert roomy.active_features == expected_active
+    budget = autobatch.Budget(4.0, "fake", 0.1)
+    active = int(model.setup_attribution(model.ensure_tokenized(prompt)).activation_matrix._nnz())
+    assert 10 < active < 4096
+
+    roomy = autobatch.choose(model, prompt, cfg, budget)
+    assert roomy.active_features == active
     assert roomy.prompt_tokens == 6
-    assert roomy.batch_size == 4096
-    assert "the ceiling 4096" in roomy.reason
-    allocated["bytes"] = int(2.75 * (1 << 30))  # less room: a smaller batch
-    tight = autobatch.choose(
-        model, "the capital of france is", cfg, autobatch.Budget(4.0, "fake", 0.1)
-    )
-    assert 1 < tight.batch_size < 4096
+    # Everything fits: one backward pass over all the active features is enough.
+    assert roomy.batch_size == active
+    assert f"the ceiling 4096; {active} needs the same 1 backward passes" in roomy.reason
+
+    # Less room: leave space for about 60 batch rows, so several passes are needed.
+    shape, transcoders = registry.shapes_of_loaded(model)
+    work = est.Workload("float32", 1, 6, active / 5, 4096)
+    one, two = (est.estimate(shape, transcoders, est.with_batch(work, b)) for b in (1, 2))
+    per_row = two.total_bytes - one.total_bytes
+    allocated["bytes"] = budget.budget_bytes - (one.total_bytes - one.resident_bytes) - 60 * per_row
+    tight = autobatch.choose(model, prompt, cfg, budget)
+    assert 1 < tight.batch_size < active
+    largest = int(tight.reason.split(" is the largest")[0])
+    assert tight.batch_size == est.balanced_batch(largest, active) <= largest
     assert tight.predicted_gib is not None and tight.predicted_gib <= 3.6
-    assert "the largest that fits; budget 3.6 GiB = 4.0 GiB (fake) less 10% margin" in tight.reason
-    allocated["bytes"] = int(3.5 * (1 << 30))  # with the context, already over the budget
-    none = autobatch.choose(
-        model, "the capital of france is", cfg, autobatch.Budget(4.0, "fake", 0.1)
-    )
+    assert tight.reason.endswith("budget 3.6 GiB = 4.0 GiB (fake) less 10% margin")
+
+    allocated["bytes"] = int(3.3 * (1 << 30))  # with the context, already over the budget
+    none = autobatch.choose(model, prompt, cfg, budget)
     assert none.batch_size == 1
     assert "not even batch size 1 is predicted to fit" in none.reason
+    # Under an emulated capacity (a cap on PyTorch's allocator) the context does not count.
+    capped = autobatch.choose(model, prompt, cfg, autobatch.Budget(4.0, "cap", 0.1, emulated=True))
+    assert capped.batch_size > 1
+
+
+def test_balanced_batch() -> None:
+    assert est.balanced_batch(306, 4096) == 293  # 14 passes either way
+    assert est.balanced_batch(256, 4096) == 256
+    assert est.balanced_batch(512, 100) == 100
+    assert est.balanced_batch(7, 0) == 7
 
 
 # --- estimated needs in skip decisions --------------------------------------------------------

@@ -100,6 +100,25 @@ def test_peak_grows_with_batch_tokens_dtype_and_vocabulary() -> None:
     assert est.estimate(no_softcap, GEMMA_SET, workload()).peak_allocated_bytes < base
 
 
+def test_offload_frees_the_transcoders_for_the_later_phases() -> None:
+    big = workload(batch_size=512)  # the forward pass dominates even without transcoders
+    kept = est.estimate(GEMMA, GEMMA_SET, big)
+    offloaded = est.estimate(GEMMA, GEMMA_SET, dataclasses.replace(big, offload="cpu"))
+    transcoders = kept.term("transcoders").bytes
+    assert kept.peak_allocated_bytes - offloaded.peak_allocated_bytes == transcoders
+    # At a small batch the setup pass, with every transcoder still resident, is the peak.
+    small = est.estimate(GEMMA, GEMMA_SET, workload(batch_size=1, offload="cpu"))
+    resident = small.resident_bytes
+    assert small.peak_allocated_bytes == resident + 2 * small.term("setup").bytes
+    # A skip connection keeps its transcoders on the GPU (circuit-tracer offloads them
+    # only after the forward pass).
+    skip = dataclasses.replace(GEMMA_SET, skip_connection=True)
+    assert (
+        est.estimate(GEMMA, skip, workload(offload="cpu")).peak_allocated_bytes
+        == est.estimate(GEMMA, skip, workload()).peak_allocated_bytes
+    )
+
+
 def test_transcoder_weights_that_stay_on_the_gpu() -> None:
     n, d, w = GEMMA.n_layers, GEMMA.d_model, 16384
     full = est.TranscoderShape("t", w)

@@ -248,8 +248,8 @@ def test_auto_batch_size_fits_where_256_does_not(pytester: pytest.Pytester) -> N
     result.stdout.fnmatch_lines(
         [
             "  scenario_auto_batch.py::*: auto batch size * (25 prompt tokens, * active "
-            "features, predicted * GiB; the largest that fits; budget 12.6 GiB = 14.0 GiB "
-            "(--ct-vram-capacity) less 10% margin)"
+            "features, predicted * GiB; * is the largest that fits*; budget 13.3 GiB = "
+            "14.0 GiB (--ct-vram-capacity) less 5% margin)"
         ]
     )
     report = json.loads((pytester.path / "auto_batch.json").read_text())
