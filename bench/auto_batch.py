@@ -127,7 +127,7 @@ def attribution(model: Any, prompt: list[int], batch: int, nodes: int) -> dict[s
 def auto_attribution(
     model: Any, prompt: list[int], model_name: str, dtype: str, args: argparse.Namespace
 ) -> dict[str, Any]:
-    from pytest_ctresources.autobatch import Budget
+    from pytest_ctresources.autobatch import DEFAULT_AUTO_MARGIN, Budget
     from pytest_ctresources.config import CircuitTracerConfig
     from pytest_ctresources.session import CtSession
 
@@ -141,7 +141,8 @@ def auto_attribution(
         },
         CircuitTracerConfig.defaults().source_of("dtype"),
     )
-    budget = Budget(args.capacity, f"--capacity {args.capacity:g}", 0.1)
+    # As the plugin builds it for --ct-vram-capacity: a cap on the allocator, default margin.
+    budget = Budget(args.capacity, "--capacity", DEFAULT_AUTO_MARGIN, emulated=True)
     session = CtSession(cfg, oom_retry=False, auto_budget=budget)
     result = timed(lambda: session.attribute(prompt, model))
     choice = session.auto_choices[-1] if session.auto_choices else None
