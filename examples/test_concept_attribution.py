@@ -60,6 +60,16 @@ def test_influence_chart(ct_session: CtSession) -> None:
     # No plt.close(): the plugin closes figures a test leaves open (and says so with -v).
 
 
+@pytest.mark.ct_config(batch_size="auto", batch_size_max=128)
+def test_auto_batch_size(ct_session: CtSession) -> None:
+    """The batch size comes from the VRAM estimate (the largest that fits the GPU, up to 128;
+    128 without a GPU); the summary says which one and why."""
+    graph = ct_session.attribute("the capital of france is")
+    (choice,) = ct_session.auto_choices
+    assert 1 <= choice.batch_size <= 128
+    assert graph.adjacency_matrix.shape[0] > 0
+
+
 @pytest.mark.vram(gib=20)
 def test_a_real_size_experiment_needs_a_big_gpu(ct_session: CtSession) -> None:
     # Declares a 20 GiB need: skipped, with the reason in the summary, where no GPU has it.
