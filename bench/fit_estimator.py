@@ -9,12 +9,14 @@ and parameter counts). For every point the estimate is made from those dimension
 measured number of active features, the batch size and the prompt length, exactly as
 ``pytest_ctresources.estimate.estimate`` makes it for a user.
 
-The fit is a least-squares fit of the relative error of the forward term (the call's peak at
-every point measured) over four per-element factors (softcapped logits, plain logits,
-residual-stream activations, skip connections), then of the kept activations (from the
-memory after the forward pass), the reserved margin and the fixed workspace (the resident
-memory beyond the parameters: cuBLAS workspaces). ``--check`` prints, per point, the
-predicted and measured allocated peak and the error, and the worst errors.
+Per architecture family the fit takes the residual-stream tensors the forward pass keeps
+(least squares on the memory after the forward pass, split between the model dtype and
+float32 where both dtypes were measured) and the d_mlp-sized intermediates alive at the
+forward peak (median over points of at least 1024 batch-tokens), then the fixed workspace
+(the resident memory beyond the parameters: cuBLAS workspaces). The structural terms
+(attention probabilities, the backward gather) and the reserved-margin envelope are not
+fitted. ``--check`` prints, per point, the predicted and measured allocated peak and the
+error, and the worst errors.
 """
 
 from __future__ import annotations
@@ -74,31 +76,11 @@ def _with_gemma_2_2b_dims(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def shapes(record: dict[str, Any]) -> tuple[est.ModelShape, est.TranscoderShape, est.Workload]:
-    dims = record["dims"]
-    softcap = 30.0 if dims["architecture"] == "gemma2" else None
-    model = est.ModelShape(
-        name=record["model"],
-        family=dims["architecture"],
-        n_layers=dims["n_layers"],
-        d_model=dims["d_model"],
-        d_mlp=dims["d_mlp"],
-        vocab_size=dims["vocab_size"],
-        n_heads=dims["n_heads"],
-        n_kv_heads=dims["n_kv_heads"],
-        head_dim=dims["head_dim"],
-        n_params=record["n_model_params"],
-        final_logit_softcap=softcap,
-    )
-    from pytest_ctresources import testing
+    """The point's shapes, as the registry gives them for its bundled random model."""
+    from pytest_ctresources import registry, testing
 
-    hook = testing.default_hooks(testing.ModelDims(**dims))[0]
-    transcoders = est.TranscoderShape(
-        name="random",
-        width=dims["d_transcoder"],
-        cross_layer=dims["cross_layer"],
-        skip_connection=dims["skip_connection"],
-        feature_input_hook=hook,
-    )
+    model = registry.model_shape(record["model"])
+    transcoders = registry.transcoder_info(testing.RANDOM_TRANSCODERS, record["model"]).shape
     tokens = record["prompt_tokens"]
     workload = est.Workload(
         dtype=record["dtype"],
@@ -171,7 +153,6 @@ def fit(points: list[dict[str, Any]]) -> est.Calibration:
         )
     for family, factors in est.CALIBRATION.families.items():
         families.setdefault(family, factors)
-    margins: list[float] = []
     workspaces: list[int] = []
     for record in measured:
         model, tc, work = shapes(record)
@@ -179,11 +160,6 @@ def fit(points: list[dict[str, Any]]) -> est.Calibration:
         workspaces.append(
             record["resident_bytes"] - (base.resident_bytes - est.CALIBRATION.workspace_bytes)
         )
-        call = record["peak_allocated_bytes"] - record["resident_bytes"]
-        margins.append((record["peak_reserved_bytes"] - record["peak_allocated_bytes"]) / call)
-    # The reserved margin is an envelope (CALIBRATION.reserved x call + reserved_bytes),
-    # checked by --check; the fit leaves it as it is.
-    del margins
     return replace(
         est.CALIBRATION,
         families=families,

@@ -14,7 +14,8 @@ from collections.abc import Generator
 import pytest
 
 from pytest_ctresources import markers, oom
-from pytest_ctresources.config import CircuitTracerConfig
+from pytest_ctresources.config import AUTO, CircuitTracerConfig
+from pytest_ctresources.estimate import Estimate
 from pytest_ctresources.exceptions import CtLeakWarning
 from pytest_ctresources.learned import memory_key
 from pytest_ctresources.measure import GIB, VramFigures, VramMeter
@@ -59,7 +60,7 @@ def begin(item: pytest.Item, runtime: Runtime) -> str | None:
     need = markers.vram_need(item)
     if need is None and cfg is not None and cfg.vram_gib is not None:
         need = markers.VramNeed(cfg.vram_gib, cfg.source_of("vram_gib"))
-    if need is None and runtime.learned():
+    if need is None and key and runtime.learned():
         learned = runtime.learned().get(key)
         if learned is not None:
             need = markers.VramNeed(learned.gib, learned.source)
@@ -74,21 +75,42 @@ def begin(item: pytest.Item, runtime: Runtime) -> str | None:
 
 
 def estimated_need(cfg: CircuitTracerConfig, runtime: Runtime) -> markers.VramNeed | None:
-    """The estimated total of a ct_session test whose model and transcoders are known."""
+    """The estimate of a ct_session test whose model and transcoders the registry knows.
+
+    Two figures: the least it needs, at the smallest batch size ct_session may end up using
+    (1 for ``auto``, ``ct_oom_retry_floor`` when the OOM retry is on, else the configured
+    one), for the skip decision; and the most it may take, at the largest (``batch_size_max``
+    for ``auto``, else the configured one) capped at the GPU, for its lease. Under
+    ``--ct-vram-capacity``, a cap on PyTorch's allocator, the CUDA context is left out.
+    """
     from pytest_ctresources.estimate import DEFAULT_ACTIVE_PER_TOKEN
     from pytest_ctresources.registry import estimate_config
 
-    tokens = runtime.settings.estimate_prompt_tokens.value
-    prediction = estimate_config(cfg, tokens, DEFAULT_ACTIVE_PER_TOKEN)
-    if prediction is None:
+    settings = runtime.settings
+    tokens = settings.estimate_prompt_tokens.value
+    auto = cfg.batch_size == AUTO
+    most_batch = cfg.batch_size_max if auto else int(cfg.batch_size)
+    if auto:
+        least_batch, why = 1, " (auto's least)"
+    elif settings.oom_retry.value and settings.oom_retry_floor.value < most_batch:
+        least_batch, why = settings.oom_retry_floor.value, " (the OOM retry's floor)"
+    else:
+        least_batch, why = most_batch, ""
+    least = estimate_config(cfg, tokens, DEFAULT_ACTIVE_PER_TOKEN, batch_size=least_batch)
+    most = estimate_config(cfg, tokens, DEFAULT_ACTIVE_PER_TOKEN, batch_size=most_batch)
+    if least is None or most is None:
         return None
-    work = prediction.workload
-    what = (
-        f"{cfg.model_name}, {work.dtype}, batch {work.batch_size}"
-        + (" (auto's least)" if cfg.batch_size == "auto" else "")
-        + f", {tokens} prompt tokens"
-    )
-    return markers.VramNeed(round(prediction.total_gib, 2), Source.estimate(what))
+    capacity = settings.vram_capacity_gib
+    gpu = runtime.test_gpu()
+
+    def gib(prediction: Estimate) -> float:
+        size = prediction.peak_reserved_bytes if capacity else prediction.total_bytes
+        return round(size / GIB, 2)
+
+    ceiling = capacity.value if capacity else (gpu.total_gib if gpu is not None else None)
+    most_gib = gib(most) if ceiling is None else min(gib(most), ceiling)
+    what = f"{cfg.model_name}, {cfg.dtype}, batch {least_batch}{why}, {tokens} prompt tokens"
+    return markers.VramNeed(gib(least), Source.estimate(what), most_gib=most_gib)
 
 
 def end(item: pytest.Item, runtime: Runtime) -> None:
@@ -118,6 +140,7 @@ def end(item: pytest.Item, runtime: Runtime) -> None:
             ("ct_need_gib", need.gib),
             ("ct_need_source", str(need.source)),
             ("ct_need_kind", need.source.kind),
+            ("ct_need_most_gib", need.lease_gib),
         ]
     item.user_properties.extend(properties)
     threshold = runtime.settings.leak_threshold_bytes.value

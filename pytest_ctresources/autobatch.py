@@ -87,8 +87,8 @@ def choose(model: Any, prompt: Any, cfg: CircuitTracerConfig, budget: Budget) ->
     ceiling = cfg.batch_size_max
     device = _device_of(model)
     if device.type != "cuda" or budget.capacity_gib is None:
-        reason = "the model is not on a CUDA GPU" if device.type != "cuda" else budget.describe()
-        return AutoChoice(ceiling, tokens, None, None, f"{reason}: the ceiling {ceiling}")
+        why = "the model is not on a CUDA GPU" if device.type != "cuda" else budget.describe()
+        return AutoChoice(ceiling, tokens, None, None, f"{why}: the ceiling {ceiling}")
     context = model.setup_attribution(input_ids)
     active = int(context.activation_matrix._nnz())
     del context
@@ -103,20 +103,13 @@ def choose(model: Any, prompt: Any, cfg: CircuitTracerConfig, budget: Budget) ->
         active_per_token=active / max(tokens - 1, 1),
         max_feature_nodes=cfg.max_feature_nodes,
         n_logits=cfg.max_n_logits,
+        offload=cfg.offload,
     )
     resident = int(torch.cuda.memory_allocated(device))
-    found = est.largest_fitting_batch(
-        model_shape,
-        transcoders,
-        workload,
-        budget.budget_bytes,
-        ceiling=ceiling,
-        resident_bytes=resident,
-        count_context=not budget.emulated,
-    )
-    if found is None:
+    fitted = fit_batch(model_shape, transcoders, workload, budget, ceiling, resident)
+    if fitted is None:
         one = est.estimate(model_shape, transcoders, workload)
-        predicted = (one.total_bytes - one.resident_bytes + resident) / GIB
+        predicted = (_counted(one, budget) - one.resident_bytes + resident) / GIB
         return AutoChoice(
             1,
             tokens,
@@ -124,16 +117,59 @@ def choose(model: Any, prompt: Any, cfg: CircuitTracerConfig, budget: Budget) ->
             predicted,
             f"not even batch size 1 is predicted to fit the {budget.describe()}; trying 1",
         )
-    largest, _ = found
-    rows = min(cfg.max_feature_nodes, active)
-    batch = est.balanced_batch(largest, rows)
-    prediction = est.estimate(model_shape, transcoders, est.with_batch(workload, batch))
-    measured = prediction.total_bytes if not budget.emulated else prediction.peak_reserved_bytes
-    predicted = (measured - prediction.resident_bytes + resident) / GIB
-    limit = (
-        f"the ceiling {ceiling}" if largest == ceiling else f"{largest} is the largest that fits"
+    batch, largest, prediction = fitted
+    predicted = (_counted(prediction, budget) - prediction.resident_bytes + resident) / GIB
+    return AutoChoice(
+        batch, tokens, active, predicted, reason(batch, largest, ceiling, workload, budget)
     )
+
+
+def _counted(prediction: est.Estimate, budget: Budget) -> int:
+    """What counts against the budget: the reserved peak, plus the CUDA context on a real
+    card (a cap on PyTorch's allocator does not hold the context)."""
+    return prediction.peak_reserved_bytes if budget.emulated else prediction.total_bytes
+
+
+def fit_batch(
+    model_shape: est.ModelShape,
+    transcoders: est.TranscoderShape,
+    workload: est.Workload,
+    budget: Budget,
+    ceiling: int,
+    resident_bytes: int | None = None,
+) -> tuple[int, int, est.Estimate] | None:
+    """auto's choice: (batch size, the largest that fits, its estimate), or None.
+
+    The largest batch size up to ``ceiling`` whose estimate fits ``budget``, then the
+    smallest that needs as few backward passes over the feature rows. ``resident_bytes``:
+    what is allocated now, measured (None: the estimate's weights and transcoders).
+    """
+    found = est.largest_fitting_batch(
+        model_shape,
+        transcoders,
+        workload,
+        budget.budget_bytes,
+        ceiling=ceiling,
+        resident_bytes=resident_bytes,
+        count_context=not budget.emulated,
+    )
+    if found is None:
+        return None
+    largest = found[0]
+    batch = est.balanced_batch(largest, _feature_rows(workload))
+    return batch, largest, est.estimate(model_shape, transcoders, est.with_batch(workload, batch))
+
+
+def _feature_rows(workload: est.Workload) -> int:
+    nodes = workload.max_feature_nodes
+    return workload.active_features if nodes is None else min(nodes, workload.active_features)
+
+
+def reason(batch: int, largest: int, ceiling: int, workload: est.Workload, budget: Budget) -> str:
+    """Why auto chose ``batch``, as the report says it."""
+    text = f"the ceiling {ceiling}" if largest == ceiling else f"{largest} is the largest that fits"
     if batch != largest:
+        rows = _feature_rows(workload)
         passes = math.ceil(rows / largest)
-        limit += f"; {batch} needs the same {passes} backward passes over {rows} feature rows"
-    return AutoChoice(batch, tokens, active, predicted, f"{limit}; {budget.describe()}")
+        text += f"; {batch} needs the same {passes} backward passes over {rows} feature rows"
+    return f"{text}; {budget.describe()}"

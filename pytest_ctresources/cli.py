@@ -20,6 +20,8 @@ from typing import Any, Final
 
 from pytest_ctresources import estimate as est
 from pytest_ctresources import registry
+from pytest_ctresources.autobatch import DEFAULT_AUTO_MARGIN, Budget, fit_batch
+from pytest_ctresources.autobatch import reason as auto_reason_text
 from pytest_ctresources.config import DTYPE_ALIASES, DTYPES, ConfigError
 
 GIB: Final = 1 << 30
@@ -115,9 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument(
         "--ceiling",
         type=_positive_int,
-        default=DEFAULT_CEILING,
         metavar="N",
-        help=f"largest batch size the table and 'auto' consider (default {DEFAULT_CEILING})",
+        help="largest batch size the table and 'auto' consider (default: the config's "
+        f"BATCH_SIZE_MAX, else {DEFAULT_CEILING})",
     )
     estimate.add_argument("--json", action="store_true", help="one JSON object")
     table = commands.add_parser(
@@ -165,9 +167,11 @@ def resolve(args: argparse.Namespace) -> Request:
         prompt_tokens=args.prompt_tokens,
         active_per_token=args.active_features,
         max_feature_nodes=args.max_feature_nodes or values.get("max_feature_nodes", 8192),
+        n_logits=int(values.get("max_n_logits", 10)),
         offload=values.get("offload"),
     )
-    return Request(model, transcoders, workload, batch == "auto", args.ceiling)
+    ceiling = args.ceiling or int(values.get("batch_size_max", DEFAULT_CEILING))
+    return Request(model, transcoders, workload, batch == "auto", ceiling)
 
 
 def _gpu_budget(args: argparse.Namespace) -> tuple[float | None, str]:
@@ -201,13 +205,22 @@ def run_estimate(args: argparse.Namespace, out: Any) -> int:
             int(gpu_gib * GIB),
             ceiling=request.ceiling,
         )
+    auto_reason = None
     if request.auto_batch:
-        if choice is None:
+        # The choice ct_session would make on this card, before loading anything.
+        budget = Budget(gpu_gib, gpu_text, DEFAULT_AUTO_MARGIN)
+        fitted = (
+            None
+            if gpu_gib is None
+            else fit_batch(request.model, request.transcoders, workload, budget, request.ceiling)
+        )
+        if fitted is None:
             raise CliError(
                 "--batch-size auto needs a GPU size (--gpu-gib) and a workload that fits it at "
                 "batch size 1"
             )
-        workload = est.with_batch(workload, choice[0])
+        workload = est.with_batch(workload, fitted[0])
+        auto_reason = auto_reason_text(fitted[0], fitted[1], request.ceiling, workload, budget)
     prediction = est.estimate(request.model, request.transcoders, workload)
     rows = est.batch_table(
         request.model,
@@ -220,6 +233,7 @@ def run_estimate(args: argparse.Namespace, out: Any) -> int:
             "gpu_gib": gpu_gib,
             "gpu": gpu_text,
             "largest_fitting_batch_size": choice[0] if choice else None,
+            "auto_reason": auto_reason,
             "table": [
                 {
                     "batch_size": row.workload.batch_size,
@@ -234,6 +248,8 @@ def run_estimate(args: argparse.Namespace, out: Any) -> int:
         out.write("\n")
         return 0
     _print_estimate(out, prediction, rows, gpu_gib, gpu_text, choice, request)
+    if auto_reason is not None:
+        out.write(f"auto: batch size {workload.batch_size} ({auto_reason})\n")
     return 0
 
 

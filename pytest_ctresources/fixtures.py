@@ -47,7 +47,7 @@ def ct_session(
         oom_retry=runtime.settings.oom_retry.value,
         oom_retry_floor=runtime.settings.oom_retry_floor.value,
         meter=node.stash.get(METER_KEY, None),
-        auto_budget=runtime.auto_budget(),
+        auto_budget=runtime.auto_budget(node),
     )
     node.stash[SESSION_KEY] = session
     try:

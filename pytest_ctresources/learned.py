@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pytest_ctresources.config import CircuitTracerConfig
+from pytest_ctresources.config import AUTO, CircuitTracerConfig
 from pytest_ctresources.sources import Source
 
 CACHE_KEY = "ctresources/learned-needs"
@@ -34,9 +34,15 @@ MEMORY_FIELDS = (
 
 
 def memory_key(nodeid: str, cfg: CircuitTracerConfig | None) -> str:
-    """The cache key of a test's need: its node id, plus its memory-relevant config."""
+    """The cache key of a test's need: its node id, plus its memory-relevant config.
+
+    Empty (nothing learned, nothing looked up) for ``batch_size: auto``: its peak follows
+    the card it ran on, so a peak measured on one card is no need on another.
+    """
     if cfg is None:
         return nodeid
+    if cfg.batch_size == AUTO:
+        return ""
     values = {name: getattr(cfg, name) for name in MEMORY_FIELDS}
     return f"{nodeid}|{json.dumps(values, sort_keys=True)}"
 

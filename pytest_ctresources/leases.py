@@ -84,7 +84,7 @@ class LeaseHooks:
         from pytest_ctresources.accounting import NEED_KEY
 
         need = item.stash.get(NEED_KEY, None)
-        take(item, self.runtime, need.gib if need is not None else None)
+        take(item, self.runtime, need.lease_gib if need is not None else None)
 
 
 def take(item: pytest.Item, runtime: Runtime, need_gib: float | None) -> None:

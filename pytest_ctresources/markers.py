@@ -98,6 +98,14 @@ class VramNeed:
 
     gib: float
     source: Source
+    most_gib: float | None = None
+    """For an estimate: the most the test may take (at the largest batch size it may use,
+    capped at the GPU), which its VRAM lease and the ESTIMATE LOW check use; ``gib`` is the
+    least it needs, which the skip decision uses. None: a declared need, both are ``gib``."""
+
+    @property
+    def lease_gib(self) -> float:
+        return self.gib if self.most_gib is None else self.most_gib
 
 
 def vram_need(item: pytest.Item) -> VramNeed | None:

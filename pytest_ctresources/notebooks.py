@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from pytest_ctresources.accounting import KERNEL_FIGURES_KEY
-from pytest_ctresources.config import CircuitTracerConfig, ConfigError
+from pytest_ctresources.config import AUTO, CircuitTracerConfig, ConfigError
 from pytest_ctresources.exceptions import CtResourcesWarning
 from pytest_ctresources.experiment_yaml import ExperimentFile, load_experiment_yaml
 from pytest_ctresources.kernels import kernel_environment, kernel_launch
@@ -80,9 +80,18 @@ def make_item_class() -> type:
                 below = settings.config_below_markers()
                 if self.experiment is not None:
                     below = self.experiment.apply(below)
-                self.stash[CONFIG_KEY] = settings.config_above_markers(below)
+                cfg = settings.config_above_markers(below)
+                self.stash[CONFIG_KEY] = cfg
             except ConfigError as exc:
                 self.stash[ERROR_KEY] = str(exc)
+                return
+            if cfg.batch_size == AUTO:
+                # The notebook passes BATCH_SIZE to attribute() itself, which needs a number.
+                self.stash[ERROR_KEY] = (
+                    f"{self.filename}: batch_size 'auto' ({cfg.source_of('batch_size')}) works "
+                    "through ct_session.attribute only; a notebook needs a number "
+                    "(--ct-batch-size N, or BATCH_SIZE: N in its config)"
+                )
                 return
             try:
                 nb = nbformat.read(self.filename, as_version=4)

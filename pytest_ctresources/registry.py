@@ -296,9 +296,13 @@ def transcoder_info(name: str, model: str | None = None) -> TranscoderSetInfo:
     found = _gemma_scope_2(resolved)
     if found is not None:
         return found
+    if name in testing.BUNDLED_TRANSCODER_SETS:
+        raise UnknownShape(
+            f"transcoder set {name!r} fits only the bundled models "
+            f"({', '.join(sorted(testing.BUNDLED_MODELS))}), not {model!r}"
+        )
     raise UnknownShape(
         f"unknown transcoder set {name!r}; known: {', '.join(known_transcoder_sets())}"
-        + (f", {', '.join(sorted(testing.BUNDLED_TRANSCODER_SETS))}" if model else "")
     )
 
 
@@ -346,6 +350,8 @@ def model_from_config_json(path: str | Path) -> ModelShape:
         config: dict[str, Any] = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
         raise UnknownShape(f"cannot read model config {str(file)!r}: {exc}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("text_config", {}), dict):
+        raise UnknownShape(f"{file}: not a model config (a JSON object of the model's settings)")
     vision = "vision_config" in config and "text_config" in config
     text = config.get("text_config", config)
     model_type = str(text.get("model_type", config.get("model_type", "")))
@@ -364,10 +370,13 @@ def model_from_config_json(path: str | Path) -> ModelShape:
             "vocab_size": int(text["vocab_size"]),
             "n_heads": n_heads,
             "n_kv_heads": int(text.get("num_key_value_heads", n_heads)),
-            "head_dim": int(text.get("head_dim") or d_model // n_heads),
+            "head_dim": int(text.get("head_dim") or d_model // max(n_heads, 1)),
         }
     except (KeyError, TypeError, ValueError) as exc:
         raise UnknownShape(f"{file}: missing or invalid key {exc}") from None
+    bad = [name for name, value in dims.items() if value <= 0]
+    if bad:
+        raise UnknownShape(f"{file}: {bad[0]} must be positive, got {dims[bad[0]]}")
     tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
     params = count_params(family=family, tied=tied, **dims)
     if vision:
@@ -467,11 +476,15 @@ def _loaded_transcoders(transcoders: Any) -> TranscoderShape:
 
 
 def estimate_config(
-    cfg: CircuitTracerConfig, prompt_tokens: int, active_per_token: float
+    cfg: CircuitTracerConfig,
+    prompt_tokens: int,
+    active_per_token: float,
+    *,
+    batch_size: int | None = None,
 ) -> Estimate | None:
-    """The estimate of one attribution under ``cfg``, or None when its model or transcoder
-    set is not configured or not known. ``batch_size: auto`` is estimated at batch size 1,
-    the least auto can choose."""
+    """The estimate of one attribution under ``cfg`` (at ``batch_size`` when given), or None
+    when its model or transcoder set is not configured or not known. ``batch_size: auto``
+    without ``batch_size`` is estimated at batch size 1, the least auto can choose."""
     if not cfg.model_name or not cfg.transcoder_set:
         return None
     try:
@@ -479,10 +492,11 @@ def estimate_config(
         info = transcoder_info(cfg.transcoder_set, cfg.model_name)
     except UnknownShape:
         return None
-    batch = 1 if cfg.batch_size == AUTO else int(cfg.batch_size)
+    if batch_size is None:
+        batch_size = 1 if cfg.batch_size == AUTO else int(cfg.batch_size)
     workload = Workload(
         dtype=cfg.dtype,
-        batch_size=batch,
+        batch_size=batch_size,
         prompt_tokens=prompt_tokens,
         active_per_token=active_per_token,
         max_feature_nodes=cfg.max_feature_nodes,

@@ -56,18 +56,34 @@ class Runtime:
         """The GPU a test in this process runs on: the first visible one."""
         return self.gpu_facts().gpu(0)
 
-    def auto_budget(self) -> Budget:
-        """What ``--ct-batch-size auto`` may fill: the test GPU's capacity (or the
-        ``--ct-vram-capacity`` cap) less the ``ct_auto_margin`` share."""
-        margin = self.settings.auto_margin
-        margin_value = float(margin.value)
+    def auto_budget(self, item: pytest.Item | None = None) -> Budget:
+        """What ``--ct-batch-size auto`` may fill for ``item``: the test GPU's capacity (or
+        the ``--ct-vram-capacity`` cap) less the ``ct_auto_margin`` share; no more than the
+        test's declared need (a ``vram`` marker or ``VRAM_GIB`` bounds auto), and, in an
+        xdist worker sharing its GPU, no more than the VRAM lease it holds."""
+        from pytest_ctresources.accounting import NEED_KEY
+        from pytest_ctresources.leases import LEASE_KEY
+
+        margin = float(self.settings.auto_margin.value)
         capacity = self.settings.vram_capacity_gib
-        if capacity is not None:
-            return Budget(capacity.value, str(capacity.source), margin_value, emulated=True)
         gpu = self.test_gpu()
-        if gpu is None:
-            return Budget(None, "no CUDA GPU detected", margin_value)
-        return Budget(gpu.total_gib, gpu.describe(), margin_value)
+        if capacity is not None:
+            budget = Budget(capacity.value, str(capacity.source), margin, emulated=True)
+        elif gpu is None:
+            return Budget(None, "no CUDA GPU detected", margin)
+        else:
+            budget = Budget(gpu.total_gib, gpu.describe(), margin)
+        if item is None:
+            return budget
+        need = item.stash.get(NEED_KEY, None)
+        total = budget.capacity_gib or 0.0
+        if need is not None and need.source.kind != "estimate" and need.gib < total:
+            budget = Budget(need.gib, str(need.source), margin, emulated=budget.emulated)
+        lease = item.stash.get(LEASE_KEY, None)
+        if lease is not None and lease.gib < (budget.capacity_gib or 0.0):
+            # Leases share the card's memory; each process's context is outside them.
+            budget = Budget(lease.gib, "its VRAM lease", margin, emulated=True)
+        return budget
 
     def config_for(self, item: pytest.Item) -> CircuitTracerConfig:
         """The item's resolved config, computed once and kept in its stash.

@@ -6,6 +6,7 @@ Usable without pytest: ``CtSession(cfg, ModelCache())`` gives the same ``load_mo
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -176,7 +177,14 @@ class CtSession:
         if kwargs["batch_size"] == AUTO:
             from pytest_ctresources.autobatch import choose
 
-            choice = choose(model, prompt, self.cfg, self.auto_budget or _budget_of(model))
+            # The call's own overrides (max_feature_nodes, offload, ...) shape the estimate.
+            call_cfg = dataclasses.replace(
+                self.cfg,
+                max_feature_nodes=kwargs["max_feature_nodes"],
+                max_n_logits=kwargs["max_n_logits"],
+                offload=kwargs["offload"],
+            )
+            choice = choose(model, prompt, call_cfg, self.auto_budget or _budget_of(model))
             self.auto_choices.append(choice)
             kwargs["batch_size"] = choice.batch_size
         while True:

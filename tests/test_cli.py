@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from pytest_ctresources import autobatch, registry
 from pytest_ctresources import estimate as est
-from pytest_ctresources import registry
 from pytest_ctresources.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,16 +90,42 @@ def test_text_output_has_the_breakdown_and_the_table(capsys: pytest.CaptureFixtu
         assert any(line.startswith(f"  {name} ") for line in lines), name
     assert "batch size   peak GiB   total GiB   fits 24.0 GiB" in lines
     assert any(line.endswith("<- this run") for line in lines)
-    assert lines[-1].startswith("largest batch size that fits (up to 512): ")
+    assert lines[-2].startswith("largest batch size that fits (up to 512): ")
+    assert lines[-1].startswith("auto: batch size ")
+    assert lines[-1].endswith("budget 22.8 GiB = 24.0 GiB (--gpu-gib 24) less 5% margin)")
 
 
-def test_auto_batch_size_is_the_largest_that_fits(capsys: pytest.CaptureFixture[str]) -> None:
+def test_auto_batch_size_is_the_plugins_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI's auto is ct_session's: the 5% margin, the ceiling, balanced batches."""
     common = ["estimate", "--model", "meta-llama/Llama-3.2-1B", "--transcoders", "llama"]
     common += ["--dtype", "bfloat16", "--gpu-gib", "16"]
     auto = json.loads(run(capsys, *common, "--batch-size", "auto", "--json"))
-    assert auto["batch_size"] == auto["largest_fitting_batch_size"]
+    model = registry.MODELS["meta-llama/Llama-3.2-1B"]
+    transcoders = registry.transcoder_info("llama").loaded()
+    work = est.Workload("bfloat16", 1, 32, est.DEFAULT_ACTIVE_PER_TOKEN)
+    budget = autobatch.Budget(16.0, "--gpu-gib 16", autobatch.DEFAULT_AUTO_MARGIN)
+    fitted = autobatch.fit_batch(model, transcoders, work, budget, 512)
+    assert fitted is not None
+    assert auto["batch_size"] == fitted[0] < auto["largest_fitting_batch_size"]
+    assert auto["auto_reason"] == autobatch.reason(fitted[0], fitted[1], 512, work, budget)
     capped = json.loads(run(capsys, *common, "--batch-size", "auto", "--ceiling", "8", "--json"))
     assert capped["batch_size"] == 8
+    assert capped["auto_reason"].startswith("the ceiling 8; budget 15.2 GiB = 16.0 GiB")
+
+
+def test_config_sets_the_ceiling_and_logits(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    config = tmp_path / "x.yaml"
+    config.write_text(
+        "MODEL_NAME: google/gemma-2-2b\nTRANSCODER_SET: gemma\nDTYPE: bfloat16\n"
+        "BATCH_SIZE: auto\nBATCH_SIZE_MAX: 64\n"
+    )
+    payload = json.loads(
+        run(capsys, "estimate", "--config", str(config), "--gpu-gib", "80", "--json")
+    )
+    assert payload["batch_size"] == 64
+    assert max(row["batch_size"] for row in payload["table"]) == 64
 
 
 @pytest.mark.parametrize(

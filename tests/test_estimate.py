@@ -110,6 +110,7 @@ def test_offload_frees_the_transcoders_for_the_later_phases() -> None:
     small = est.estimate(GEMMA, GEMMA_SET, workload(batch_size=1, offload="cpu"))
     resident = small.resident_bytes
     assert small.peak_allocated_bytes == resident + 2 * small.term("setup").bytes
+    assert small.peak_phase == "setup"
     # A skip connection keeps its transcoders on the GPU (circuit-tracer offloads them
     # only after the forward pass).
     skip = dataclasses.replace(GEMMA_SET, skip_connection=True)
@@ -280,6 +281,12 @@ def test_config_json_of_gemma_2_defaults_its_softcap(tmp_path: Path) -> None:
         ("{not json", "cannot read model config"),
         ('{"model_type": "mamba"}', "model_type 'mamba' is not one of"),
         ('{"model_type": "llama", "hidden_size": 8}', "missing or invalid key"),
+        ("[1]", "not a model config"),
+        (
+            '{"model_type": "llama", "hidden_size": 8, "intermediate_size": 8, '
+            '"num_hidden_layers": 2, "num_attention_heads": 0, "vocab_size": 8}',
+            "n_heads must be positive, got 0",
+        ),
     ],
 )
 def test_bad_config_json(tmp_path: Path, text: str, message: str) -> None:
@@ -298,6 +305,8 @@ def test_unknown_names_list_the_known_ones() -> None:
         registry.transcoder_info("gemma-3")
     assert "mntss/clt-gemma-2-2b-426k" in str(set_error.value)
     assert "gemma" in str(set_error.value)
+    with pytest.raises(registry.UnknownShape, match="fits only the bundled models"):
+        registry.transcoder_info(testing.RANDOM_TRANSCODERS, "google/gemma-2-2b")
 
 
 def test_shapes_of_a_loaded_model() -> None:

@@ -306,3 +306,20 @@ def test_strict_fails_an_under_declared_notebook(
             '"ctresources": {"vram_gib": 5} in the notebook\'s metadata*'
         ]
     )
+
+
+def test_auto_batch_size_fails_a_notebook_in_one_line(pytester: pytest.Pytester) -> None:
+    """A notebook passes BATCH_SIZE to attribute() itself: 'auto' cannot reach it."""
+    write(pytester.path / "nb.ipynb", notebook("y = BATCH_SIZE * 2", parameters="BATCH_SIZE = 1"))
+    write(pytester.path / "other.ipynb", notebook("z = 1"))
+    result = pytester.runpytest_subprocess(
+        "--nbmake", "--ct-batch-size", "auto", "-p", "no:randomly"
+    )
+    result.assert_outcomes(errors=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*nb.ipynb: batch_size 'auto' (--ct-batch-size) works through ct_session.attribute "
+            "only; a notebook needs a number (--ct-batch-size N, or BATCH_SIZE: N in its config)",
+        ]
+    )
+    assert "Traceback" not in result.stdout.str()
