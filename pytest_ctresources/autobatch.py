@@ -173,3 +173,57 @@ def reason(batch: int, largest: int, ceiling: int, workload: est.Workload, budge
         passes = math.ceil(rows / largest)
         text += f"; {batch} needs the same {passes} backward passes over {rows} feature rows"
     return f"{text}; {budget.describe()}"
+
+
+def choose_from_config(
+    cfg: CircuitTracerConfig, budget: Budget, prompt_tokens: int
+) -> AutoChoice | None:
+    """auto's choice before any model is loaded (a notebook's kernel will load it): from the
+    registry's shapes, ``prompt_tokens`` and the assumed active features per token. None
+    when the registry does not know the model or its transcoder set."""
+    ceiling = cfg.batch_size_max
+    if budget.capacity_gib is None:
+        return AutoChoice(
+            ceiling, prompt_tokens, None, None, f"{budget.describe()}: the ceiling {ceiling}"
+        )
+    if not cfg.model_name or not cfg.transcoder_set:
+        return None
+    try:
+        model_shape = registry.model_shape(cfg.model_name)
+        info = registry.transcoder_info(cfg.transcoder_set, cfg.model_name)
+    except registry.UnknownShape:
+        return None
+    transcoders = info.loaded(lazy_encoder=cfg.lazy_encoder, lazy_decoder=cfg.lazy_decoder)
+    workload = est.Workload(
+        dtype=cfg.dtype,
+        batch_size=1,
+        prompt_tokens=prompt_tokens,
+        active_per_token=est.DEFAULT_ACTIVE_PER_TOKEN,
+        max_feature_nodes=cfg.max_feature_nodes,
+        n_logits=cfg.max_n_logits,
+        offload=cfg.offload,
+    )
+    assumed = (
+        f"estimated before the kernel starts for {prompt_tokens} prompt tokens "
+        "(ct_estimate_prompt_tokens) and "
+        f"{est.DEFAULT_ACTIVE_PER_TOKEN} active features per layer and token"
+    )
+    fitted = fit_batch(model_shape, transcoders, workload, budget, ceiling)
+    if fitted is None:
+        one = est.estimate(model_shape, transcoders, workload)
+        return AutoChoice(
+            1,
+            prompt_tokens,
+            workload.active_features,
+            _counted(one, budget) / GIB,
+            f"{assumed}; not even batch size 1 is predicted to fit the {budget.describe()}; "
+            "trying 1",
+        )
+    batch, largest, prediction = fitted
+    return AutoChoice(
+        batch,
+        prompt_tokens,
+        workload.active_features,
+        _counted(prediction, budget) / GIB,
+        f"{assumed}; {reason(batch, largest, ceiling, workload, budget)}",
+    )

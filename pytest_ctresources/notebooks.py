@@ -14,6 +14,7 @@ own kernel through nbmake's runner; this module holds the collection and the ite
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Iterator
@@ -85,14 +86,6 @@ def make_item_class() -> type:
             except ConfigError as exc:
                 self.stash[ERROR_KEY] = str(exc)
                 return
-            if cfg.batch_size == AUTO:
-                # The notebook passes BATCH_SIZE to attribute() itself, which needs a number.
-                self.stash[ERROR_KEY] = (
-                    f"{self.filename}: batch_size 'auto' ({cfg.source_of('batch_size')}) works "
-                    "through ct_session.attribute only; a notebook needs a number "
-                    "(--ct-batch-size N, or BATCH_SIZE: N in its config)"
-                )
-                return
             try:
                 nb = nbformat.read(self.filename, as_version=4)
             except Exception as exc:  # nbformat raises many kinds for a file that is no notebook
@@ -125,6 +118,26 @@ def make_item_class() -> type:
     return CtNotebookItem
 
 
+def _resolve_auto(item: Any, runtime: Any, cfg: CircuitTracerConfig) -> CircuitTracerConfig:
+    """A notebook passes BATCH_SIZE to attribute() itself, so ``auto`` is resolved before its
+    kernel starts, from the estimate of its configured model (no model loaded here)."""
+    from pytest_ctresources.autobatch import choose_from_config
+    from pytest_ctresources.summary import AUTO_PROPERTY
+
+    tokens = runtime.settings.estimate_prompt_tokens.value
+    choice = choose_from_config(cfg, runtime.auto_budget(item), tokens)
+    if choice is None:
+        pytest.fail(
+            f"{item.filename}: batch_size 'auto' ({cfg.source_of('batch_size')}) needs a model "
+            f"and transcoder set the estimator knows, and {cfg.model_name!r} with "
+            f"{cfg.transcoder_set!r} is not one: set a number (--ct-batch-size N, or "
+            "BATCH_SIZE: N in its config)",
+            pytrace=False,
+        )
+    item.user_properties.append((AUTO_PROPERTY, [choice.describe()]))
+    return dataclasses.replace(cfg, batch_size=choice.batch_size)
+
+
 def run_notebook(item: Any) -> None:
     """Run one notebook item: inject, start the kernel with the session's settings, report."""
     import nbformat
@@ -135,6 +148,8 @@ def run_notebook(item: Any) -> None:
     runtime = runtime_of(item.config)
     option = item.config.option
     cfg: CircuitTracerConfig = item.stash[CONFIG_KEY]
+    if cfg.batch_size == AUTO:
+        cfg = _resolve_auto(item, runtime, cfg)
     source = Path(item.filename)
     nb = nbformat.read(source, as_version=4)
     note = inject_parameters(nb, injected_values(cfg))

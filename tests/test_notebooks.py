@@ -308,18 +308,61 @@ def test_strict_fails_an_under_declared_notebook(
     )
 
 
-def test_auto_batch_size_fails_a_notebook_in_one_line(pytester: pytest.Pytester) -> None:
-    """A notebook passes BATCH_SIZE to attribute() itself: 'auto' cannot reach it."""
-    write(pytester.path / "nb.ipynb", notebook("y = BATCH_SIZE * 2", parameters="BATCH_SIZE = 1"))
-    write(pytester.path / "other.ipynb", notebook("z = 1"))
-    result = pytester.runpytest_subprocess(
-        "--nbmake", "--ct-batch-size", "auto", "-p", "no:randomly"
+def test_auto_batch_size_is_resolved_before_the_kernel_starts(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A notebook passes BATCH_SIZE to attribute() itself: auto becomes a number first, from
+    the estimate of its configured model (on a GPU) or the ceiling (without one)."""
+    from pytest_ctresources.autobatch import Budget, choose_from_config
+
+    write(
+        pytester.path / "nb.ipynb",
+        notebook("print('BATCH', BATCH_SIZE)\nassert BATCH_SIZE > 1", parameters="BATCH_SIZE = 1"),
     )
-    result.assert_outcomes(errors=2)
+    pytester.makefile(
+        ".yaml",
+        gemma="MODEL_NAME: google/gemma-2-2b\nTRANSCODER_SET: gemma\nDTYPE: bfloat16\nBATCH_SIZE: auto\n",
+        other="MODEL_NAME: someone/unknown\nTRANSCODER_SET: gemma\nBATCH_SIZE: auto\n",
+    )
+    monkeypatch.setenv("CT_FAKE_GPUS", "Card=24")
+    result = pytester.runpytest_subprocess(
+        "--nbmake", "--ct-config", "gemma.yaml", "-p", "no:randomly"
+    )
+    result.assert_outcomes(passed=1)
+    cfg = CircuitTracerConfig.defaults().layered(
+        {
+            "model_name": "google/gemma-2-2b",
+            "transcoder_set": "gemma",
+            "dtype": "bfloat16",
+            "batch_size": "auto",
+        },
+        Source.default(),
+    )
+    choice = choose_from_config(cfg, Budget(24.0, "GPU 0 (Card)", 0.05), 32)
+    assert choice is not None and 1 < choice.batch_size < 512
     result.stdout.fnmatch_lines(
         [
-            "*nb.ipynb: batch_size 'auto' (--ct-batch-size) works through ct_session.attribute "
-            "only; a notebook needs a number (--ct-batch-size N, or BATCH_SIZE: N in its config)",
+            f"  nb.ipynb::nb.ipynb: auto batch size {choice.batch_size} (32 prompt tokens, * estimated before the kernel starts*"
+        ]
+    )
+    # Without a GPU: the ceiling.
+    monkeypatch.setenv("CT_FAKE_GPUS", "")
+    result = pytester.runpytest_subprocess(
+        "--nbmake", "--ct-config", "gemma.yaml", "--ct-batch-size-max", "24"
+    )
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "  nb.ipynb::nb.ipynb: auto batch size 24 (32 prompt tokens; no CUDA GPU detected: the ceiling 24)"
+        ]
+    )
+    # On a GPU, a model the estimator does not know: one line, no traceback.
+    monkeypatch.setenv("CT_FAKE_GPUS", "Card=24")
+    result = pytester.runpytest_subprocess("--nbmake", "--ct-config", "other.yaml")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*nb.ipynb: batch_size 'auto' (BATCH_SIZE in other.yaml) needs a model and transcoder set the estimator knows*"
         ]
     )
     assert "Traceback" not in result.stdout.str()
