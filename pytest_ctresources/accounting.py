@@ -14,6 +14,7 @@ from collections.abc import Generator
 import pytest
 
 from pytest_ctresources import markers, oom
+from pytest_ctresources.autobatch import counted
 from pytest_ctresources.config import AUTO, CircuitTracerConfig
 from pytest_ctresources.estimate import Estimate
 from pytest_ctresources.exceptions import CtLeakWarning
@@ -100,14 +101,13 @@ def estimated_need(cfg: CircuitTracerConfig, runtime: Runtime) -> markers.VramNe
     most = estimate_config(cfg, tokens, DEFAULT_ACTIVE_PER_TOKEN, batch_size=most_batch)
     if least is None or most is None:
         return None
-    capacity = settings.vram_capacity_gib
-    gpu = runtime.test_gpu()
+    # The capacity auto would fill; what counts against it is what counts for auto too.
+    budget = runtime.auto_budget()
 
     def gib(prediction: Estimate) -> float:
-        size = prediction.peak_reserved_bytes if capacity else prediction.total_bytes
-        return round(size / GIB, 2)
+        return round(counted(prediction, budget) / GIB, 2)
 
-    ceiling = capacity.value if capacity else (gpu.total_gib if gpu is not None else None)
+    ceiling = budget.capacity_gib
     most_gib = gib(most) if ceiling is None else min(gib(most), ceiling)
     what = f"{cfg.model_name}, {cfg.dtype}, batch {least_batch}{why}, {tokens} prompt tokens"
     return markers.VramNeed(gib(least), Source.estimate(what), most_gib=most_gib)

@@ -96,35 +96,38 @@ def choose(model: Any, prompt: Any, cfg: CircuitTracerConfig, budget: Budget) ->
     # left in reference cycles counts too until the collector runs; ct_session's own OOM
     # retry collects it, and a full collection here would cost ~0.2 s per call.)
     model_shape, transcoders = registry.shapes_of_loaded(model)
-    workload = est.Workload(
-        dtype=cfg.dtype,
-        batch_size=1,
-        prompt_tokens=tokens,
-        active_per_token=active / max(tokens - 1, 1),
-        max_feature_nodes=cfg.max_feature_nodes,
-        n_logits=cfg.max_n_logits,
-        offload=cfg.offload,
-    )
+    workload = registry.workload_of(cfg, tokens, active / max(tokens - 1, 1), 1)
     resident = int(torch.cuda.memory_allocated(device))
-    fitted = fit_batch(model_shape, transcoders, workload, budget, ceiling, resident)
+    return _choice(model_shape, transcoders, workload, budget, ceiling, resident, active)
+
+
+def _choice(
+    model_shape: est.ModelShape,
+    transcoders: est.TranscoderShape,
+    workload: est.Workload,
+    budget: Budget,
+    ceiling: int,
+    resident_bytes: int | None,
+    active_features: int,
+    assumed: str = "",
+) -> AutoChoice:
+    """Fit the batch and say why; the prediction counts ``resident_bytes`` (measured) in
+    place of the estimate's weights and transcoders when given. ``assumed`` prefixes the
+    reason with what the estimate had to assume."""
+    fitted = fit_batch(model_shape, transcoders, workload, budget, ceiling, resident_bytes)
     if fitted is None:
-        one = est.estimate(model_shape, transcoders, workload)
-        predicted = (_counted(one, budget) - one.resident_bytes + resident) / GIB
-        return AutoChoice(
-            1,
-            tokens,
-            active,
-            predicted,
-            f"not even batch size 1 is predicted to fit the {budget.describe()}; trying 1",
-        )
-    batch, largest, prediction = fitted
-    predicted = (_counted(prediction, budget) - prediction.resident_bytes + resident) / GIB
-    return AutoChoice(
-        batch, tokens, active, predicted, reason(batch, largest, ceiling, workload, budget)
-    )
+        batch, prediction = 1, est.estimate(model_shape, transcoders, workload)
+        why = f"not even batch size 1 is predicted to fit the {budget.describe()}; trying 1"
+    else:
+        batch, largest, prediction = fitted
+        why = reason(batch, largest, ceiling, workload, budget)
+    resident = prediction.resident_bytes if resident_bytes is None else resident_bytes
+    predicted = (counted(prediction, budget) - prediction.resident_bytes + resident) / GIB
+    tokens = workload.prompt_tokens
+    return AutoChoice(batch, tokens, active_features, predicted, assumed + why)
 
 
-def _counted(prediction: est.Estimate, budget: Budget) -> int:
+def counted(prediction: est.Estimate, budget: Budget) -> int:
     """What counts against the budget: the reserved peak, plus the CUDA context on a real
     card (a cap on PyTorch's allocator does not hold the context)."""
     return prediction.peak_reserved_bytes if budget.emulated else prediction.total_bytes
@@ -186,44 +189,16 @@ def choose_from_config(
         return AutoChoice(
             ceiling, prompt_tokens, None, None, f"{budget.describe()}: the ceiling {ceiling}"
         )
-    if not cfg.model_name or not cfg.transcoder_set:
-        return None
     try:
-        model_shape = registry.model_shape(cfg.model_name)
-        info = registry.transcoder_info(cfg.transcoder_set, cfg.model_name)
+        model_shape, transcoders = registry.shapes_of_config(cfg)
     except registry.UnknownShape:
         return None
-    transcoders = info.loaded(lazy_encoder=cfg.lazy_encoder, lazy_decoder=cfg.lazy_decoder)
-    workload = est.Workload(
-        dtype=cfg.dtype,
-        batch_size=1,
-        prompt_tokens=prompt_tokens,
-        active_per_token=est.DEFAULT_ACTIVE_PER_TOKEN,
-        max_feature_nodes=cfg.max_feature_nodes,
-        n_logits=cfg.max_n_logits,
-        offload=cfg.offload,
-    )
+    workload = registry.workload_of(cfg, prompt_tokens, est.DEFAULT_ACTIVE_PER_TOKEN, 1)
     assumed = (
         f"estimated before the kernel starts for {prompt_tokens} prompt tokens "
         "(ct_estimate_prompt_tokens) and "
-        f"{est.DEFAULT_ACTIVE_PER_TOKEN} active features per layer and token"
+        f"{est.DEFAULT_ACTIVE_PER_TOKEN} active features per layer and token; "
     )
-    fitted = fit_batch(model_shape, transcoders, workload, budget, ceiling)
-    if fitted is None:
-        one = est.estimate(model_shape, transcoders, workload)
-        return AutoChoice(
-            1,
-            prompt_tokens,
-            workload.active_features,
-            _counted(one, budget) / GIB,
-            f"{assumed}; not even batch size 1 is predicted to fit the {budget.describe()}; "
-            "trying 1",
-        )
-    batch, largest, prediction = fitted
-    return AutoChoice(
-        batch,
-        prompt_tokens,
-        workload.active_features,
-        _counted(prediction, budget) / GIB,
-        f"{assumed}; {reason(batch, largest, ceiling, workload, budget)}",
+    return _choice(
+        model_shape, transcoders, workload, budget, ceiling, None, workload.active_features, assumed
     )

@@ -22,12 +22,20 @@ from pytest_ctresources import estimate as est
 from pytest_ctresources import registry
 from pytest_ctresources.autobatch import DEFAULT_AUTO_MARGIN, Budget, fit_batch
 from pytest_ctresources.autobatch import reason as auto_reason_text
-from pytest_ctresources.config import DTYPE_ALIASES, DTYPES, ConfigError
+from pytest_ctresources.config import (
+    AUTO,
+    DTYPE_ALIASES,
+    DTYPES,
+    FIELDS,
+    CircuitTracerConfig,
+    ConfigError,
+)
+from pytest_ctresources.sources import Source
 
 GIB: Final = 1 << 30
 DEFAULT_ACTIVE_PER_TOKEN: Final = est.DEFAULT_ACTIVE_PER_TOKEN
 DEFAULT_PROMPT_TOKENS: Final = 32
-DEFAULT_CEILING: Final = 512
+DEFAULT_CEILING: Final = int(FIELDS["batch_size_max"].default)  # type: ignore[call-overload]
 
 
 class CliError(Exception):
@@ -136,42 +144,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve(args: argparse.Namespace) -> Request:
-    """Turn the flags (and ``--config``) into shapes and a workload."""
-    values: dict[str, Any] = {}
+    """Turn the flags (and ``--config``) into shapes and a workload: the config's values with
+    the flags laid over them, as the plugin lays options over an experiment YAML."""
+    cfg = CircuitTracerConfig.defaults()
     if args.config:
         from pytest_ctresources.experiment_yaml import load_experiment_yaml
 
         try:
-            values = dict(load_experiment_yaml(args.config).values)
+            cfg = load_experiment_yaml(args.config).apply(cfg)
         except ConfigError as exc:
             raise CliError(str(exc)) from None
-    model_name = args.model or values.get("model_name")
-    set_name = args.transcoders or values.get("transcoder_set")
-    if not model_name or not set_name:
-        raise CliError(
-            "name a model and a transcoder set: --config YAML, or --model NAME --transcoders SET"
-        )
+    flags = {
+        "model_name": args.model,
+        "transcoder_set": args.transcoders,
+        "dtype": args.dtype,
+        "batch_size": args.batch_size,
+        "max_feature_nodes": args.max_feature_nodes,
+        "batch_size_max": args.ceiling,
+    }
+    cfg = cfg.layered(
+        {name: value for name, value in flags.items() if value is not None},
+        Source.option("ct-resources"),
+    )
     try:
-        model = registry.model_shape(model_name)
-        info = registry.transcoder_info(set_name, model_name)
+        model, transcoders = registry.shapes_of_config(cfg)
     except registry.UnknownShape as exc:
         raise CliError(str(exc)) from None
-    transcoders = info.loaded(
-        lazy_encoder=bool(values.get("lazy_encoder", False)),
-        lazy_decoder=bool(values.get("lazy_decoder", True)),
-    )
-    batch = args.batch_size if args.batch_size is not None else values.get("batch_size", 256)
-    workload = est.Workload(
-        dtype=args.dtype or values.get("dtype", "float32"),
-        batch_size=1 if batch == "auto" else int(batch),
-        prompt_tokens=args.prompt_tokens,
-        active_per_token=args.active_features,
-        max_feature_nodes=args.max_feature_nodes or values.get("max_feature_nodes", 8192),
-        n_logits=int(values.get("max_n_logits", 10)),
-        offload=values.get("offload"),
-    )
-    ceiling = args.ceiling or int(values.get("batch_size_max", DEFAULT_CEILING))
-    return Request(model, transcoders, workload, batch == "auto", ceiling)
+    auto = cfg.batch_size == AUTO
+    batch = 1 if auto else int(cfg.batch_size)
+    workload = registry.workload_of(cfg, args.prompt_tokens, args.active_features, batch)
+    return Request(model, transcoders, workload, auto, cfg.batch_size_max)
 
 
 def _gpu_budget(args: argparse.Namespace) -> tuple[float | None, str]:

@@ -313,15 +313,9 @@ def _bundled_model(name: str) -> ModelShape:
     return ModelShape(
         name=name,
         family=dims.architecture,
-        n_layers=dims.n_layers,
-        d_model=dims.d_model,
-        d_mlp=dims.d_mlp,
-        vocab_size=dims.vocab_size,
-        n_heads=dims.n_heads,
-        n_kv_heads=dims.n_kv_heads,
-        head_dim=dims.head_dim,
         n_params=dims.n_model_params,
         final_logit_softcap=30.0 if dims.architecture == "gemma2" else None,
+        **{field: getattr(dims, field) for field in _DIM_NAMES},
     )
 
 
@@ -475,6 +469,38 @@ def _loaded_transcoders(transcoders: Any) -> TranscoderShape:
     )
 
 
+def shapes_of_config(cfg: CircuitTracerConfig) -> tuple[ModelShape, TranscoderShape]:
+    """The shapes of ``cfg``'s model and transcoder set, loaded as circuit-tracer would load
+    them with the config's lazy flags.
+
+    Raises:
+        UnknownShape: either is not configured, or not known (the message lists the known).
+    """
+    if not cfg.model_name or not cfg.transcoder_set:
+        raise UnknownShape(
+            "name a model and a transcoder set: MODEL_NAME and TRANSCODER_SET, or "
+            "--model NAME --transcoders SET"
+        )
+    model = model_shape(cfg.model_name)
+    info = transcoder_info(cfg.transcoder_set, cfg.model_name)
+    return model, info.loaded(lazy_encoder=cfg.lazy_encoder, lazy_decoder=cfg.lazy_decoder)
+
+
+def workload_of(
+    cfg: CircuitTracerConfig, prompt_tokens: int, active_per_token: float, batch_size: int
+) -> Workload:
+    """One attribution under ``cfg``'s dtype, feature nodes, logits and offload."""
+    return Workload(
+        dtype=cfg.dtype,
+        batch_size=batch_size,
+        prompt_tokens=prompt_tokens,
+        active_per_token=active_per_token,
+        max_feature_nodes=cfg.max_feature_nodes,
+        n_logits=cfg.max_n_logits,
+        offload=cfg.offload,
+    )
+
+
 def estimate_config(
     cfg: CircuitTracerConfig,
     prompt_tokens: int,
@@ -485,23 +511,11 @@ def estimate_config(
     """The estimate of one attribution under ``cfg`` (at ``batch_size`` when given), or None
     when its model or transcoder set is not configured or not known. ``batch_size: auto``
     without ``batch_size`` is estimated at batch size 1, the least auto can choose."""
-    if not cfg.model_name or not cfg.transcoder_set:
-        return None
     try:
-        model = model_shape(cfg.model_name)
-        info = transcoder_info(cfg.transcoder_set, cfg.model_name)
+        model, transcoders = shapes_of_config(cfg)
     except UnknownShape:
         return None
     if batch_size is None:
         batch_size = 1 if cfg.batch_size == AUTO else int(cfg.batch_size)
-    workload = Workload(
-        dtype=cfg.dtype,
-        batch_size=batch_size,
-        prompt_tokens=prompt_tokens,
-        active_per_token=active_per_token,
-        max_feature_nodes=cfg.max_feature_nodes,
-        n_logits=cfg.max_n_logits,
-        offload=cfg.offload,
-    )
-    transcoders = info.loaded(lazy_encoder=cfg.lazy_encoder, lazy_decoder=cfg.lazy_decoder)
+    workload = workload_of(cfg, prompt_tokens, active_per_token, batch_size)
     return estimate(model, transcoders, workload)
