@@ -11,12 +11,16 @@ in its own child process, the script caps PyTorch's allocator at ``--capacity`` 
 2. ``circuit_tracer.attribute`` at each batch size of ``--batch-sizes`` in increasing order,
    until the first that runs out of memory (the larger ones would too).
 
+With ``--repeats R`` that round runs R times; rounds after the first time only the sizes
+that fitted in the first, in alternating order, and the comparison uses medians (one size's
+time moves by up to 10% between runs).
+
 Auto runs before any out-of-memory error because such an error inside circuit-tracer can
 leave memory allocated in the process (seen on the H200: about 8 GiB after three OOMs),
 which would shrink what later runs have; for the same reason each configuration gets a
-fresh process. It prints one line per run and, per configuration, auto's time over the
-fastest manual batch size that fitted. One JSON object per run goes to ``--out``. Needs a
-CUDA GPU.
+fresh process, and an OOM's record says what stayed allocated after it. It prints one line
+per run and, per configuration, auto's time over the fastest manual batch size that fitted.
+One JSON object per run goes to ``--out``. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -56,6 +61,9 @@ def main() -> int:
     parser.add_argument("--batch-sizes", default="16,32,64,128,256,512")
     parser.add_argument("--max-feature-nodes", type=int, default=4096)
     parser.add_argument("--only", default="", help="comma-separated config indices")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="rounds per configuration; medians compared"
+    )
     parser.add_argument("--out", default="auto_batch.jsonl")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -67,6 +75,7 @@ def main() -> int:
         argv = [sys.executable, __file__, "--child", str(index), "--capacity", str(args.capacity)]
         argv += ["--batch-sizes", args.batch_sizes, "--out", str(Path(args.out).resolve())]
         argv += ["--max-feature-nodes", str(args.max_feature_nodes)]
+        argv += ["--repeats", str(args.repeats)]
         status |= subprocess.run(argv, check=False).returncode
     return status
 
@@ -109,12 +118,14 @@ def timed(call: Any) -> dict[str, Any]:
         failed = False
     if failed:
         free_memory()
-        return {"oom": True}
+        # What an OOM inside circuit-tracer leaves allocated (see bench/oom_residue.py).
+        return {"oom": True, "allocated_after_gib": round(torch.cuda.memory_allocated() / 2**30, 2)}
     torch.cuda.synchronize()
     return {
         "oom": False,
         "seconds": round(time.perf_counter() - start, 3),
         "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+        "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
     }
 
 
@@ -127,6 +138,8 @@ def attribution(model: Any, prompt: list[int], batch: int, nodes: int) -> dict[s
 def auto_attribution(
     model: Any, prompt: list[int], model_name: str, dtype: str, args: argparse.Namespace
 ) -> dict[str, Any]:
+    import torch
+
     from pytest_ctresources.autobatch import DEFAULT_AUTO_MARGIN, Budget
     from pytest_ctresources.config import CircuitTracerConfig
     from pytest_ctresources.session import CtSession
@@ -144,14 +157,71 @@ def auto_attribution(
     # As the plugin builds it for --ct-vram-capacity: a cap on the allocator, default margin.
     budget = Budget(args.capacity, "--capacity", DEFAULT_AUTO_MARGIN, emulated=True)
     session = CtSession(cfg, oom_retry=False, auto_budget=budget)
-    result = timed(lambda: session.attribute(prompt, model))
+    # The choice's own cost (its setup pass and the search), timed apart inside the total.
+    from pytest_ctresources import autobatch
+
+    choose, choice_seconds = autobatch.choose, []
+
+    def timed_choose(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return choose(*args, **kwargs)
+        finally:
+            torch.cuda.synchronize()
+            choice_seconds.append(time.perf_counter() - start)
+
+    autobatch.choose = timed_choose
+    try:
+        result = timed(lambda: session.attribute(prompt, model))
+    finally:
+        autobatch.choose = choose
+    if choice_seconds:
+        result["choice_seconds"] = round(choice_seconds[0], 3)
     choice = session.auto_choices[-1] if session.auto_choices else None
     if choice is not None:
         result["choice"] = choice.describe()
         result["batch_size"] = choice.batch_size
         if choice.predicted_gib is not None:
             result["predicted_gib"] = round(choice.predicted_gib, 2)
+        result["active_features"] = choice.active_features
     return result
+
+
+def emit_predictions(
+    model: Any,
+    prompt: list[int],
+    active: int,
+    dtype: str,
+    sizes: list[int],
+    args: argparse.Namespace,
+    out: Any,
+    base: dict[str, Any],
+) -> None:
+    """The estimator's allocated and reserved peaks at every batch size of the run (and the
+    resident bytes measured now in place of the estimated weights), to compare policies."""
+    import torch
+
+    from pytest_ctresources import estimate as est
+    from pytest_ctresources import registry
+    from pytest_ctresources.config import CircuitTracerConfig
+
+    cfg = CircuitTracerConfig.defaults().layered(
+        {"dtype": dtype, "max_feature_nodes": args.max_feature_nodes},
+        CircuitTracerConfig.defaults().source_of("dtype"),
+    )
+    model_shape, transcoders = registry.shapes_of_loaded(model)
+    tokens = len(prompt)
+    resident = torch.cuda.memory_allocated()
+    predictions = {}
+    for batch in sorted(set(sizes)):
+        workload = registry.workload_of(cfg, tokens, active / max(tokens - 1, 1), batch)
+        estimate = est.estimate(model_shape, transcoders, workload)
+        extra = resident - estimate.resident_bytes
+        predictions[batch] = {
+            "allocated_gib": round((estimate.peak_allocated_bytes + extra) / 2**30, 3),
+            "reserved_gib": round((estimate.peak_reserved_bytes + extra) / 2**30, 3),
+        }
+    out.write(json.dumps(base | {"kind": "predictions", "predictions": predictions}) + "\n")
 
 
 def run_config(config: tuple[str, str, int], args: argparse.Namespace, out: Any) -> None:
@@ -181,27 +251,55 @@ def run_config(config: tuple[str, str, int], args: argparse.Namespace, out: Any)
             else f"{record['seconds']:.2f} s, {record['peak_reserved_gib']} GiB"
         )
         extra = f"  [{record['choice']}]" if record.get("choice") else ""
+        if record.get("choice_seconds") is not None:
+            extra = f" (choice {record['choice_seconds']:.2f} s)" + extra
         print(f"{model_name} {dtype} {tokens} tokens, {what}: {result}{extra}", flush=True)
 
-    auto = auto_attribution(model, prompt, model_name, dtype, args)
-    emit({"kind": "auto"} | auto)
-    manual: dict[int, float] = {}
-    for batch in parse_ints(args.batch_sizes):
-        record = attribution(model, prompt, batch, args.max_feature_nodes)
-        emit({"kind": "manual", "batch_size": batch} | record)
-        if record["oom"]:
-            break
-        manual[batch] = record["seconds"]
-    if manual and not auto["oom"]:
+    sizes = parse_ints(args.batch_sizes)
+    fitted: list[int] = []  # sizes that ran in the first round, ascending
+    seconds: dict[str, list[float]] = {}
+    auto_sizes: set[int] = set()
+    for round_index in range(args.repeats):
+        auto = auto_attribution(model, prompt, model_name, dtype, args)
+        emit({"kind": "auto", "round": round_index} | auto)
+        if not auto["oom"]:
+            seconds.setdefault("auto", []).append(auto["seconds"])
+            auto_sizes.add(auto["batch_size"])
+        if round_index == 0 and auto.get("active_features"):
+            emit_predictions(model, prompt, auto["active_features"], dtype, sizes, args, out, base)
+        # The first round probes, in increasing order, up to the first out-of-memory error;
+        # later rounds time the sizes that fitted, in alternating order (drift evens out).
+        todo = sizes if round_index == 0 else (fitted if round_index % 2 == 0 else fitted[::-1])
+        for batch in todo:
+            record = attribution(model, prompt, batch, args.max_feature_nodes)
+            emit({"kind": "manual", "batch_size": batch, "round": round_index} | record)
+            if record["oom"]:
+                break
+            if round_index == 0:
+                fitted.append(batch)
+            seconds.setdefault(str(batch), []).append(record["seconds"])
+    medians = {key: statistics.median(values) for key, values in seconds.items()}
+    manual = {int(key): value for key, value in medians.items() if key != "auto"}
+    if manual and "auto" in medians:
         fastest = min(manual, key=manual.__getitem__)
-        ratio = auto["seconds"] / manual[fastest]
+        ratio = medians["auto"] / manual[fastest]
+        runs = len(seconds["auto"])
         print(
-            f"  -> auto {auto['seconds']:.2f} s at batch {auto['batch_size']} vs fastest "
-            f"manual {manual[fastest]:.2f} s at batch {fastest}: ratio {ratio:.3f}",
+            f"  -> auto (batch {sorted(auto_sizes)}) median {medians['auto']:.2f} s over {runs} "
+            f"vs fastest manual median {manual[fastest]:.2f} s at batch {fastest}: ratio "
+            f"{ratio:.3f}; medians "
+            + ", ".join(f"{batch}: {value:.2f}" for batch, value in sorted(manual.items())),
             flush=True,
         )
-        summary = {"kind": "summary", "ratio": round(ratio, 3), "fastest_manual": fastest}
-        out.write(json.dumps(base | summary | {"auto_batch_size": auto["batch_size"]}) + "\n")
+        summary = {
+            "kind": "summary",
+            "ratio": round(ratio, 3),
+            "fastest_manual": fastest,
+            "auto_batch_sizes": sorted(auto_sizes),
+            "median_seconds": {key: round(value, 3) for key, value in medians.items()},
+            "runs": {key: len(values) for key, values in seconds.items()},
+        }
+        out.write(json.dumps(base | summary) + "\n")
     del model
     free_memory()
 

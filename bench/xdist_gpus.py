@@ -8,6 +8,9 @@ variant after the other, each in its own ``python -m pytest`` subprocess:
 - serial, one GPU;
 - ``-n W`` with leases, one GPU;
 - ``-n W --ct-no-leases``, one GPU;
+- ``-n W`` with each worker's CPU threads limited to its share of the cores;
+- ``-n W`` under CUDA MPS (``leases-1gpu-mps``): a control daemon of the script's own, with
+  private pipe and log directories, started for the variant and stopped after it;
 - with ``--two-gpus``: ``-n 2W`` with leases over two GPUs;
 - with ``--crowded W2``: ``-n W2`` on one GPU with and without leases (more workers than
   their needs fit at once, so the budget has something to prevent).
@@ -52,6 +55,9 @@ class Variant:
     pytest_args: list[str]
     gpus: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    #: Run under CUDA MPS: a control daemon of this script's own (private pipe and log
+    #: directories), started before the variant and told to quit after it.
+    mps: bool = False
 
 
 @dataclass
@@ -120,11 +126,21 @@ def run_variant(variant: Variant, env: dict[str, str], out: Path) -> Result:
     command = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(changed.items()))
     command = f"{command} {shlex.join(args)}".strip()
     print(f"running {variant.name}: {command}", flush=True)
+    mps_env: dict[str, str] = {}
+    if variant.mps:
+        mps_env, problem = start_mps(variant_env, out / f"{variant.name}-mps")
+        if problem is not None:
+            return Result(variant, command, 0.0, problem=problem)
+        variant_env |= mps_env
     start = time.perf_counter()
-    with log.open("w") as log_file:
-        completed = subprocess.run(
-            args, cwd=REPO, env=variant_env, stdout=log_file, stderr=subprocess.STDOUT
-        )
+    try:
+        with log.open("w") as log_file:
+            completed = subprocess.run(
+                args, cwd=REPO, env=variant_env, stdout=log_file, stderr=subprocess.STDOUT
+            )
+    finally:
+        if mps_env:
+            stop_mps(variant_env)
     result = Result(variant, command, time.perf_counter() - start)
     if completed.returncode not in RAN or not junit.exists():
         lines = log.read_text().strip().splitlines() or ["(no output)"]
@@ -134,6 +150,33 @@ def run_variant(variant: Variant, env: dict[str, str], out: Path) -> Result:
     result.outcomes = junit_outcomes(junit)
     read_placements(report, result)
     return result
+
+
+def start_mps(env: dict[str, str], directory: Path) -> tuple[dict[str, str], str | None]:
+    """Start an MPS control daemon with its own pipe and log directories.
+
+    Only processes started with the returned environment connect to it; the GPU's compute
+    mode and every other setting are left as they are.
+    """
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        return {}, "nvidia-cuda-mps-control is not installed"
+    pipes, logs = directory / "pipe", directory / "log"
+    pipes.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    mps_env = {"CUDA_MPS_PIPE_DIRECTORY": str(pipes), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
+    started = subprocess.run([control, "-d"], env={**env, **mps_env}, capture_output=True)
+    if started.returncode != 0:
+        message = (started.stderr or started.stdout).decode().strip()
+        return {}, f"nvidia-cuda-mps-control -d failed: {message or started.returncode}"
+    return mps_env, None
+
+
+def stop_mps(env: dict[str, str]) -> None:
+    """Tell the MPS control daemon started by :func:`start_mps` to quit (it stops its server)."""
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is not None:
+        subprocess.run([control], input=b"quit\n", env=env, capture_output=True, timeout=60)
 
 
 def print_table(results: list[Result]) -> None:
@@ -210,6 +253,9 @@ def main() -> int:
     variants.append(
         Variant("leases-1gpu-threads", ["-n", str(w)], gpus[:1], {"OMP_NUM_THREADS": threads})
     )
+    # The same run under CUDA MPS, where kernels of the workers' processes run concurrently
+    # instead of taking turns (time slicing).
+    variants.append(Variant("leases-1gpu-mps", ["-n", str(w)], gpus[:1], mps=True))
     if args.crowded:
         c = str(args.crowded)
         variants += [
