@@ -160,7 +160,7 @@ def auto_attribution(
     # The choice's own cost (its setup pass and the search), timed apart inside the total.
     from pytest_ctresources import autobatch
 
-    choose, choice_seconds = autobatch.choose, []
+    choose, choice_seconds = autobatch.choose_with_setup, []
 
     def timed_choose(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -170,11 +170,11 @@ def auto_attribution(
             torch.cuda.synchronize()
             choice_seconds.append(time.perf_counter() - start)
 
-    autobatch.choose = timed_choose
+    autobatch.choose_with_setup = timed_choose
     try:
         result = timed(lambda: session.attribute(prompt, model))
     finally:
-        autobatch.choose = choose
+        autobatch.choose_with_setup = choose
     if choice_seconds:
         result["choice_seconds"] = round(choice_seconds[0], 3)
     choice = session.auto_choices[-1] if session.auto_choices else None

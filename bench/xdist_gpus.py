@@ -31,6 +31,7 @@ import json
 import os
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -69,6 +70,11 @@ class Result:
     outcomes: Counter[str] = field(default_factory=Counter)
     per_gpu: Counter[str] = field(default_factory=Counter)
     lease_waits: list[float] = field(default_factory=list)
+    #: Per test (JUnit time: setup, call and teardown), split into each worker's first test,
+    #: which pays the worker's imports and model build, and the rest.
+    first_s: list[float] = field(default_factory=list)
+    rest_s: list[float] = field(default_factory=list)
+    workers: int = 1
 
 
 def gpu_indexes() -> list[str] | None:
@@ -102,6 +108,27 @@ def junit_outcomes(path: Path) -> Counter[str]:
         elif not problems:
             counts["passed"] += 1
     return counts
+
+
+def split_durations(junit: Path, report: Path, result: Result) -> None:
+    """Fill ``first_s`` and ``rest_s`` from the JUnit times, in each worker's order."""
+    times = {
+        f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}": float(
+            case.get("time", 0)
+        )
+        for case in ET.parse(junit).iter("testcase")
+    }
+    placements = json.loads(report.read_text()).get("placements", []) if report.exists() else []
+    order: dict[str, list[str]] = {}
+    for placement in placements:  # in the order the tests finished, per worker
+        order.setdefault(placement.get("worker") or "main", []).append(placement["nodeid"])
+    if not order:  # serial: the JUnit order is the run order
+        order = {"main": list(times)}
+    result.workers = len(order)
+    for nodeids in order.values():
+        durations = [times[nodeid] for nodeid in nodeids if nodeid in times]
+        result.first_s += durations[:1]
+        result.rest_s += durations[1:]
 
 
 def read_placements(path: Path, result: Result) -> None:
@@ -149,6 +176,7 @@ def run_variant(variant: Variant, env: dict[str, str], out: Path) -> Result:
         return result
     result.outcomes = junit_outcomes(junit)
     read_placements(report, result)
+    split_durations(junit, report, result)
     return result
 
 
@@ -199,10 +227,33 @@ def print_table(results: list[Result]) -> None:
             f"{r.variant.name:<22} {r.wall_s:>8.1f} {ratio:>9} {o['passed']:>5} {o['failed']:>5}"
             f" {o['errors']:>4} {o['skipped']:>5} {o['oom']:>4}  {per_gpu:<24} {waits}"
         )
+    print_durations(results, serial)
     by_name = {r.variant.name: r for r in results if not r.problem}
     one, two = by_name.get("leases-1gpu"), by_name.get("leases-2gpus")
     if one and two:
         print(f"\ntwo GPUs vs one GPU, both with leases: {one.wall_s / two.wall_s:.2f}x faster")
+
+
+def print_durations(results: list[Result], serial: Result | None) -> None:
+    """Where the wall time goes: each worker's first test (imports, model build, first
+    attribution) against the others, and how many of the others ran at once in effect."""
+    print(
+        f"\n{'variant':<22} {'workers':>7} {'first test s':>12} {'other tests s':>13} "
+        f"{'overlap':>8}"
+    )
+    serial_rest = statistics.median(serial.rest_s) if serial and serial.rest_s else None
+    for r in results:
+        if r.problem or not r.rest_s:
+            continue
+        rest = statistics.median(r.rest_s)
+        first = statistics.median(r.first_s) if r.first_s else float("nan")
+        # Tests completed per second by W workers over one process' rate: W * serial / rest.
+        overlap = f"{r.workers * serial_rest / rest:.2f}" if serial_rest else "-"
+        print(f"{r.variant.name:<22} {r.workers:>7} {first:>12.1f} {rest:>13.2f} {overlap:>8}")
+    print(
+        "(medians of JUnit times; 'overlap' = workers x serial other-test time / this "
+        "variant's: how many attributions' worth of work the GPU did at once)"
+    )
 
 
 def main() -> int:

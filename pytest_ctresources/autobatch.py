@@ -5,12 +5,24 @@ model's own dimensions (read from the object), the prompt's real length, and its
 number of active transcoder features (from the same one-prompt setup pass ``attribute()``
 starts with). What is already allocated (the model, anything cached) is measured, not
 estimated. The budget is the GPU's capacity (or ``--ct-vram-capacity``) less the
-``ct_auto_margin`` share.
+``ct_auto_margin`` share, and what must fit in it is the predicted *allocated* peak (plus the
+CUDA context on a real card): PyTorch's caching allocator gives its unused cache back before
+it reports an out-of-memory error, so the reserved envelope the estimator also predicts is
+not a requirement (measured under a 24 GiB cap on an H200: every batch size whose allocated
+peak stayed under the cap ran, up to 23.3 GiB allocated with 23.9 GiB reserved at the peak;
+docs/benchmarks.md). Estimated needs and leases, which say what a process takes from a card
+that others share, count the reserved peak (:func:`counted`).
+
+The choice's setup pass (one prompt through the model and the transcoders, 0.15-0.25 s on
+the H200 for models of real size) is the one ``attribute()`` starts with: ``ct_session``
+hands it over (:func:`reused_setup`) instead of running it twice.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +92,14 @@ def _device_of(model: Any) -> Any:
 
 def choose(model: Any, prompt: Any, cfg: CircuitTracerConfig, budget: Budget) -> AutoChoice:
     """The batch size for ``attribute(prompt, model)`` under ``budget``."""
+    return choose_with_setup(model, prompt, cfg, budget)[0]
+
+
+def choose_with_setup(
+    model: Any, prompt: Any, cfg: CircuitTracerConfig, budget: Budget
+) -> tuple[AutoChoice, Any]:
+    """:func:`choose`, and the setup context its pass computed (None without a GPU), for
+    :func:`reused_setup` to hand to the attribution."""
     import torch
 
     input_ids = model.ensure_tokenized(prompt)
@@ -88,17 +108,48 @@ def choose(model: Any, prompt: Any, cfg: CircuitTracerConfig, budget: Budget) ->
     device = _device_of(model)
     if device.type != "cuda" or budget.capacity_gib is None:
         why = "the model is not on a CUDA GPU" if device.type != "cuda" else budget.describe()
-        return AutoChoice(ceiling, tokens, None, None, f"{why}: the ceiling {ceiling}")
-    context = model.setup_attribution(input_ids)
-    active = int(context.activation_matrix._nnz())
-    del context
+        return AutoChoice(ceiling, tokens, None, None, f"{why}: the ceiling {ceiling}"), None
     # What is allocated now is what the attribution cannot use. (Garbage an earlier failure
     # left in reference cycles counts too until the collector runs; ct_session's own OOM
-    # retry collects it, and a full collection here would cost ~0.2 s per call.)
+    # retry collects it, and a full collection here would cost ~0.2 s per call.) Measured
+    # before the setup pass, whose tensors the estimate counts itself.
+    resident = int(torch.cuda.memory_allocated(device))
+    context = model.setup_attribution(input_ids)
+    active = int(context.activation_matrix._nnz())
     model_shape, transcoders = registry.shapes_of_loaded(model)
     workload = registry.workload_of(cfg, tokens, active / max(tokens - 1, 1), 1)
-    resident = int(torch.cuda.memory_allocated(device))
-    return _choice(model_shape, transcoders, workload, budget, ceiling, resident, active)
+    choice = _choice(model_shape, transcoders, workload, budget, ceiling, resident, active)
+    return choice, context
+
+
+@contextmanager
+def reused_setup(model: Any, prompt: Any, context: Any) -> Iterator[None]:
+    """Within the block, the model's next ``setup_attribution`` of ``prompt``'s tokens
+    returns ``context`` (computed by :func:`choose_with_setup`) instead of running again;
+    any other call runs as usual. The setup is deterministic, so the attribution is the same.
+    """
+    if context is None:
+        yield
+        return
+    original = model.setup_attribution
+    expected = model.ensure_tokenized(prompt)
+    pending = [context]
+
+    def setup_attribution(input_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        if pending and not args and not kwargs and _same_tokens(input_ids, expected):
+            return pending.pop()
+        return original(input_ids, *args, **kwargs)
+
+    model.setup_attribution = setup_attribution
+    try:
+        yield
+    finally:
+        pending.clear()  # an unused context must not outlive the block
+        del model.setup_attribution
+
+
+def _same_tokens(a: Any, b: Any) -> bool:
+    return bool(a.shape == b.shape and a.device == b.device and (a == b).all())
 
 
 def _choice(
@@ -122,15 +173,23 @@ def _choice(
         batch, largest, prediction = fitted
         why = reason(batch, largest, ceiling, workload, budget)
     resident = prediction.resident_bytes if resident_bytes is None else resident_bytes
-    predicted = (counted(prediction, budget) - prediction.resident_bytes + resident) / GIB
+    predicted = (counted_for_fit(prediction, budget) - prediction.resident_bytes + resident) / GIB
     tokens = workload.prompt_tokens
     return AutoChoice(batch, tokens, active_features, predicted, assumed + why)
 
 
 def counted(prediction: est.Estimate, budget: Budget) -> int:
-    """What counts against the budget: the reserved peak, plus the CUDA context on a real
-    card (a cap on PyTorch's allocator does not hold the context)."""
+    """What a process takes from a card others share (estimated needs, leases): the reserved
+    peak, plus the CUDA context on a real card (a cap on PyTorch's allocator does not hold
+    the context)."""
     return prediction.peak_reserved_bytes if budget.emulated else prediction.total_bytes
+
+
+def counted_for_fit(prediction: est.Estimate, budget: Budget) -> int:
+    """What must fit for auto's batch size to run: the allocated peak, plus the CUDA context
+    on a real card (see the module's docstring)."""
+    context = prediction.total_bytes - prediction.peak_reserved_bytes
+    return prediction.peak_allocated_bytes + (0 if budget.emulated else context)
 
 
 def fit_batch(
@@ -155,6 +214,7 @@ def fit_batch(
         ceiling=ceiling,
         resident_bytes=resident_bytes,
         count_context=not budget.emulated,
+        peak="allocated",
     )
     if found is None:
         return None

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from pytest_ctresources.nnsight_threads import release_quietly
+
 if TYPE_CHECKING:
     import torch
 
@@ -118,7 +120,9 @@ def cleanup_after_test(mode: str) -> CleanupResult:
         return CleanupResult()
     figures = close_open_figures()
     if "torch" in sys.modules or mode == "always":
-        release_failed_test_frames()
+        if release_failed_test_frames():
+            # A trace the failure aborted can leave nnsight threads blocked with its tensors.
+            release_quietly()
     cuda = cuda_initialised()
     if cuda or mode == "always":
         cleanup_python_cuda()

@@ -444,6 +444,7 @@ def largest_fitting_batch(
     ceiling: int,
     resident_bytes: int | None = None,
     count_context: bool = True,
+    peak: str = "reserved",
     calibration: Calibration = CALIBRATION,
 ) -> tuple[int, Estimate] | None:
     """The largest batch size <= ``ceiling`` whose predicted total fits ``budget_bytes``.
@@ -451,9 +452,14 @@ def largest_fitting_batch(
     ``resident_bytes``, when given (what is already allocated, measured), replaces the
     estimate's weights and transcoders. ``count_context=False`` leaves the CUDA context out:
     right for a cap on PyTorch's allocator (``--ct-vram-capacity``), which the context is
-    not part of. Returns None when not even batch size 1 fits. The predicted total grows
-    with the batch size, so a bisection finds it.
+    not part of. ``peak="allocated"`` fits the allocated peak instead of the reserved one
+    (what ``--ct-batch-size auto`` does: the caching allocator gives its unused cache back
+    before it reports an OOM, so the allocated peak is what must fit). Returns None when not
+    even batch size 1 fits. The predicted total grows with the batch size, so a bisection
+    finds it.
     """
+    if peak not in ("reserved", "allocated"):
+        raise ValueError(f"peak must be 'reserved' or 'allocated', got {peak!r}")
 
     def need(batch: int) -> tuple[int, Estimate]:
         est = estimate(
@@ -462,7 +468,9 @@ def largest_fitting_batch(
             with_batch(workload, batch),
             calibration,
         )
-        total = est.total_bytes if count_context else est.peak_reserved_bytes
+        total = est.peak_reserved_bytes if peak == "reserved" else est.peak_allocated_bytes
+        if count_context:
+            total += est.total_bytes - est.peak_reserved_bytes  # the CUDA context
         if resident_bytes is not None:
             total += resident_bytes - est.resident_bytes
         return total, est

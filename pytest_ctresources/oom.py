@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from pytest_ctresources.cleanup import clear_exception_frames
 from pytest_ctresources.config import CircuitTracerConfig
 from pytest_ctresources.gpus import GpuInfo
 from pytest_ctresources.measure import GIB, VramFigures
+from pytest_ctresources.nnsight_threads import release_quietly
 from pytest_ctresources.sources import Sourced
 
 
@@ -19,9 +21,14 @@ def is_oom(exc: BaseException | None) -> bool:
     return exc is not None and oom_type is not None and isinstance(exc, oom_type)
 
 
-def release(exc: BaseException) -> None:
-    """Drop the locals of every frame ``exc`` holds: an OOM's traceback pins the activations."""
+def release(exc: BaseException, model: Any = None) -> int:
+    """Free what a failed attribution holds: the locals of every frame ``exc`` holds (an
+    OOM's traceback pins the activations), and nnsight's intervention threads the failure
+    left blocked for good (of ``model``'s traces; all models' when None), whose frames pin
+    the rest (:mod:`pytest_ctresources.nnsight_threads`). Returns how many threads finished.
+    A ``gc.collect()`` afterwards frees what they held."""
     clear_exception_frames(exc)
+    return release_quietly(model)
 
 
 @dataclass(frozen=True)

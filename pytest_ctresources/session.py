@@ -174,9 +174,9 @@ class CtSession:
             model = self.load_model()
         from circuit_tracer import attribute
 
-        if kwargs["batch_size"] == AUTO:
-            from pytest_ctresources.autobatch import choose
+        from pytest_ctresources.autobatch import choose_with_setup, reused_setup
 
+        if kwargs["batch_size"] == AUTO:
             # The call's own overrides (max_feature_nodes, offload, ...) shape the estimate.
             call_cfg = dataclasses.replace(
                 self.cfg,
@@ -184,18 +184,25 @@ class CtSession:
                 max_n_logits=kwargs["max_n_logits"],
                 offload=kwargs["offload"],
             )
-            choice = choose(model, prompt, call_cfg, self.auto_budget or _budget_of(model))
+            budget = self.auto_budget or _budget_of(model)
+            choice, setup = choose_with_setup(model, prompt, call_cfg, budget)
             self.auto_choices.append(choice)
             kwargs["batch_size"] = choice.batch_size
+        else:
+            setup = None
         while True:
             try:
-                graph = attribute(prompt, model, **kwargs)
+                # auto's setup pass is the one attribute() starts with: it is not run twice.
+                with reused_setup(model, prompt, setup):
+                    setup = None  # the first attempt only: a retry runs its own
+                    graph = attribute(prompt, model, **kwargs)
             except Exception as exc:
                 smaller = max(self.oom_retry_floor, kwargs["batch_size"] // 2)
                 if not (self.oom_retry and oom.is_oom(exc) and smaller < kwargs["batch_size"]):
                     raise
-                # The failed attempt's frames hold its activations: free them before retrying.
-                oom.release(exc)
+                # The failed attempt's frames (and nnsight threads it left blocked) hold its
+                # activations: free them before retrying.
+                oom.release(exc, model)
                 self.halvings.append(oom.Halving(kwargs["batch_size"], smaller))
                 kwargs["batch_size"] = smaller
             else:

@@ -162,8 +162,10 @@ def test_choice_on_a_gpu_uses_measured_memory_and_real_active_features(
     shape, transcoders = registry.shapes_of_loaded(model)
     work = est.Workload("float32", 1, 6, active / 5, 4096)
     one, two = (est.estimate(shape, transcoders, est.with_batch(work, b)) for b in (1, 2))
-    per_row = two.total_bytes - one.total_bytes
-    allocated["bytes"] = budget.budget_bytes - (one.total_bytes - one.resident_bytes) - 60 * per_row
+    # auto fits the allocated peak plus the CUDA context (autobatch.counted_for_fit).
+    fit_one, fit_two = (autobatch.counted_for_fit(e, budget) for e in (one, two))
+    per_row = fit_two - fit_one
+    allocated["bytes"] = budget.budget_bytes - (fit_one - one.resident_bytes) - 60 * per_row
     tight = autobatch.choose(model, prompt, cfg, budget)
     assert 1 < tight.batch_size < active
     largest = int(tight.reason.split(" is the largest")[0])
@@ -392,3 +394,45 @@ def test_estimate_low_compares_with_the_most_the_estimate_allows() -> None:
     assert summary.records["within"].flags == []
     (flag,) = summary.records["over"].flags
     assert flag.startswith("ESTIMATE LOW: peak 25.00 GiB reserved > 20.0 GiB, the most estimated")
+
+
+def test_auto_runs_the_setup_pass_once_and_attributes_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+    from circuit_tracer import attribute
+
+    from pytest_ctresources.session import CtSession
+
+    prompt = "the capital of france is"
+    model = testing.build_named_model(testing.TINY_GEMMA2, testing.RANDOM_TRANSCODERS, device="cpu")
+    cfg = CircuitTracerConfig.defaults().layered(
+        {"batch_size": "auto", "max_feature_nodes": 64},
+        CircuitTracerConfig.defaults().source_of("dtype"),
+    )
+    # A GPU as auto sees it, so the choice runs its setup pass.
+    monkeypatch.setattr(autobatch, "_device_of", lambda model: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 << 30)
+    setups = []
+    original = type(model).setup_attribution
+
+    def counting(self, input_ids, *args, **kwargs):
+        setups.append(input_ids.numel())
+        return original(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "setup_attribution", counting)
+    session = CtSession(cfg, oom_retry=False, auto_budget=autobatch.Budget(8.0, "fake", 0.05))
+    graph = session.attribute(prompt, model)
+    assert setups == [6]  # the choice's pass, handed to attribute()
+    assert "setup_attribution" not in vars(model)  # the hand-over is gone with the call
+    batch = session.auto_choices[-1].batch_size
+    plain = attribute(prompt, model, batch_size=batch, max_feature_nodes=64, verbose=False)
+    assert len(setups) == 2  # a plain call runs its own
+    assert torch.equal(graph.adjacency_matrix, plain.adjacency_matrix)
+
+    # A context nobody used does not outlive the block, and other prompts run their own.
+    context = model.setup_attribution(model.ensure_tokenized(prompt))
+    with autobatch.reused_setup(model, prompt, context):
+        attribute("a different prompt", model, batch_size=8, max_feature_nodes=16, verbose=False)
+    assert len(setups) == 4
+    assert "setup_attribution" not in vars(model)

@@ -1,0 +1,138 @@
+"""nnsight intervention threads an exception left blocked forever, and freeing them.
+
+nnsight (0.6.x) runs every ``tracer.invoke()`` body in a daemon thread (``Mediator<id>``)
+that talks to the model's forward pass through two one-slot queues. When the forward pass
+raises (``torch.cuda.OutOfMemoryError`` inside ``circuit_tracer.attribute``) while a mediator
+is parked at a ``tracer.barrier()`` as its first participant (circuit-tracer's
+``AttributionContext.cache_residual`` does that for every layer), ``Envoy.interleave``'s
+``finally`` calls ``Interleaver.cancel()`` -> ``Mediator.cancel()``, which only wakes a
+mediator whose event is still pending (``event_queue.has_value``). The barrier event was
+already consumed, so the mediator is dropped while its thread stays blocked in
+``Mediator.send`` -> ``response_queue.wait()`` for good, and its frames keep the invoke's
+locals alive: on an H200, about 10 GiB per OOM (gemma-2-2b, batch 512, 100 tokens;
+docs/gpu-runs/2026-11-30c-diagnostics/oom_residue.txt). No garbage collection frees a
+blocked thread's frames, so ``ct_session``'s halving retry would run with that much less.
+
+:func:`release_nnsight_threads` finds such orphaned threads and hands them the same
+``Cancelation`` that ``Mediator.cancel`` gives a mediator it does wake: the blocked ``send``
+raises it, the invoke body's generated ``except Exception`` reports it through
+``mediator.exception`` (which does not wait) and the thread returns. It relies on nnsight
+internals (``Mediator.response_queue``/``event_queue``, ``Cancelation``), so callers go
+through :func:`release_quietly`, which treats any surprise as "nothing released".
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any
+
+_INTERLEAVER_MODULE = "nnsight.intervention.interleaver"
+
+
+def _orphans(mediator_type: type, interleaver: Any) -> list[tuple[threading.Thread, Any]]:
+    """(thread, mediator) for each live mediator thread that nnsight has already cancelled."""
+    current = threading.current_thread()
+    found: list[tuple[threading.Thread, Any]] = []
+    unmatched: dict[str, threading.Thread] = {}
+    for thread in threading.enumerate():
+        if thread is current or not thread.is_alive():
+            continue
+        # Thread.run() keeps (mediator, info, ...) as its _args until the target returns.
+        args = getattr(thread, "_args", None)
+        mediator = args[0] if isinstance(args, tuple) and args else None
+        if isinstance(mediator, mediator_type):
+            found.append((thread, mediator))
+        elif thread.name.startswith("Mediator"):
+            unmatched[thread.name] = thread
+    if unmatched:  # a Python whose Thread keeps no _args: match mediators by thread name
+        import gc
+
+        for obj in gc.get_objects():
+            name = getattr(obj, "name", None) if isinstance(obj, mediator_type) else None
+            if name in unmatched:
+                found.append((unmatched.pop(name), obj))
+    return [
+        (thread, mediator)
+        for thread, mediator in found
+        # A mediator still in use keeps its thread as ``worker``; Mediator.cancel sets None.
+        if mediator.worker is not thread
+        and (interleaver is None or mediator.interleaver is interleaver)
+    ]
+
+
+def release_nnsight_threads(model: Any = None, *, timeout: float = 1.0, rounds: int = 3) -> int:
+    """Wake and finish nnsight mediator threads left blocked by an aborted trace.
+
+    Call it after catching an exception from an nnsight trace (e.g. an OOM inside
+    ``circuit_tracer.attribute``), then ``gc.collect()``: the tensors the threads' frames
+    held become collectable. Harmless when nothing is stuck; a no-op (and imports nothing)
+    when nnsight is not loaded. Traces running in other threads are left alone: only
+    mediators that nnsight has already cancelled (``mediator.worker`` no longer their
+    thread) are touched.
+
+    Args:
+        model: An nnsight ``Envoy``/``NNsight`` model (e.g. circuit-tracer's
+            ``NNSightReplacementModel``): only release mediators of its interleaver.
+            ``None``: release those of every model.
+        timeout: Seconds to wait, per round, for the woken threads to finish.
+        rounds: Times to re-send the cancellation to a thread that blocked again (an invoke
+            body that caught the first one and went on requesting values).
+
+    Returns:
+        How many threads finished.
+    """
+    module = sys.modules.get(_INTERLEAVER_MODULE)
+    mediator_type = getattr(module, "Mediator", None)
+    cancelation_type = getattr(module, "Cancelation", None)
+    if mediator_type is None or cancelation_type is None:
+        return 0
+    interleaver = getattr(model, "_interleaver", None) if model is not None else None
+    if model is not None and interleaver is None:
+        return 0
+
+    orphans = _orphans(mediator_type, interleaver)
+    released = 0
+    for _ in range(rounds):
+        if not orphans:
+            break
+        woken = []
+        for thread, mediator in orphans:
+            response, events = mediator.response_queue, mediator.event_queue
+            # Only a thread blocked in Mediator.send: its response slot is empty and locked.
+            if response.has_value or not response.lock.locked():
+                continue
+            # The woken thread reports the Cancelation through event_queue.put(), which
+            # releases that lock: it must be held (its last event was taken), else skip.
+            if events.has_value or not events.lock.locked():
+                continue
+            cancel = cancelation_type()
+            response.put(cancel)
+            woken.append((thread, mediator, cancel))
+        deadline = time.monotonic() + timeout
+        still_blocked = []
+        for thread, mediator, cancel in woken:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                still_blocked.append((thread, mediator))
+                continue
+            released += 1
+            # Drop what the finished thread reported: (EXCEPTION, cancel), whose traceback
+            # holds the thread's frames and so the invoke's locals.
+            cancel.__traceback__ = None
+            if mediator.event_queue.has_value:
+                mediator.event_queue.get()
+        orphans = still_blocked
+        if not woken:
+            break
+    return released
+
+
+def release_quietly(model: Any = None) -> int:
+    """:func:`release_nnsight_threads`, with an nnsight whose internals changed counting as
+    nothing released rather than failing the cleanup it is part of."""
+    try:
+        return release_nnsight_threads(model)
+    except Exception:  # an nnsight release this code does not know: leave its threads be
+        return 0

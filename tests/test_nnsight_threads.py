@@ -1,0 +1,142 @@
+"""An OOM inside circuit-tracer's nnsight trace leaves an intervention thread blocked for
+good, holding the attribution's tensors; ``nnsight_threads`` frees it (issue 3's OOM retry
+depends on it: on a GPU the thread held about 10 GiB per OOM)."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("circuit_tracer")
+
+from pytest_ctresources import oom, testing  # noqa: E402
+from pytest_ctresources.config import CircuitTracerConfig  # noqa: E402
+from pytest_ctresources.nnsight_threads import release_nnsight_threads, release_quietly  # noqa: E402
+from pytest_ctresources.session import CtSession  # noqa: E402
+
+PROMPT = "the capital of france is paris and the capital of italy is"
+
+
+def mediator_threads() -> list[str]:
+    """nnsight's intervention threads still alive, after giving finishing ones 0.5 s."""
+    threads = [t for t in threading.enumerate() if t.name.startswith("Mediator")]
+    for thread in threads:
+        thread.join(0.5)
+    return [t.name for t in threads if t.is_alive()]
+
+
+def attribution_contexts() -> int:
+    from circuit_tracer.attribution.context_nnsight import AttributionContext
+
+    gc.collect()
+    return sum(isinstance(obj, AttributionContext) for obj in gc.get_objects())
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return testing.build_replacement_model(testing.TINY_GEMMA2_DIMS, device="cpu")
+
+
+@pytest.fixture
+def oom_from_batch_64(model: Any) -> Iterator[None]:
+    """An OOM raised in layer 1's MLP forward for batches of 64 or more: where a real one
+    strikes, while circuit-tracer's residual-caching invoke waits at its barrier."""
+    mlp = model._module.get_submodule("model.layers.1.mlp")
+    original = mlp.__nnsight_forward__
+
+    def forward(module: Any, *args: Any, **kwargs: Any) -> Any:
+        if args and args[0].shape[0] >= 64:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return original(module, *args, **kwargs)
+
+    mlp.__nnsight_forward__ = forward
+    yield
+    mlp.__nnsight_forward__ = original
+    release_nnsight_threads()
+
+
+def test_an_oom_in_the_trace_leaves_a_blocked_thread_that_release_frees(
+    model: Any, oom_from_batch_64: None
+) -> None:
+    from circuit_tracer import attribute
+
+    assert not mediator_threads()
+    with pytest.raises(torch.cuda.OutOfMemoryError) as caught:
+        attribute(PROMPT, model, batch_size=64, verbose=False)
+    exc = caught.value
+    del caught
+    from pytest_ctresources.cleanup import clear_exception_frames
+
+    clear_exception_frames(exc)
+    del exc
+    # nnsight 0.6.1 (the pinned version): the frames are cleared, and still the thread and
+    # the AttributionContext with its batch-sized caches stay.
+    assert len(mediator_threads()) == 1
+    assert attribution_contexts() == 1
+
+    assert release_nnsight_threads(model) == 1
+    assert not mediator_threads()
+    assert attribution_contexts() == 0
+    # Nothing left to release; attribution still works afterwards and leaves no thread.
+    assert release_nnsight_threads(model) == 0
+    graph = attribute(PROMPT, model, batch_size=16, verbose=False)
+    assert len(graph.selected_features) > 0
+    assert not mediator_threads()
+
+
+def test_ct_session_retry_frees_the_failed_attempt_entirely(
+    model: Any, oom_from_batch_64: None
+) -> None:
+    cfg = CircuitTracerConfig.defaults().layered(
+        {"batch_size": 128}, CircuitTracerConfig.defaults().source_of("batch_size")
+    )
+    session = CtSession(cfg, oom_retry=True)
+    graph = session.attribute(PROMPT, model)
+    assert [(h.failed_batch_size, h.next_batch_size) for h in session.halvings] == [
+        (128, 64),
+        (64, 32),
+    ]
+    assert len(graph.selected_features) > 0
+    assert not mediator_threads()
+    del graph
+    assert attribution_contexts() == 0
+
+
+def test_release_only_touches_the_given_models_threads(model: Any, oom_from_batch_64: None) -> None:
+    from circuit_tracer import attribute
+
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        attribute(PROMPT, model, batch_size=64, verbose=False)
+
+    class Other:
+        _interleaver = object()
+
+    assert release_nnsight_threads(Other()) == 0
+    assert len(mediator_threads()) == 1
+    assert oom.release(RuntimeError("any"), model) == 1
+    assert not mediator_threads()
+
+
+def test_release_is_a_no_op_without_nnsight(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "nnsight.intervention.interleaver", raising=False)
+    assert release_nnsight_threads() == 0
+    assert release_quietly() == 0
+
+
+def test_an_unknown_nnsight_counts_as_nothing_released(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Broken:
+        Mediator = type("Mediator", (), {})
+
+        def __getattr__(self, name: str) -> Any:
+            raise RuntimeError("internals changed")
+
+    monkeypatch.setitem(sys.modules, "nnsight.intervention.interleaver", Broken())
+    with pytest.raises(RuntimeError):
+        release_nnsight_threads()
+    assert release_quietly() == 0
