@@ -8,6 +8,7 @@ with the CUDA branch's inputs stubbed here, and for real in tests/gpu (the H200)
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import circuit_tracer  # noqa: F401  (imported before any in-process pytester run; see conftest)
 import pytest
@@ -133,18 +134,28 @@ def test_bad_values_are_usage_errors(
 # --- the choice on a GPU, with its inputs stubbed ---------------------------------------------
 
 
+def tiny_model_seen_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The bundled tiny model on the CPU, which auto takes for a model on a CUDA GPU."""
+    import torch
+
+    model = testing.build_named_model(testing.TINY_GEMMA2, testing.RANDOM_TRANSCODERS, device="cpu")
+    monkeypatch.setattr(autobatch, "_device_of", lambda model: torch.device("cuda"))
+    return model
+
+
+def auto_config(**fields: Any) -> CircuitTracerConfig:
+    defaults = CircuitTracerConfig.defaults()
+    return defaults.layered({"batch_size": "auto", **fields}, defaults.source_of("dtype"))
+
+
 def test_choice_on_a_gpu_uses_measured_memory_and_real_active_features(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import torch
 
     prompt = "the capital of france is"
-    model = testing.build_named_model(testing.TINY_GEMMA2, testing.RANDOM_TRANSCODERS, device="cpu")
-    cfg = CircuitTracerConfig.defaults().layered(
-        {"batch_size": "auto", "batch_size_max": 4096, "max_feature_nodes": 4096},
-        CircuitTracerConfig.defaults().source_of("dtype"),
-    )
-    monkeypatch.setattr(autobatch, "_device_of", lambda model: torch.device("cuda"))
+    model = tiny_model_seen_on_a_gpu(monkeypatch)
+    cfg = auto_config(batch_size_max=4096, max_feature_nodes=4096)
     allocated = {"bytes": 1 << 30}
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated["bytes"])
     budget = autobatch.Budget(4.0, "fake", 0.1)
@@ -405,18 +416,14 @@ def test_auto_runs_the_setup_pass_once_and_attributes_the_same(
     from pytest_ctresources.session import CtSession
 
     prompt = "the capital of france is"
-    model = testing.build_named_model(testing.TINY_GEMMA2, testing.RANDOM_TRANSCODERS, device="cpu")
-    cfg = CircuitTracerConfig.defaults().layered(
-        {"batch_size": "auto", "max_feature_nodes": 64},
-        CircuitTracerConfig.defaults().source_of("dtype"),
-    )
     # A GPU as auto sees it, so the choice runs its setup pass.
-    monkeypatch.setattr(autobatch, "_device_of", lambda model: torch.device("cuda"))
+    model = tiny_model_seen_on_a_gpu(monkeypatch)
+    cfg = auto_config(max_feature_nodes=64)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 << 30)
     setups = []
     original = type(model).setup_attribution
 
-    def counting(self, input_ids, *args, **kwargs):
+    def counting(self: Any, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
         setups.append(input_ids.numel())
         return original(self, input_ids, *args, **kwargs)
 
