@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,7 +36,9 @@ def attribution_contexts() -> int:
     from circuit_tracer.attribution.context_nnsight import AttributionContext
 
     gc.collect()
-    return sum(isinstance(obj, AttributionContext) for obj in gc.get_objects())
+    with warnings.catch_warnings():  # isinstance() on torch.distributed's deprecated aliases
+        warnings.simplefilter("ignore", FutureWarning)
+        return sum(isinstance(obj, AttributionContext) for obj in gc.get_objects())
 
 
 @pytest.fixture(scope="module")
