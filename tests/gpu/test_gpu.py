@@ -232,6 +232,17 @@ def test_gemma_2_2b_oom_recovered_by_halving(pytester: pytest.Pytester) -> None:
     keep_artifacts(pytester.path / "gemma_halving.json", pytester.path / "gemma_halving.png")
 
 
+def test_oom_retry_gets_the_card_back_after_ooms_in_the_forward_pass(
+    pytester: pytest.Pytester,
+) -> None:
+    shutil.copy(SCENARIOS / "scenario_oom_in_forward.py", pytester.path)
+    result = pytester.runpytest_subprocess(
+        "scenario_oom_in_forward.py", "-s", "--ct-vram-capacity", "24"
+    )
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*HALVINGS [[](512, 256), (256, 128), (128, 64)[]]*"])
+
+
 def test_auto_batch_size_fits_where_256_does_not(pytester: pytest.Pytester) -> None:
     shutil.copy(SCENARIOS / "scenario_auto_batch.py", pytester.path)
     result = pytester.runpytest_subprocess(
