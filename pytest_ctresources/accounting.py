@@ -101,7 +101,8 @@ def estimated_need(cfg: CircuitTracerConfig, runtime: Runtime) -> markers.VramNe
     most = estimate_config(cfg, tokens, DEFAULT_ACTIVE_PER_TOKEN, batch_size=most_batch)
     if least is None or most is None:
         return None
-    # The capacity auto would fill; what counts against it is what counts for auto too.
+    # The card auto would fill; an estimated need counts the reserved peak (what the test
+    # takes from the card), plus the CUDA context on a real card.
     budget = runtime.auto_budget()
 
     def gib(prediction: Estimate) -> float:

@@ -8,12 +8,14 @@ estimated. The budget is the GPU's capacity (or ``--ct-vram-capacity``) less the
 ``ct_auto_margin`` share, and what must fit in it is the predicted *allocated* peak (plus the
 CUDA context on a real card): PyTorch's caching allocator gives its unused cache back before
 it reports an out-of-memory error, so the reserved envelope the estimator also predicts is
-not a requirement (measured under a 24 GiB cap on an H200: every batch size whose allocated
-peak stayed under the cap ran, up to 23.3 GiB allocated with 23.9 GiB reserved at the peak;
-docs/benchmarks.md). Estimated needs and leases, which say what a process takes from a card
-that others share, count the reserved peak (:func:`counted`).
+not a requirement (measured under a 24 GiB cap on an H200: hand-picked sizes ran up to
+23.33 GiB allocated, and 23.90 GiB reserved at another point; only a size at 98.4% of the
+cap failed, and not always; docs/benchmarks.md). Where the budget is a share of a card (a
+declared need, an xdist lease: ``Budget.shared``), what the process reserves is what the
+others lose, so there auto fits the reserved peak, as estimated needs and leases count it
+(:func:`counted`).
 
-The choice's setup pass (one prompt through the model and the transcoders, 0.15-0.25 s on
+The choice's setup pass (one prompt through the model and the transcoders, 0.08-0.26 s on
 the H200 for models of real size) is the one ``attribute()`` starts with: ``ct_session``
 hands it over (:func:`reused_setup`) instead of running it twice.
 """
@@ -32,7 +34,7 @@ from pytest_ctresources.config import CircuitTracerConfig
 
 GIB = 1 << 30
 #: ``ct_auto_margin``'s default: the share of the capacity auto leaves free beyond the
-#: estimate, whose reserved peak is already an upper envelope of the measured ones.
+#: predicted peak (fragmentation, and what the estimator has not seen).
 DEFAULT_AUTO_MARGIN = 0.05
 
 
@@ -46,6 +48,9 @@ class Budget:
     emulated: bool = False
     """The capacity caps PyTorch's allocator (``--ct-vram-capacity``): the CUDA context,
     outside the allocator, does not count against it."""
+    shared: bool = False
+    """The budget is a share of a card (a declared need, an xdist lease), not the card: what
+    the process reserves must stay inside it, so auto fits the reserved peak there."""
 
     @property
     def budget_bytes(self) -> int:
@@ -132,20 +137,29 @@ def reused_setup(model: Any, prompt: Any, context: Any) -> Iterator[None]:
         yield
         return
     original = model.setup_attribution
+    shadowed = vars(model).get("setup_attribution")  # an instance attribute of the caller's
     expected = model.ensure_tokenized(prompt)
     pending = [context]
+    del context
 
     def setup_attribution(input_ids: Any, *args: Any, **kwargs: Any) -> Any:
-        if pending and not args and not kwargs and _same_tokens(input_ids, expected):
-            return pending.pop()
+        handed = pending.pop() if pending else None  # one chance: never kept past the first
+        if handed is not None and not args and not kwargs and _same_tokens(input_ids, expected):
+            return handed
+        del handed
         return original(input_ids, *args, **kwargs)
 
+    # An instance attribute for the block: the model may be cached and shared, but a test
+    # runs one attribution at a time (not thread-safe, like the model itself).
     model.setup_attribution = setup_attribution
     try:
         yield
     finally:
         pending.clear()  # an unused context must not outlive the block
-        del model.setup_attribution
+        if shadowed is None:
+            del model.setup_attribution
+        else:
+            model.setup_attribution = shadowed
 
 
 def _same_tokens(a: Any, b: Any) -> bool:
@@ -186,8 +200,12 @@ def counted(prediction: est.Estimate, budget: Budget) -> int:
 
 
 def counted_for_fit(prediction: est.Estimate, budget: Budget) -> int:
-    """What must fit for auto's batch size to run: the allocated peak, plus the CUDA context
-    on a real card (see the module's docstring)."""
+    """What auto fits into ``budget``: on a whole card (or under ``--ct-vram-capacity``),
+    what must fit for the batch size to run, the allocated peak (see the module's
+    docstring); in a share of a card (``budget.shared``), what the process takes from it,
+    the reserved peak. Plus the CUDA context on a real card."""
+    if budget.shared:
+        return counted(prediction, budget)
     context = prediction.total_bytes - prediction.peak_reserved_bytes
     return prediction.peak_allocated_bytes + (0 if budget.emulated else context)
 
@@ -214,7 +232,7 @@ def fit_batch(
         ceiling=ceiling,
         resident_bytes=resident_bytes,
         count_context=not budget.emulated,
-        peak="allocated",
+        peak="reserved" if budget.shared else "allocated",
     )
     if found is None:
         return None

@@ -113,6 +113,7 @@ def cleanup_after_test(mode: str) -> CleanupResult:
     """The cleanup run after each test's teardown, per ``ct_cleanup`` mode.
 
     ``auto``: close open figures; when torch is loaded, release the frames of a failed test;
+    free nnsight threads an aborted trace left blocked (:mod:`pytest_ctresources.nnsight_threads`);
     when CUDA was initialised, ``gc.collect()`` then ``torch.cuda.empty_cache()``.
     ``always``: the same, and ``gc.collect()`` even when CUDA was not used. ``never``: nothing.
     """
@@ -120,9 +121,10 @@ def cleanup_after_test(mode: str) -> CleanupResult:
         return CleanupResult()
     figures = close_open_figures()
     if "torch" in sys.modules or mode == "always":
-        if release_failed_test_frames():
-            # A trace the failure aborted can leave nnsight threads blocked with its tensors.
-            release_quietly()
+        release_failed_test_frames()
+    # A trace an exception aborted (in the test, a fixture, or caught by the test itself)
+    # can leave nnsight threads blocked with its tensors; a no-op unless nnsight is loaded.
+    release_quietly()
     cuda = cuda_initialised()
     if cuda or mode == "always":
         cleanup_python_cuda()

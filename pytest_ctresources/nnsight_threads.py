@@ -9,8 +9,8 @@ is parked at a ``tracer.barrier()`` as its first participant (circuit-tracer's
 mediator whose event is still pending (``event_queue.has_value``). The barrier event was
 already consumed, so the mediator is dropped while its thread stays blocked in
 ``Mediator.send`` -> ``response_queue.wait()`` for good, and its frames keep the invoke's
-locals alive: on an H200, about 10 GiB per OOM (gemma-2-2b, batch 512, 100 tokens;
-docs/gpu-runs/2026-11-30c-diagnostics/oom_residue.txt). No garbage collection frees a
+locals alive: on an H200, 9.6-10.2 GiB beyond the model after an OOM (gemma-2-2b, batch 512,
+100 tokens; docs/gpu-runs/2026-11-30c-diagnostics/oom_residue.txt). No garbage collection frees a
 blocked thread's frames, so ``ct_session``'s halving retry would run with that much less.
 
 :func:`release_nnsight_threads` finds such orphaned threads and hands them the same
@@ -59,26 +59,40 @@ def _orphans(mediator_type: type, interleaver: Any) -> list[tuple[threading.Thre
         # A mediator still in use keeps its thread as ``worker``; Mediator.cancel sets None.
         if mediator.worker is not thread
         and (interleaver is None or mediator.interleaver is interleaver)
+        and _parked_in_send(thread, mediator_type)
     ]
 
 
-def release_nnsight_threads(model: Any = None, *, timeout: float = 1.0, rounds: int = 3) -> int:
+def _parked_in_send(thread: threading.Thread, mediator_type: type) -> bool:
+    """True when ``thread`` waits in ``Mediator.send`` for a response (its innermost Python
+    frame is ``Mediator.Value.wait``, called from ``send``): not one about to finish, and
+    not one that ``Mediator.cancel`` on another thread is answering right now."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    send = getattr(mediator_type, "send", None)
+    wait = getattr(getattr(mediator_type, "Value", None), "wait", None)
+    return (
+        frame is not None
+        and frame.f_code is getattr(wait, "__code__", None)
+        and frame.f_back is not None
+        and frame.f_back.f_code is getattr(send, "__code__", None)
+    )
+
+
+def release_nnsight_threads(model: Any = None, *, timeout: float = 1.0) -> int:
     """Wake and finish nnsight mediator threads left blocked by an aborted trace.
 
     Call it after catching an exception from an nnsight trace (e.g. an OOM inside
     ``circuit_tracer.attribute``), then ``gc.collect()``: the tensors the threads' frames
     held become collectable. Harmless when nothing is stuck; a no-op (and imports nothing)
-    when nnsight is not loaded. Traces running in other threads are left alone: only
-    mediators that nnsight has already cancelled (``mediator.worker`` no longer their
-    thread) are touched.
+    when nnsight is not loaded. Traces running in other threads are left alone: only a
+    mediator that nnsight has already cancelled (``mediator.worker`` no longer its thread)
+    and whose thread waits in ``Mediator.send`` for an answer nobody will give is touched.
 
     Args:
         model: An nnsight ``Envoy``/``NNsight`` model (e.g. circuit-tracer's
             ``NNSightReplacementModel``): only release mediators of its interleaver.
             ``None``: release those of every model.
-        timeout: Seconds to wait, per round, for the woken threads to finish.
-        rounds: Times to re-send the cancellation to a thread that blocked again (an invoke
-            body that caught the first one and went on requesting values).
+        timeout: Seconds to wait for the woken threads to finish.
 
     Returns:
         How many threads finished.
@@ -92,40 +106,31 @@ def release_nnsight_threads(model: Any = None, *, timeout: float = 1.0, rounds: 
     if model is not None and interleaver is None:
         return 0
 
-    orphans = _orphans(mediator_type, interleaver)
+    woken = []
+    for thread, mediator in _orphans(mediator_type, interleaver):
+        response, events = mediator.response_queue, mediator.event_queue
+        # Blocked in Mediator.send: its response slot is empty and locked.
+        if response.has_value or not response.lock.locked():
+            continue
+        # The woken thread reports the Cancelation through event_queue.put(), which
+        # releases that lock: it must be held (its last event was taken), else skip.
+        if events.has_value or not events.lock.locked():
+            continue
+        cancel = cancelation_type()
+        response.put(cancel)
+        woken.append((thread, mediator, cancel))
+    deadline = time.monotonic() + timeout
     released = 0
-    for _ in range(rounds):
-        if not orphans:
-            break
-        woken = []
-        for thread, mediator in orphans:
-            response, events = mediator.response_queue, mediator.event_queue
-            # Only a thread blocked in Mediator.send: its response slot is empty and locked.
-            if response.has_value or not response.lock.locked():
-                continue
-            # The woken thread reports the Cancelation through event_queue.put(), which
-            # releases that lock: it must be held (its last event was taken), else skip.
-            if events.has_value or not events.lock.locked():
-                continue
-            cancel = cancelation_type()
-            response.put(cancel)
-            woken.append((thread, mediator, cancel))
-        deadline = time.monotonic() + timeout
-        still_blocked = []
-        for thread, mediator, cancel in woken:
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                still_blocked.append((thread, mediator))
-                continue
-            released += 1
-            # Drop what the finished thread reported: (EXCEPTION, cancel), whose traceback
-            # holds the thread's frames and so the invoke's locals.
-            cancel.__traceback__ = None
-            if mediator.event_queue.has_value:
-                mediator.event_queue.get()
-        orphans = still_blocked
-        if not woken:
-            break
+    for thread, mediator, cancel in woken:
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():  # an invoke body that caught the Cancelation and went on
+            continue
+        released += 1
+        # Drop what the finished thread reported: (EXCEPTION, cancel), whose traceback
+        # holds the thread's frames and so the invoke's locals.
+        cancel.__traceback__ = None
+        if mediator.event_queue.has_value:
+            mediator.event_queue.get()
     return released
 
 

@@ -78,11 +78,13 @@ class Runtime:
         need = item.stash.get(NEED_KEY, None)
         total = budget.capacity_gib or 0.0
         if need is not None and need.source.kind != "estimate" and need.gib < total:
-            budget = Budget(need.gib, str(need.source), margin, emulated=budget.emulated)
+            budget = Budget(
+                need.gib, str(need.source), margin, emulated=budget.emulated, shared=True
+            )
         lease = item.stash.get(LEASE_KEY, None)
         if lease is not None and lease.gib < (budget.capacity_gib or 0.0):
             # Leases share the card's memory; each process's context is outside them.
-            budget = Budget(lease.gib, "its VRAM lease", margin, emulated=True)
+            budget = Budget(lease.gib, "its VRAM lease", margin, emulated=True, shared=True)
         return budget
 
     def config_for(self, item: pytest.Item) -> CircuitTracerConfig:

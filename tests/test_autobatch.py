@@ -443,3 +443,43 @@ def test_auto_runs_the_setup_pass_once_and_attributes_the_same(
         attribute("a different prompt", model, batch_size=8, max_feature_nodes=16, verbose=False)
     assert len(setups) == 4
     assert "setup_attribution" not in vars(model)
+
+
+def test_an_unused_setup_is_freed_and_a_patch_of_the_callers_restored() -> None:
+    import weakref
+
+    from circuit_tracer import attribute
+
+    prompt = "the capital of france is"
+    model = testing.build_named_model(testing.TINY_GEMMA2, testing.RANDOM_TRANSCODERS, device="cpu")
+    context = model.setup_attribution(model.ensure_tokenized(prompt))
+    alive = weakref.ref(context)
+    calls: list[int] = []
+    original = model.setup_attribution
+
+    def callers_wrapper(input_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(int(input_ids.numel()))
+        return original(input_ids, *args, **kwargs)
+
+    model.setup_attribution = callers_wrapper
+    with autobatch.reused_setup(model, prompt, context):
+        del context
+        # Another prompt: the handed-over context is dropped at once, the caller's runs.
+        attribute("a different prompt", model, batch_size=8, max_feature_nodes=16, verbose=False)
+        assert alive() is None
+    assert calls == [4]
+    assert vars(model)["setup_attribution"] is callers_wrapper
+
+
+def test_a_share_of_a_card_fits_the_reserved_peak() -> None:
+    shape = registry.model_shape("google/gemma-2-2b")
+    transcoders = registry.transcoder_info("gemma").loaded()
+    work = est.Workload("bfloat16", 1, 32, 64.0, 8192)
+    card = autobatch.Budget(24.0, "card", 0.05)
+    share = autobatch.Budget(24.0, "a vram marker", 0.05, shared=True)
+    on_card = autobatch.fit_batch(shape, transcoders, work, card, 512)
+    in_share = autobatch.fit_batch(shape, transcoders, work, share, 512)
+    assert on_card is not None and in_share is not None
+    assert in_share[1] < on_card[1]  # the reserved envelope is above the allocated peak
+    assert autobatch.counted_for_fit(in_share[2], share) == autobatch.counted(in_share[2], share)
+    assert autobatch.counted_for_fit(on_card[2], card) < autobatch.counted(on_card[2], card)
