@@ -231,8 +231,7 @@ def fit_batch(
         budget.budget_bytes,
         ceiling=ceiling,
         resident_bytes=resident_bytes,
-        count_context=not budget.emulated,
-        peak="reserved" if budget.shared else "allocated",
+        counted=lambda prediction: counted_for_fit(prediction, budget),
     )
     if found is None:
         return None

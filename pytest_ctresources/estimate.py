@@ -35,7 +35,7 @@ factors come from, and the error at every measured point, are in ``docs/estimato
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Final, Literal
@@ -443,23 +443,17 @@ def largest_fitting_batch(
     *,
     ceiling: int,
     resident_bytes: int | None = None,
-    count_context: bool = True,
-    peak: str = "reserved",
+    counted: Callable[[Estimate], int] | None = None,
     calibration: Calibration = CALIBRATION,
 ) -> tuple[int, Estimate] | None:
     """The largest batch size <= ``ceiling`` whose predicted total fits ``budget_bytes``.
 
     ``resident_bytes``, when given (what is already allocated, measured), replaces the
-    estimate's weights and transcoders. ``count_context=False`` leaves the CUDA context out:
-    right for a cap on PyTorch's allocator (``--ct-vram-capacity``), which the context is
-    not part of. ``peak="allocated"`` fits the allocated peak instead of the reserved one
-    (what ``--ct-batch-size auto`` does: the caching allocator gives its unused cache back
-    before it reports an OOM, so the allocated peak is what must fit). Returns None when not
-    even batch size 1 fits. The predicted total grows with the batch size, so a bisection
-    finds it.
+    estimate's weights and transcoders. ``counted`` says what of an estimate must fit
+    (default: ``total_bytes``, the reserved peak and the CUDA context); ``--ct-batch-size
+    auto`` passes its own (``autobatch.counted_for_fit``). Returns None when not even batch
+    size 1 fits. The predicted total grows with the batch size, so a bisection finds it.
     """
-    if peak not in ("reserved", "allocated"):
-        raise ValueError(f"peak must be 'reserved' or 'allocated', got {peak!r}")
 
     def need(batch: int) -> tuple[int, Estimate]:
         est = estimate(
@@ -468,9 +462,7 @@ def largest_fitting_batch(
             with_batch(workload, batch),
             calibration,
         )
-        total = est.peak_reserved_bytes if peak == "reserved" else est.peak_allocated_bytes
-        if count_context:
-            total += est.total_bytes - est.peak_reserved_bytes  # the CUDA context
+        total = est.total_bytes if counted is None else counted(est)
         if resident_bytes is not None:
             total += resident_bytes - est.resident_bytes
         return total, est
