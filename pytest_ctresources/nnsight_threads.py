@@ -31,36 +31,26 @@ from typing import Any
 _INTERLEAVER_MODULE = "nnsight.intervention.interleaver"
 
 
-def _orphans(mediator_type: type, interleaver: Any) -> list[tuple[threading.Thread, Any]]:
+def _orphans(mediator_type: Any, interleaver: Any) -> list[tuple[threading.Thread, Any]]:
     """(thread, mediator) for each live mediator thread that nnsight has already cancelled."""
     current = threading.current_thread()
     found: list[tuple[threading.Thread, Any]] = []
-    unmatched: dict[str, threading.Thread] = {}
     for thread in threading.enumerate():
         if thread is current or not thread.is_alive():
             continue
-        # Thread.run() keeps (mediator, info, ...) as its _args until the target returns.
+        # CPython's Thread.run() keeps (mediator, info, ...) as ``_args`` until the target
+        # returns, so a blocked mediator thread still has it.
         args = getattr(thread, "_args", None)
         mediator = args[0] if isinstance(args, tuple) and args else None
-        if isinstance(mediator, mediator_type):
+        if (
+            isinstance(mediator, mediator_type)
+            # A mediator still in use keeps its thread as ``worker``; Mediator.cancel sets None.
+            and mediator.worker is not thread
+            and (interleaver is None or mediator.interleaver is interleaver)
+            and _parked_in_send(thread, mediator_type)
+        ):
             found.append((thread, mediator))
-        elif thread.name.startswith("Mediator"):
-            unmatched[thread.name] = thread
-    if unmatched:  # a Python whose Thread keeps no _args: match mediators by thread name
-        import gc
-
-        for obj in gc.get_objects():
-            name = getattr(obj, "name", None) if isinstance(obj, mediator_type) else None
-            if name in unmatched:
-                found.append((unmatched.pop(name), obj))
-    return [
-        (thread, mediator)
-        for thread, mediator in found
-        # A mediator still in use keeps its thread as ``worker``; Mediator.cancel sets None.
-        if mediator.worker is not thread
-        and (interleaver is None or mediator.interleaver is interleaver)
-        and _parked_in_send(thread, mediator_type)
-    ]
+    return found
 
 
 def _parked_in_send(thread: threading.Thread, mediator_type: type) -> bool:
