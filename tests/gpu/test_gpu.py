@@ -181,9 +181,15 @@ def keep_artifacts(*paths: Path) -> None:
             shutil.copy(path, Path(target) / path.name)
 
 
+def run_scenario(pytester: pytest.Pytester, scenario: str, *args: str) -> pytest.RunResult:
+    """Copy ``tests/gpu/<scenario>`` into the pytester project and run it in a subprocess."""
+    shutil.copy(SCENARIOS / scenario, pytester.path)
+    return pytester.runpytest_subprocess(scenario, *args)
+
+
 def test_five_tests_second_runs_out_of_memory(pytester: pytest.Pytester) -> None:
-    shutil.copy(SCENARIOS / "scenario_five_tests.py", pytester.path)
-    result = pytester.runpytest_subprocess(
+    result = run_scenario(
+        pytester,
         "scenario_five_tests.py",
         "-p",
         "no:randomly",
@@ -210,8 +216,8 @@ def test_five_tests_second_runs_out_of_memory(pytester: pytest.Pytester) -> None
 
 
 def test_gemma_2_2b_oom_recovered_by_halving(pytester: pytest.Pytester) -> None:
-    shutil.copy(SCENARIOS / "scenario_gemma_halving.py", pytester.path)
-    result = pytester.runpytest_subprocess(
+    result = run_scenario(
+        pytester,
         "scenario_gemma_halving.py",
         "-s",
         "--ct-vram-capacity",
@@ -235,17 +241,14 @@ def test_gemma_2_2b_oom_recovered_by_halving(pytester: pytest.Pytester) -> None:
 def test_oom_retry_gets_the_card_back_after_ooms_in_the_forward_pass(
     pytester: pytest.Pytester,
 ) -> None:
-    shutil.copy(SCENARIOS / "scenario_oom_in_forward.py", pytester.path)
-    result = pytester.runpytest_subprocess(
-        "scenario_oom_in_forward.py", "-s", "--ct-vram-capacity", "24"
-    )
+    result = run_scenario(pytester, "scenario_oom_in_forward.py", "-s", "--ct-vram-capacity", "24")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*HALVINGS [[](512, 256), (256, 128), (128, 64)[]]*"])
 
 
 def test_auto_batch_size_fits_where_256_does_not(pytester: pytest.Pytester) -> None:
-    shutil.copy(SCENARIOS / "scenario_auto_batch.py", pytester.path)
-    result = pytester.runpytest_subprocess(
+    result = run_scenario(
+        pytester,
         "scenario_auto_batch.py",
         "-s",
         "--ct-batch-size",
