@@ -135,25 +135,30 @@ def attribution(model: Any, prompt: list[int], batch: int, nodes: int) -> dict[s
     return timed(lambda: attribute(prompt, model, batch_size=batch, max_feature_nodes=nodes))
 
 
+def auto_config(model_name: str, dtype: str, args: argparse.Namespace) -> Any:
+    """The config of auto's runs: the bundled model and its random transcoders."""
+    from pytest_ctresources.config import CircuitTracerConfig
+
+    defaults = CircuitTracerConfig.defaults()
+    fields = {
+        "model_name": model_name,
+        "transcoder_set": "ctresources/random-jumprelu",
+        "dtype": dtype,
+        "batch_size": "auto",
+        "max_feature_nodes": args.max_feature_nodes,
+    }
+    return defaults.layered(fields, defaults.source_of("dtype"))
+
+
 def auto_attribution(
     model: Any, prompt: list[int], model_name: str, dtype: str, args: argparse.Namespace
 ) -> dict[str, Any]:
     import torch
 
     from pytest_ctresources.autobatch import DEFAULT_AUTO_MARGIN, Budget
-    from pytest_ctresources.config import CircuitTracerConfig
     from pytest_ctresources.session import CtSession
 
-    cfg = CircuitTracerConfig.defaults().layered(
-        {
-            "model_name": model_name,
-            "transcoder_set": "ctresources/random-jumprelu",
-            "dtype": dtype,
-            "batch_size": "auto",
-            "max_feature_nodes": args.max_feature_nodes,
-        },
-        CircuitTracerConfig.defaults().source_of("dtype"),
-    )
+    cfg = auto_config(model_name, dtype, args)
     # As the plugin builds it for --ct-vram-capacity: a cap on the allocator, default margin.
     budget = Budget(args.capacity, "--capacity", DEFAULT_AUTO_MARGIN, emulated=True)
     session = CtSession(cfg, oom_retry=False, auto_budget=budget)
@@ -203,12 +208,8 @@ def emit_predictions(
 
     from pytest_ctresources import estimate as est
     from pytest_ctresources import registry
-    from pytest_ctresources.config import CircuitTracerConfig
 
-    cfg = CircuitTracerConfig.defaults().layered(
-        {"dtype": dtype, "max_feature_nodes": args.max_feature_nodes},
-        CircuitTracerConfig.defaults().source_of("dtype"),
-    )
+    cfg = auto_config(str(base["model"]), dtype, args)
     model_shape, transcoders = registry.shapes_of_loaded(model)
     tokens = len(prompt)
     resident = torch.cuda.memory_allocated()
