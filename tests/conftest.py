@@ -35,6 +35,15 @@ def _offline_and_clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
+@pytest.fixture
+def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    """pytest's own ``pytester``, with pytest-randomly (in the test extra) off in the projects
+    it runs: their tests often depend on their order. (Pytester clears PYTEST_ADDOPTS when it
+    starts, hence an override.) The coexistence tests turn it back on where they want it."""
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:randomly")
+    return pytester
+
+
 TINY_YAML = """\
 # the bundled tiny offline model
 MODEL_FAMILY: gemma2
