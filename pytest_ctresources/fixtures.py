@@ -50,9 +50,13 @@ def ct_session(
         auto_budget=runtime.auto_budget(node),
     )
     node.stash[SESSION_KEY] = session
+    cache = runtime.model_cache
+    cache.current_test = node.nodeid
     try:
-        yield session
+        with cache.in_use():  # an idle-cache watcher leaves the model alone meanwhile
+            yield session
     finally:
+        cache.current_test = None
         if session.calls:
             node.user_properties.append(
                 (ATTRIBUTIONS_PROPERTY, [call.kwargs["batch_size"] for call in session.calls])

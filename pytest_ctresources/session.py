@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Hashable
+import sys
+import threading
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pytest_ctresources import oom
 from pytest_ctresources.autobatch import DEFAULT_AUTO_MARGIN, AutoChoice, Budget
@@ -47,41 +50,135 @@ def build_model(cfg: CircuitTracerConfig, device: str | torch.device) -> Any:
     return ReplacementModel.from_pretrained(**kwargs, device=torch.device(device))
 
 
+@dataclass(frozen=True)
+class ResidentModel:
+    """The model :class:`ModelCache` keeps loaded between tests, and what it holds.
+
+    Attributes:
+        key: what identifies it (model, transcoders, backend, dtype, device).
+        label: ``model_name (dtype)`` for reports.
+        device: where it lives (``cuda:0``, ``cpu``).
+        bytes: CUDA memory its build left allocated, measured around the build (0 on the CPU).
+            It stays allocated between tests by design: a resident model, not a leak.
+        loaded_by: the node id of the test whose setup or call loaded it, when known.
+    """
+
+    key: Hashable
+    label: str
+    device: str
+    bytes: int
+    loaded_by: str | None = None
+
+
+class CacheObserver(Protocol):
+    """Told when :class:`ModelCache` loads or frees its model (the xdist VRAM budget keeps a
+    lease for a resident model)."""
+
+    def model_loaded(self, resident: ResidentModel) -> None: ...
+
+    def model_freed(self, resident: ResidentModel) -> None: ...
+
+
+def _cuda_allocated(device: str | torch.device) -> int | None:
+    """CUDA memory allocated on ``device`` now; None for a non-CUDA device. Never imports
+    torch (a CUDA device means the caller has it loaded)."""
+    torch_module = sys.modules.get("torch")
+    if torch_module is None or not str(device).startswith("cuda"):
+        return None
+    return int(torch_module.cuda.memory_allocated(torch_module.device(device)))
+
+
 class ModelCache:
     """Holds the one ReplacementModel of the session, keyed by what identifies it.
 
     Tests whose configs name the same model, transcoders, backend and dtype share a single
     load; a test that needs another model evicts the previous one and frees its memory
-    first, so two models are never resident at once.
+    first, so two models are never resident at once. The CUDA memory a build leaves
+    allocated is measured (:attr:`resident`), so reports count it as a resident model
+    rather than as the leak of the test that loaded it.
+
+    Thread-safe: an xdist worker may free an idle cache from a watcher thread
+    (:meth:`evict_if_idle`) while its main thread is between tests; a test using the model
+    holds :meth:`in_use` for its duration.
     """
 
     def __init__(self) -> None:
         self._key: Hashable | None = None
         self._model: Any = None
+        self._resident: ResidentModel | None = None
+        self._lock = threading.RLock()
+        self._users = 0
         self.loads = 0
+        self.observers: list[CacheObserver] = []
+        #: The node id reported as ``loaded_by`` of a model loaded now (set by the plugin).
+        self.current_test: str | None = None
 
     def get(self, cfg: CircuitTracerConfig, device: str | torch.device) -> Any:
         key = (*cfg.model_key(), str(device))
-        if self._model is not None and key == self._key:
-            return self._model
-        self.evict()
-        self._model = build_model(cfg, device)
-        self._key = key
-        self.loads += 1
-        return self._model
+        with self._lock:
+            if self._model is not None and key == self._key:
+                return self._model
+            self.evict()
+            before = _cuda_allocated(device)
+            model = build_model(cfg, device)
+            after = _cuda_allocated(device)
+            self._model = model
+            self._key = key
+            self.loads += 1
+            resident = ResidentModel(
+                key=key,
+                label=f"{cfg.model_name} ({cfg.dtype})",
+                device=str(device),
+                bytes=max(0, after - before) if after is not None and before is not None else 0,
+                loaded_by=self.current_test,
+            )
+            self._resident = resident
+        for observer in list(self.observers):
+            observer.model_loaded(resident)
+        return model
 
     @property
     def key(self) -> Hashable | None:
         """The key of the resident model, or None."""
         return self._key
 
-    def evict(self) -> None:
-        """Drop the resident model and return its memory."""
-        if self._model is None:
-            return
-        self._model = None
-        self._key = None
-        cleanup_python_cuda()
+    @property
+    def resident(self) -> ResidentModel | None:
+        """The model kept loaded now and its measured CUDA bytes, or None."""
+        return self._resident
+
+    @contextmanager
+    def in_use(self) -> Iterator[None]:
+        """A test uses the cache for the block: :meth:`evict_if_idle` leaves it alone."""
+        with self._lock:
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+
+    def evict_if_idle(self) -> ResidentModel | None:
+        """Free the model if no test is using it; returns what was freed, if anything."""
+        with self._lock:
+            if self._users:
+                return None
+            return self.evict()
+
+    def evict(self) -> ResidentModel | None:
+        """Drop the resident model and return its memory; returns what was freed."""
+        with self._lock:
+            if self._model is None:
+                return None
+            resident = self._resident
+            self._model = None
+            self._key = None
+            self._resident = None
+            cleanup_python_cuda()
+        if resident is not None:
+            for observer in list(self.observers):
+                observer.model_freed(resident)
+        return resident
 
 
 @dataclass(frozen=True)
