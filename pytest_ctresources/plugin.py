@@ -21,11 +21,11 @@ import pytest
 from pytest_ctresources import accounting, leases, markers
 from pytest_ctresources.allocator import AllocConf
 from pytest_ctresources.binding import Binding, bind_worker, is_worker, open_seats, plan_line
-from pytest_ctresources.cleanup import cleanup_after_test
+from pytest_ctresources.cleanup_between_tests import BetweenTests
 from pytest_ctresources.fixtures import ct_config, ct_session
 from pytest_ctresources.options import DEFAULT_ALLOC_CONF, add_options, binding_mode
 from pytest_ctresources.runtime import RUNTIME_KEY, runtime_of, start_runtime
-from pytest_ctresources.summary import FIGURES_PROPERTY, SummaryReporter
+from pytest_ctresources.summary import FIGURES_PROPERTY, PROPERTY_PREFIX, SummaryReporter
 
 __all__ = ["ct_config", "ct_session"]
 
@@ -81,6 +81,9 @@ def pytest_configure(config: pytest.Config) -> None:
         binding = None
     runtime = start_runtime(config, config.stash.get(_ALLOC_KEY, None), binding)
     config.stash[RUNTIME_KEY] = runtime
+    if runtime.settings.cleanup.value != "never":
+        runtime.cleaner = BetweenTests(runtime.settings.cleanup.value)
+        config.pluginmanager.register(runtime.cleaner, BetweenTests.name)
     if not hasattr(config, "workerinput"):  # xdist workers report to the controller instead
         if runtime.settings.forget:
             runtime.learned().forget()
@@ -101,6 +104,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     runtime = config.stash.get(RUNTIME_KEY, None)
     if runtime is not None:
         runtime.model_cache.evict()
+        if runtime.cleaner is not None:
+            runtime.cleaner.close()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str] | None:
@@ -127,6 +132,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     runtime = runtime_of(item.config)
     if runtime.capacity_cap is not None:
         runtime.capacity_cap.arm()
+    # A rerun (pytest-rerunfailures) runs the same item again: its earlier attempt's figures
+    # must not travel with this one's reports.
+    item.user_properties[:] = [p for p in item.user_properties if not _ours(p)]
+    if runtime.cleaner is not None:
+        runtime.cleaner.begin(item, runtime.resident_bytes())
     try:
         reason = accounting.begin(item, runtime)
     except markers.MarkerError as exc:
@@ -141,6 +151,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     pytest.fail(failure, pytrace=False)
 
 
+def _ours(prop: tuple[str, object]) -> bool:
+    return isinstance(prop[0], str) and prop[0].startswith(PROPERTY_PREFIX)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
     try:
@@ -148,10 +162,13 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
     finally:
         runtime = runtime_of(item.config)
         try:
-            result = cleanup_after_test(runtime.settings.cleanup.value)
-            if result.figures_closed:
-                # Reported through the teardown report: output written here would be captured.
-                item.user_properties.append((FIGURES_PROPERTY, result.figures_closed))
+            if runtime.cleaner is not None:
+                closed = runtime.cleaner.finish(
+                    item, accounting.allocated_beyond_baseline(item), runtime.resident_bytes()
+                )
+                if closed:
+                    # Reported through the teardown report: output written here is captured.
+                    item.user_properties.append((FIGURES_PROPERTY, closed))
             accounting.end(item, runtime)
         finally:
             leases.give_back(item, runtime)  # whatever raised (-W error::CtLeakWarning, ...)

@@ -66,6 +66,8 @@ def build_report(
         "attributions": summary.attributions,
         "auto_batch_sizes": summary.auto_choices,
         "vram_skips": summary.vram_skips,
+        "resident_models": summary.resident_models,
+        "reruns": summary.reruns,
     }
 
 

@@ -11,6 +11,7 @@ from pytest_ctresources.allocator import ALLOC_CONF_ENV, AllocConf, CapacityCap
 from pytest_ctresources.autobatch import Budget
 from pytest_ctresources.binding import Binding, testrun_id
 from pytest_ctresources.cleanup import cleanup_python_cuda, cuda_initialised
+from pytest_ctresources.cleanup_between_tests import BetweenTests
 from pytest_ctresources.config import CircuitTracerConfig
 from pytest_ctresources.exceptions import AllocConfIneffectiveWarning
 from pytest_ctresources.gpus import FAKE_GPUS_ENV, GpuFacts, GpuInfo, detect_gpus, parse_fake_gpus
@@ -32,6 +33,8 @@ class Runtime:
     cache: pytest.Cache | None = None
     worker_gpu: WorkerGpu | None = None
     """The GPU this xdist worker is bound to, and its lease budget (None elsewhere)."""
+    cleaner: BetweenTests | None = None
+    """The between-test cleanup (None under ``ct_cleanup = never``)."""
     _gpu_facts: GpuFacts | None = None
     _learned: LearnedNeeds | None = None
     _config_below_markers: CircuitTracerConfig | None = None
@@ -46,6 +49,11 @@ class Runtime:
         if self._learned is None:
             self._learned = LearnedNeeds(self.cache)
         return self._learned
+
+    def resident_bytes(self) -> int:
+        """CUDA memory the models ``ct_session`` keeps loaded between tests hold now."""
+        resident = self.model_cache.resident
+        return resident.bytes if resident is not None else 0
 
     def free_cached_models(self) -> None:
         """Free the models ct_session cached, and what the allocator caches (before a wait)."""

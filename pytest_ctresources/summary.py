@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_ctresources.accounting import UNMARKED_BYTES, suggested_marker
+from pytest_ctresources.accounting import RESIDENT_PROPERTY, UNMARKED_BYTES, suggested_marker
 from pytest_ctresources.learned import LearnedNeed
 from pytest_ctresources.measure import GIB
 from pytest_ctresources.placement import Placement, placement_from, placement_lines
@@ -33,7 +33,13 @@ FIGURES_PROPERTY = "ct_figures_closed"
 VRAM_SKIP_PATTERN = re.compile(r"needs [0-9.]+ GiB VRAM")
 
 
+#: How bad each phase's outcome is for the test's final outcome; an outcome another plugin
+#: reports that is not listed (other than a rerun) ranks with "skipped".
 _OUTCOME_RANK = {"passed": 0, "skipped": 1, "failed": 2}
+#: pytest-rerunfailures' outcome of a failed attempt that it runs again: not final.
+RERUN_OUTCOME = "rerun"
+#: The prefix of every user property the plugin writes (its namespace in junit XML too).
+PROPERTY_PREFIX = "ct_"
 _NEED_KIND_NAMES = {"marker": "marker", "learned": "learned", "estimate": "estimate"}
 
 
@@ -57,6 +63,10 @@ class TestRecord:
     need_kind: str | None = None
     need_most_gib: float | None = None
     oom_halvings: str | None = None
+    resident_bytes: int = 0
+    """What the models kept loaded between tests grew by during the test (not a leak)."""
+    reruns: int = 0
+    """How many failed attempts another plugin (pytest-rerunfailures) ran again."""
     flags: list[str] = field(default_factory=list)
 
     @property
@@ -92,6 +102,7 @@ def _record_from(report: pytest.TestReport, outcome: str) -> TestRecord | None:
         need_kind=props.get("ct_need_kind"),
         need_most_gib=_float_or_none(props.get("ct_need_most_gib")),
         oom_halvings=props.get(HALVINGS_PROPERTY),
+        resident_bytes=int(props.get("ct_resident_bytes", 0)),
     )
 
 
@@ -99,9 +110,20 @@ def _float_or_none(value: object) -> float | None:
     return None if value is None else float(value)  # type: ignore[arg-type]
 
 
+def _worse(current: str, outcome: str) -> str:
+    """The test's outcome so far combined with one more phase's."""
+    rank = _OUTCOME_RANK.get
+    return outcome if rank(outcome, 1) > rank(current, 1) else current
+
+
 @dataclass
 class RunSummary:
-    """What the run did: attributions, VRAM skips, and a record per test that used CUDA."""
+    """What the run did: attributions, VRAM skips, and a record per test that used CUDA.
+
+    Built from reports alone, whatever plugin made them: an outcome it does not know ranks as
+    a skip, and a failed attempt that pytest-rerunfailures runs again (outcome ``rerun``) is
+    counted as a rerun and superseded by the next attempt: each test is recorded by its last.
+    """
 
     attributions: dict[str, list[int]] = field(default_factory=dict)
     vram_skips: dict[str, str] = field(default_factory=dict)
@@ -109,34 +131,47 @@ class RunSummary:
     halvings: dict[str, str] = field(default_factory=dict)
     auto_choices: dict[str, list[str]] = field(default_factory=dict)
     placements: dict[str, Placement] = field(default_factory=dict)
+    resident_models: list[dict[str, Any]] = field(default_factory=list)
+    reruns: dict[str, int] = field(default_factory=dict)
     _outcomes: dict[str, str] = field(default_factory=dict)
+    _rerun_attempt: set[str] = field(default_factory=set)
 
     def record(self, report: pytest.TestReport) -> None:
-        if report.outcome != "passed":
-            previous = self._outcomes.get(report.nodeid, "passed")
-            if _OUTCOME_RANK[report.outcome] > _OUTCOME_RANK[previous]:
-                self._outcomes[report.nodeid] = report.outcome
-        if not report.user_properties and not report.skipped:
-            return  # the common case: a test that used neither CUDA nor ct_session
-        for name, value in report.user_properties:
-            if name == ATTRIBUTIONS_PROPERTY and isinstance(value, list):
-                self.attributions.setdefault(report.nodeid, []).extend(value)
-            elif name == HALVINGS_PROPERTY:
-                self.halvings[report.nodeid] = str(value)
-            elif name == AUTO_PROPERTY and isinstance(value, list):
-                self.auto_choices.setdefault(report.nodeid, []).extend(map(str, value))
+        nodeid = report.nodeid
+        if report.when == "setup":  # a new attempt of the test
+            self._outcomes[nodeid] = "passed"
+            self._rerun_attempt.discard(nodeid)
+        if report.outcome == RERUN_OUTCOME:
+            if nodeid not in self._rerun_attempt:
+                self._rerun_attempt.add(nodeid)
+                self.reruns[nodeid] = self.reruns.get(nodeid, 0) + 1
+        elif report.outcome != "passed":
+            self._outcomes[nodeid] = _worse(self._outcomes.get(nodeid, "passed"), report.outcome)
         if report.skipped and isinstance(report.longrepr, tuple):
             reason = str(report.longrepr[2]).removeprefix("Skipped: ")
             if VRAM_SKIP_PATTERN.match(reason):
-                self.vram_skips[report.nodeid] = reason
-        if report.when == "teardown":
-            outcome = self._outcomes.get(report.nodeid, "passed")
-            record = _record_from(report, outcome)
-            if record is not None:
-                self.records[report.nodeid] = record
-            placement = placement_from(report.nodeid, outcome, dict(report.user_properties))
-            if placement is not None:
-                self.placements[report.nodeid] = placement
+                self.vram_skips[nodeid] = reason
+        if report.when != "teardown" or not report.user_properties:
+            return  # the common case: a test that used neither CUDA nor ct_session
+        if nodeid in self._rerun_attempt:
+            return  # superseded by the next attempt, which reports its own
+        props: dict[str, Any] = dict(report.user_properties)
+        if isinstance(props.get(ATTRIBUTIONS_PROPERTY), list):
+            self.attributions[nodeid] = list(props[ATTRIBUTIONS_PROPERTY])
+        if HALVINGS_PROPERTY in props:
+            self.halvings[nodeid] = str(props[HALVINGS_PROPERTY])
+        if isinstance(props.get(AUTO_PROPERTY), list):
+            self.auto_choices[nodeid] = list(map(str, props[AUTO_PROPERTY]))
+        if isinstance(props.get(RESIDENT_PROPERTY), dict):
+            self.resident_models.append(dict(props[RESIDENT_PROPERTY]))
+        outcome = self._outcomes.get(nodeid, "passed")
+        record = _record_from(report, outcome)
+        if record is not None:
+            record.reruns = self.reruns.get(nodeid, 0)
+            self.records[nodeid] = record
+        placement = placement_from(nodeid, outcome, props)
+        if placement is not None:
+            self.placements[nodeid] = placement
 
     def flag(self, leak_threshold: int) -> None:
         """Attach UNDER-DECLARED, UNMARKED, LEAK and OOM-RECOVERED flags to the records."""
@@ -190,6 +225,8 @@ class RunSummary:
             or self.halvings
             or self.auto_choices
             or self.placements
+            or self.resident_models
+            or self.reruns
         )
 
     def lines(self, settings_lines: list[str], gpu_lines: list[str]) -> list[str]:
@@ -207,6 +244,25 @@ class RunSummary:
         out.append(f"skipped for VRAM: {len(self.vram_skips)} test(s)")
         out += [f"  {nodeid}: {reason}" for nodeid, reason in sorted(self.vram_skips.items())]
         out += placement_lines(list(self.placements.values()))
+        out += self.resident_lines()
+        if self.reruns:
+            out.append(
+                f"reruns (another plugin ran failed attempts again): {sum(self.reruns.values())} "
+                f"of {len(self.reruns)} test(s); each is reported by its last attempt"
+            )
+        return out
+
+    def resident_lines(self) -> list[str]:
+        """The models ct_session kept loaded between tests, per worker and GPU."""
+        if not self.resident_models:
+            return []
+        out = ["resident models (kept loaded between tests by ct_session; not leaks):"]
+        for model in self.resident_models:
+            loaded_by = f", loaded by {model['loaded_by']}" if model.get("loaded_by") else ""
+            out.append(
+                f"  {model.get('worker', 'main')} GPU {model.get('device', '?')}: "
+                f"{model.get('model')} {int(model.get('bytes', 0)) / GIB:.2f} GiB{loaded_by}"
+            )
         return out
 
     def vram_lines(self, top: int, capacity_gib: float | None, capacity_note: str) -> list[str]:

@@ -75,7 +75,8 @@ def test_leak_warning_names_test_amount_and_holders(project: pytest.Pytester) ->
         [
             "*CtLeakWarning: test_suite.py::test_leaks left 0.50 GiB of CUDA memory allocated after "
             "teardown and cleanup (threshold 0.25 GiB, ct_leak_threshold); usual holders: a "
-            "module-level or global reference, a wider-scoped fixture, a cached model",
+            "module-level or global reference, a wider-scoped fixture, a cache of the test's own "
+            "(models ct_session keeps loaded are counted apart, as resident)",
         ]
     )
 
