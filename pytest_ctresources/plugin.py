@@ -114,14 +114,17 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     runtime = runtime_of(config)
     lines = [
         *runtime.settings.header_lines(),
-        *(f"ctresources: {line}" for line in runtime.gpu_facts().summary_lines()),
+        *(
+            f"ctresources: {line}"
+            for line in runtime.gpu_facts(may_import_torch=False).summary_lines()
+        ),
     ]
     workers = config.getoption("numprocesses", None)
     most = config.getoption("maxprocesses", None)
     if isinstance(workers, int) and isinstance(most, int):
         workers = min(workers, most)
     if runtime.settings.gpu_binding.value == "auto" and isinstance(workers, int):
-        plan = plan_line(runtime.gpu_facts(), workers)
+        plan = plan_line(runtime.gpu_facts(may_import_torch=False), workers)
         if plan is not None:
             lines.append(f"ctresources: {plan}")
     return lines

@@ -35,7 +35,7 @@ def build_report(
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "exitstatus": exitstatus,
         "interrupted": exitstatus == 2,
-        "gpus": runtime.gpu_facts().to_dict(),
+        "gpus": runtime.gpu_facts(may_import_torch=False).to_dict(),
         "capacity": {
             "gib": capacity_gib,
             "description": capacity_note,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 from dataclasses import dataclass, field
 
 import pytest
@@ -39,10 +41,23 @@ class Runtime:
     _learned: LearnedNeeds | None = None
     _config_below_markers: CircuitTracerConfig | None = None
 
-    def gpu_facts(self) -> GpuFacts:
-        if self._gpu_facts is None:
+    def gpu_facts(self, *, may_import_torch: bool = True) -> GpuFacts:
+        """The GPUs of this process, detected once. Without NVML, detection falls back to
+        torch, whose import costs seconds: callers that only describe the run (the ``-v``
+        header, the summary) pass ``may_import_torch=False`` and, when no test has imported
+        torch, get NVML's answer with a note instead."""
+        if self._gpu_facts is not None:
+            return self._gpu_facts
+        if may_import_torch or "torch" in sys.modules:
             self._gpu_facts = detect_gpus()
-        return self._gpu_facts
+            return self._gpu_facts
+        facts = detect_gpus(torch_fallback=False)
+        if facts.gpus:
+            self._gpu_facts = facts
+            return facts
+        return dataclasses.replace(
+            facts, detail=f"{facts.detail}; torch not asked, since no test imported it"
+        )
 
     def learned(self) -> LearnedNeeds:
         """VRAM needs measured by earlier runs (pytest's cache), loaded on first use."""

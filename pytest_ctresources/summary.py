@@ -323,7 +323,7 @@ class SummaryReporter:
 
     def capacity(self) -> tuple[float | None, str]:
         """The capacity the report compares with, and how it is described."""
-        gpu = self.runtime.test_gpu()
+        gpu = self.runtime.gpu_facts(may_import_torch=False).gpu(0)
         emulated = self.runtime.settings.vram_capacity_gib
         if emulated is not None:
             where = f"{gpu.describe()} " if gpu is not None else ""
@@ -380,7 +380,7 @@ class SummaryReporter:
             return
         self.summary.flag(settings.leak_threshold_bytes.value)
         terminalreporter.section("ctresources summary")
-        gpu_lines = self.runtime.gpu_facts().summary_lines()
+        gpu_lines = self.runtime.gpu_facts(may_import_torch=False).summary_lines()
         for line in self.summary.lines(settings.header_lines(), gpu_lines):
             terminalreporter.write_line(line)
         if show_vram:
