@@ -378,3 +378,53 @@ def test_a_test_reads_its_own_figures_through_ct_session(
         """
     )
     pytester.runpytest_subprocess().assert_outcomes(passed=1)
+
+
+# ct_session's cache holds a "model" whose build takes 9 GiB of (fake) CUDA memory: it stays
+# loaded between tests by design, so it is a resident model, not the first test's leak.
+RESIDENT_SUITE = """
+import pytest
+from conftest import FAKE
+import pytest_ctresources.session as session_module
+
+def build(cfg, device):
+    FAKE.alloc(9)
+    return object()
+
+session_module.build_model = build
+
+def test_loads_the_model(ct_session):
+    ct_session.load_model(device="cuda")
+
+def test_reuses_it(ct_session):
+    ct_session.load_model(device="cuda")
+    FAKE.alloc(2); FAKE.free(2)
+
+LEAKED = []
+def test_really_leaks(ct_session):
+    ct_session.load_model(device="cuda")
+    FAKE.alloc(0.5)
+"""
+
+
+def test_the_resident_model_is_no_leak_and_strict_still_fails_a_real_one(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CT_FAKE_GPUS", "NVIDIA GeForce RTX 4090=23.6")
+    pytester.makeconftest(FAKE_CUDA_CONFTEST)
+    pytester.makefile(".yaml", exp=TINY_YAML)
+    pytester.makepyfile(test_resident=RESIDENT_SUITE)
+    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml", "--ct-strict")
+    # test_really_leaks passes its call and errors at teardown: pytest counts both.
+    result.assert_outcomes(passed=3, errors=1, warnings=1)
+    out = result.stdout.str()
+    result.stdout.fnmatch_lines(
+        [
+            "resident models (kept loaded between tests by ct_session; not leaks):",
+            "  main GPU 0: ctresources/tiny-gemma-2 (float32) 9.00 GiB, loaded by test_resident.py::test_loads_the_model",
+            "*ctresources --ct-strict: test_resident.py::test_really_leaks left 0.50 GiB*",
+            "LEAK test_resident.py::test_really_leaks: 0.50 GiB still allocated after teardown and cleanup",
+        ]
+    )
+    assert "LEAK test_resident.py::test_loads_the_model" not in out
+    assert "CtLeakWarning: test_resident.py::test_loads_the_model" not in out
