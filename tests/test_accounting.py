@@ -420,9 +420,9 @@ def test_the_resident_model_is_no_leak_and_strict_still_fails_a_real_one(
     out = result.stdout.str()
     result.stdout.fnmatch_lines(
         [
+            "*ctresources --ct-strict: test_resident.py::test_really_leaks left 0.50 GiB*",
             "resident models (kept loaded between tests by ct_session; not leaks):",
             "  main GPU 0: ctresources/tiny-gemma-2 (float32) 9.00 GiB, loaded by test_resident.py::test_loads_the_model",
-            "*ctresources --ct-strict: test_resident.py::test_really_leaks left 0.50 GiB*",
             "LEAK test_resident.py::test_really_leaks: 0.50 GiB still allocated after teardown and cleanup",
         ]
     )
