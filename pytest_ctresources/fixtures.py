@@ -18,9 +18,9 @@ from pytest_ctresources.summary import ATTRIBUTIONS_PROPERTY, AUTO_PROPERTY, HAL
 def ct_config(request: pytest.FixtureRequest) -> CircuitTracerConfig:
     """The resolved :class:`~pytest_ctresources.CircuitTracerConfig` of this test.
 
-    Layers, lowest to highest: defaults < ini < experiment YAML < ``ct_config`` marker <
-    ``CT_*`` environment < ``--ct-*`` options. ``ct_config.source_of("batch_size")`` says
-    where a value came from.
+    Layers, lowest to highest: defaults < ini < experiment YAML (``--ct-config``) < ``CT_*``
+    environment < ``--ct-*`` options < the test's own ``ct_config`` marker (its ``path=`` YAML,
+    then its fields). ``ct_config.source_of("batch_size")`` says where a value came from.
     """
     try:
         return runtime_of(request.config).config_for(request.node)

@@ -14,7 +14,7 @@ from pytest_ctresources.autobatch import Budget
 from pytest_ctresources.binding import Binding, testrun_id
 from pytest_ctresources.cleanup import cleanup_python_cuda, cuda_initialised
 from pytest_ctresources.cleanup_between_tests import BetweenTests
-from pytest_ctresources.config import CircuitTracerConfig
+from pytest_ctresources.config import FIELDS, CircuitTracerConfig
 from pytest_ctresources.exceptions import AllocConfIneffectiveWarning
 from pytest_ctresources.gpus import FAKE_GPUS_ENV, GpuFacts, GpuInfo, detect_gpus, parse_fake_gpus
 from pytest_ctresources.learned import LearnedNeeds
@@ -39,7 +39,7 @@ class Runtime:
     """The between-test cleanup (None under ``ct_cleanup = never``)."""
     _gpu_facts: GpuFacts | None = None
     _learned: LearnedNeeds | None = None
-    _config_below_markers: CircuitTracerConfig | None = None
+    _session_config: CircuitTracerConfig | None = None
 
     def gpu_facts(self, *, may_import_torch: bool = True) -> GpuFacts:
         """The GPUs of this process, detected once. Without NVML, detection falls back to
@@ -118,11 +118,35 @@ class Runtime:
         cached = item.stash.get(CONFIG_KEY, None)
         if cached is not None:
             return cached
-        if self._config_below_markers is None:
-            self._config_below_markers = self.settings.config_below_markers()
-        cfg = self.settings.config_above_markers(layer_markers(item, self._config_below_markers))
+        if self._session_config is None:
+            self._session_config = self.settings.session_config()
+        session = self._session_config
+        cfg = layer_markers(item, session)
         item.stash[CONFIG_KEY] = cfg
+        overrides = own_settings(session, cfg)
+        if overrides:
+            # Said once per setting in -v and the summary, from the setup report.
+            item.user_properties.append((OWN_SETTINGS_PROPERTY, overrides))
         return cfg
+
+
+#: user_properties key of the session-wide values a test's own ct_config marker overrode.
+OWN_SETTINGS_PROPERTY = "ct_own_settings"
+
+
+def own_settings(session: CircuitTracerConfig, cfg: CircuitTracerConfig) -> list[list[str]]:
+    """``[field, session-wide source, session-wide value, the test's value]`` for each field
+    the test's own marker set over a value the session set (not a default)."""
+    out = []
+    for name in FIELDS:
+        before, after = session.source_of(name), cfg.source_of(name)
+        if (
+            after != before
+            and before.kind != "default"
+            and getattr(cfg, name) != getattr(session, name)
+        ):
+            out.append([name, str(before), str(getattr(session, name)), str(getattr(cfg, name))])
+    return out
 
 
 def runs_no_tests(config: pytest.Config) -> bool:

@@ -18,6 +18,7 @@ from pytest_ctresources.accounting import RESIDENT_PROPERTY, UNMARKED_BYTES, sug
 from pytest_ctresources.learned import LearnedNeed
 from pytest_ctresources.measure import GIB
 from pytest_ctresources.placement import Placement, placement_from, placement_lines
+from pytest_ctresources.runtime import OWN_SETTINGS_PROPERTY
 
 if TYPE_CHECKING:
     from pytest_ctresources.runtime import Runtime
@@ -110,6 +111,15 @@ def _float_or_none(value: object) -> float | None:
     return None if value is None else float(value)  # type: ignore[arg-type]
 
 
+def session_value(source: str, value: str) -> str:
+    """``--ct-batch-size 64``, ``env CT_BATCH_SIZE=64``, ``BATCH_SIZE in x.yaml (64)``."""
+    if source.startswith("--"):
+        return f"{source} {value}"
+    if source.startswith("env "):
+        return f"{source}={value}"
+    return f"{source} ({value})"
+
+
 def _worse(current: str, outcome: str) -> str:
     """The test's outcome so far combined with one more phase's."""
     rank = _OUTCOME_RANK.get
@@ -133,11 +143,16 @@ class RunSummary:
     placements: dict[str, Placement] = field(default_factory=dict)
     resident_models: list[dict[str, Any]] = field(default_factory=list)
     reruns: dict[str, int] = field(default_factory=dict)
+    own_settings: dict[tuple[str, str, str], set[str]] = field(default_factory=dict)
+    """(field, session-wide source, its value) -> the tests whose own marker overrode it."""
     _outcomes: dict[str, str] = field(default_factory=dict)
     _rerun_attempt: set[str] = field(default_factory=set)
 
-    def record(self, report: pytest.TestReport) -> None:
+    def record(self, report: pytest.TestReport) -> list[list[str]]:
+        """Take one report in; returns the session-wide settings it shows a test's own marker
+        overriding for the first time (``[field, source, value, the test's value]``)."""
         nodeid = report.nodeid
+        first: list[list[str]] = []
         if report.when == "setup":  # a new attempt of the test
             self._outcomes[nodeid] = "passed"
             self._rerun_attempt.discard(nodeid)
@@ -147,15 +162,21 @@ class RunSummary:
                 self.reruns[nodeid] = self.reruns.get(nodeid, 0) + 1
         elif report.outcome != "passed":
             self._outcomes[nodeid] = _worse(self._outcomes.get(nodeid, "passed"), report.outcome)
+        props: dict[str, Any] = dict(report.user_properties)
+        if report.when == "setup":
+            overrides: list[list[str]] = props.get(OWN_SETTINGS_PROPERTY, [])
+            for name, source, value, own in overrides:
+                if (name, source, value) not in self.own_settings:
+                    first.append([name, source, value, own])
+                self.own_settings.setdefault((name, source, value), set()).add(nodeid)
         if report.skipped and isinstance(report.longrepr, tuple):
             reason = str(report.longrepr[2]).removeprefix("Skipped: ")
             if VRAM_SKIP_PATTERN.match(reason):
                 self.vram_skips[nodeid] = reason
         if report.when != "teardown" or not report.user_properties:
-            return  # the common case: a test that used neither CUDA nor ct_session
+            return first  # the common case: a test that used neither CUDA nor ct_session
         if nodeid in self._rerun_attempt:
-            return  # superseded by the next attempt, which reports its own
-        props: dict[str, Any] = dict(report.user_properties)
+            return first  # superseded by the next attempt, which reports its own
         if isinstance(props.get(ATTRIBUTIONS_PROPERTY), list):
             self.attributions[nodeid] = list(props[ATTRIBUTIONS_PROPERTY])
         if HALVINGS_PROPERTY in props:
@@ -172,6 +193,7 @@ class RunSummary:
         placement = placement_from(nodeid, outcome, props)
         if placement is not None:
             self.placements[nodeid] = placement
+        return first
 
     def flag(self, leak_threshold: int) -> None:
         """Attach UNDER-DECLARED, UNMARKED, LEAK and OOM-RECOVERED flags to the records."""
@@ -227,6 +249,7 @@ class RunSummary:
             or self.placements
             or self.resident_models
             or self.reruns
+            or self.own_settings
         )
 
     def lines(self, settings_lines: list[str], gpu_lines: list[str]) -> list[str]:
@@ -243,6 +266,11 @@ class RunSummary:
             out += [f"  {nodeid}: auto {text}" for text in choices]
         out.append(f"skipped for VRAM: {len(self.vram_skips)} test(s)")
         out += [f"  {nodeid}: {reason}" for nodeid, reason in sorted(self.vram_skips.items())]
+        for (name, source, value), nodeids in sorted(self.own_settings.items()):
+            out.append(
+                f"{len(nodeids)} test(s) keep their own {name} (@pytest.mark.ct_config) over "
+                f"{session_value(source, value)}"
+            )
         out += placement_lines(list(self.placements.values()))
         out += self.resident_lines()
         if self.reruns:
@@ -333,7 +361,14 @@ class SummaryReporter:
         return None, "no CUDA GPU detected"
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.summary.record(report)
+        first_overrides = self.summary.record(report)
+        if self.verbose:
+            for name, source, value, own in first_overrides:
+                self.terminal.write_line(
+                    f"ctresources: {report.nodeid} keeps its own {name}={own} "
+                    f"(@pytest.mark.ct_config) over {session_value(source, value)}; said once "
+                    "per setting, the summary counts them"
+                )
         if report.when == "teardown" and self.verbose:
             closed = dict(report.user_properties).get(FIGURES_PROPERTY)
             if closed:
