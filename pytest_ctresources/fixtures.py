@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import pytest
 
 from pytest_ctresources.accounting import METER_KEY, SESSION_KEY, halving_summary
 from pytest_ctresources.config import CircuitTracerConfig
 from pytest_ctresources.markers import MarkerError
+from pytest_ctresources.model_load import ModelLoadError
 from pytest_ctresources.runtime import runtime_of
 from pytest_ctresources.session import CtSession
 from pytest_ctresources.summary import ATTRIBUTIONS_PROPERTY, AUTO_PROPERTY, HALVINGS_PROPERTY
@@ -68,3 +69,28 @@ def ct_session(
         if session.halvings:
             node.user_properties.append((HALVINGS_PROPERTY, halving_summary(session)))
         session.close()
+
+
+class OneLineModelFailures:
+    """A model ``ct_session`` cannot load fails its test with one line (the model, its config
+    source, the cause), not the hub's chained tracebacks, whether the test body or a fixture
+    asked for it (:class:`~pytest_ctresources.model_load.ModelLoadError`)."""
+
+    name = "ctresources-model-load"
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+        return (yield from _one_line())
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
+        return (yield from _one_line())
+
+
+def _one_line() -> Generator[None, None, None]:
+    try:
+        return (yield)
+    except ModelLoadError as exc:
+        message = str(exc)
+    # Outside the except block: no "During handling of the above exception" either.
+    pytest.fail(message, pytrace=False)

@@ -22,7 +22,7 @@ from pytest_ctresources import accounting, leases, markers
 from pytest_ctresources.allocator import AllocConf
 from pytest_ctresources.binding import Binding, bind_worker, is_worker, open_seats, plan_line
 from pytest_ctresources.cleanup_between_tests import BetweenTests
-from pytest_ctresources.fixtures import ct_config, ct_session
+from pytest_ctresources.fixtures import OneLineModelFailures, ct_config, ct_session
 from pytest_ctresources.options import DEFAULT_ALLOC_CONF, add_options, binding_mode
 from pytest_ctresources.runtime import RUNTIME_KEY, runtime_of, start_runtime
 from pytest_ctresources.summary import FIGURES_PROPERTY, PROPERTY_PREFIX, SummaryReporter
@@ -81,6 +81,7 @@ def pytest_configure(config: pytest.Config) -> None:
         binding = None
     runtime = start_runtime(config, config.stash.get(_ALLOC_KEY, None), binding)
     config.stash[RUNTIME_KEY] = runtime
+    config.pluginmanager.register(OneLineModelFailures(), OneLineModelFailures.name)
     if runtime.settings.cleanup.value != "never":
         runtime.cleaner = BetweenTests(runtime.settings.cleanup.value)
         config.pluginmanager.register(runtime.cleaner, BetweenTests.name)

@@ -26,6 +26,11 @@ from pytest_ctresources.config import (
     validate_typed,
 )
 from pytest_ctresources.measure import VramFigures, VramMeter
+from pytest_ctresources.model_load import (
+    ModelLoadError,
+    load_failure_message,
+    repeated_failure_message,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -106,6 +111,7 @@ class ModelCache:
         self._key: Hashable | None = None
         self._model: Any = None
         self._resident: ResidentModel | None = None
+        self._failures: dict[Hashable, tuple[str, str | None]] = {}
         self._lock = threading.RLock()
         self._users = 0
         self.loads = 0
@@ -114,13 +120,28 @@ class ModelCache:
         self.current_test: str | None = None
 
     def get(self, cfg: CircuitTracerConfig, device: str | torch.device) -> Any:
+        """The model of ``cfg`` on ``device``, built on first use.
+
+        Raises :class:`~pytest_ctresources.model_load.ModelLoadError` (one line: the model,
+        its config source, the cause) when it cannot be built; a model that failed once
+        fails again at once, without another attempt (a hub that is unreachable now will be
+        unreachable for the next test too).
+        """
         key = (*cfg.model_key(), str(device))
         with self._lock:
             if self._model is not None and key == self._key:
                 return self._model
+            failed = self._failures.get(key)
+            if failed is not None:
+                raise ModelLoadError(repeated_failure_message(*failed))
             self.evict()
             before = _cuda_allocated(device)
-            model = build_model(cfg, device)
+            try:
+                model = build_model(cfg, device)
+            except Exception as exc:
+                message = load_failure_message(cfg, exc)
+                self._failures[key] = (message, self.current_test)
+                raise ModelLoadError(message) from None
             after = _cuda_allocated(device)
             self._model = model
             self._key = key
