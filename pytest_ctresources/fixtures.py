@@ -49,6 +49,7 @@ def ct_session(
         oom_retry_floor=runtime.settings.oom_retry_floor.value,
         meter=node.stash.get(METER_KEY, None),
         auto_budget=runtime.auto_budget(node),
+        estimate_prompt_tokens=runtime.settings.estimate_prompt_tokens.value,
     )
     node.stash[SESSION_KEY] = session
     cache = runtime.model_cache

@@ -147,3 +147,29 @@ def test_a_model_that_fails_to_load_fails_once_in_one_line(pytester: pytest.Pyte
     out = result.stdout.str()
     assert "Traceback" not in out and "During handling" not in out
     assert "did you mean google/gemma-2-2b" not in out  # a known name gets no suggestion
+
+
+def test_the_batch_size_is_a_number_before_and_after_an_auto_call(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makefile(".yaml", exp=TINY_YAML)
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ct_config(batch_size="auto", batch_size_max=64)
+        def test_auto(ct_session):
+            assert ct_session.cfg.batch_size == "auto"
+            before = ct_session.batch_size
+            assert isinstance(before, int) and 1 <= before <= 64
+            ct_session.attribute("the capital of france is")
+            (choice,) = ct_session.auto_choices
+            assert ct_session.batch_size == choice.batch_size
+            ct_session.attribute("the capital of france is", batch_size=ct_session.batch_size // 4)
+            assert ct_session.batch_size == choice.batch_size // 4
+
+        def test_fixed(ct_session):
+            assert ct_session.batch_size == 128
+        """
+    )
+    pytester.runpytest_subprocess("--ct-config", "exp.yaml").assert_outcomes(passed=2)
