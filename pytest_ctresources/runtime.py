@@ -22,6 +22,7 @@ from pytest_ctresources.leases import WorkerGpu, start_worker_gpu
 from pytest_ctresources.markers import layer_markers
 from pytest_ctresources.session import ModelCache
 from pytest_ctresources.settings import Settings, settings_from_config
+from pytest_ctresources.sources import Source, Sourced
 
 
 @dataclass
@@ -149,6 +150,19 @@ def own_settings(session: CircuitTracerConfig, cfg: CircuitTracerConfig) -> list
     return out
 
 
+def clamped_capacity(capacity: Sourced[float], gpu: GpuInfo | None) -> Sourced[float]:
+    """``--ct-vram-capacity`` no larger than the card it emulates on: a cap above the real
+    memory would admit tests the card cannot hold. The source says so when it clamps."""
+    if gpu is None or capacity.value <= gpu.total_gib:
+        return capacity
+    source = capacity.source
+    where = (
+        f"{source.where} {capacity.value:g} GiB, clamped to the {gpu.total_gib:.1f} GiB of "
+        f"{gpu.describe()}"
+    )
+    return Sourced(gpu.total_gib, Source(source.kind, where, source.path))
+
+
 def runs_no_tests(config: pytest.Config) -> bool:
     """Whether this is a pytest-xdist controller (its workers run the tests)."""
     return not hasattr(config, "workerinput") and bool(config.getoption("numprocesses", None))
@@ -188,13 +202,17 @@ def start_runtime(
             ),
             stacklevel=3,
         )
-    capacity = settings.vram_capacity_gib
     runtime = Runtime(
         settings=settings,
         alloc_conf=alloc,
-        capacity_cap=CapacityCap(capacity.value) if capacity else None,
+        capacity_cap=None,
         cache=getattr(config, "cache", None),  # None under -p no:cacheprovider
     )
+    capacity = settings.vram_capacity_gib
+    if capacity is not None:
+        capacity = clamped_capacity(capacity, runtime.gpu_facts(may_import_torch=False).gpu(0))
+        runtime.settings = settings = dataclasses.replace(settings, vram_capacity_gib=capacity)
+        runtime.capacity_cap = CapacityCap(capacity.value)
     if binding is not None:
         budget = capacity.value if capacity else binding.gpu.total_gib
         runtime.worker_gpu = start_worker_gpu(

@@ -55,6 +55,22 @@ def test_capacity_option_replaces_the_detected_memory(
     )
 
 
+def test_a_capacity_above_the_card_is_clamped_to_it(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CT_FAKE_GPUS", "Card=10")
+    pytester.makepyfile(test_v=VRAM_TESTS)
+    result = pytester.runpytest("-rs", "-v", "--ct-vram-capacity", "200")
+    result.assert_outcomes(passed=1, skipped=2)
+    clamped = "--ct-vram-capacity 200 GiB, clamped to the 10.0 GiB of GPU 0 (Card)"
+    result.stdout.fnmatch_lines(
+        [
+            f"ctresources: vram capacity 10 GiB ({clamped}), *",
+            f"*needs 20.0 GiB VRAM; GPU 0 (Card) is capped at 10.0 GiB by {clamped}",
+        ]
+    )
+
+
 def test_cuda_visible_devices_picks_the_gpu(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
