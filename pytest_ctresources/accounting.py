@@ -62,15 +62,20 @@ def begin(item: pytest.Item, runtime: Runtime) -> str | None:
     cfg = item.stash.get(CONFIG_KEY, None)  # set at collection for notebook items
     if cfg is None and CONFIG_FIXTURES.intersection(getattr(item, "fixturenames", ())):
         cfg = runtime.config_for(item)
-    item.stash[MEMORY_KEY] = key = memory_key(item.nodeid, cfg)
+    capacity = runtime.settings.vram_capacity_gib
+    key = memory_key(item.nodeid, cfg, capacity.value if capacity is not None else None)
+    item.stash[MEMORY_KEY] = key
     need = markers.vram_need(item)
     if need is None and cfg is not None and cfg.vram_gib is not None:
         need = markers.VramNeed(cfg.vram_gib, cfg.source_of("vram_gib"))
+    session = cfg is not None and "ct_session" in getattr(item, "fixturenames", ())
     if need is None and key and runtime.learned():
         learned = runtime.learned().get(key)
         if learned is not None:
             need = markers.VramNeed(learned.gib, learned.source)
-    if need is None and cfg is not None and "ct_session" in getattr(item, "fixturenames", ()):
+            if session and cfg is not None:
+                need = learned_need_with_retry(need, cfg, runtime)
+    if need is None and session and cfg is not None:
         need = estimated_need(cfg, runtime)
     item.stash[NEED_KEY] = need
     if need is None:
@@ -78,6 +83,30 @@ def begin(item: pytest.Item, runtime: Runtime) -> str | None:
     return skip_reason(
         need.gib, need.source, runtime.test_gpu(), runtime.settings.vram_capacity_gib
     )
+
+
+def learned_need_with_retry(
+    need: markers.VramNeed, cfg: CircuitTracerConfig, runtime: Runtime
+) -> markers.VramNeed:
+    """A learned peak is what the test took at its batch size; with ct_session's OOM retry
+    it may still pass at a smaller one. So the skip is decided, as for an estimate, at the
+    retry's floor: the least the estimate says it needs there (never skipped on the learned
+    peak alone when the estimator does not know the model), while the learned peak stays
+    the most it may take (its lease, the UNDER-DECLARED check)."""
+    settings = runtime.settings
+    floor = settings.oom_retry_floor.value
+    if not settings.oom_retry.value or cfg.batch_size == AUTO or int(cfg.batch_size) <= floor:
+        return need
+    at_floor = estimated_need(cfg, runtime)
+    least = min(need.gib, at_floor.gib) if at_floor is not None else 0.0
+    if least >= need.gib:
+        return need
+    source = Source(
+        "learned",
+        f"{need.source}; {least:.1f} GiB at the OOM retry's floor, batch {floor}, "
+        "estimated" if at_floor is not None else f"{need.source}; the OOM retry may need less",
+    )
+    return markers.VramNeed(least, source, most_gib=need.gib)
 
 
 def estimated_need(cfg: CircuitTracerConfig, runtime: Runtime) -> markers.VramNeed | None:
@@ -252,11 +281,11 @@ class StrictChecks:
             figures is not None
             and need is not None
             and need.source.kind != "estimate"  # an estimate is not a declaration
-            and figures.peak_reserved_gib > need.gib
+            and figures.peak_reserved_gib > need.lease_gib
         ):
             problems.append(
                 f"UNDER-DECLARED: peak {figures.peak_reserved_gib:.2f} GiB reserved exceeds the "
-                f"declared {need.gib:.1f} GiB ({need.source}); write "
+                f"declared {need.lease_gib:.1f} GiB ({need.source}); write "
                 f"{suggested_marker(figures.peak_reserved_bytes, item.nodeid)}"
             )
         session = item.stash.get(SESSION_KEY, None)

@@ -23,9 +23,15 @@ from pytest_ctresources.allocator import AllocConf
 from pytest_ctresources.binding import Binding, bind_worker, is_worker, open_seats, plan_line
 from pytest_ctresources.cleanup_between_tests import BetweenTests
 from pytest_ctresources.fixtures import OneLineModelFailures, ct_config, ct_session
+from pytest_ctresources.learned import stale_keys
 from pytest_ctresources.options import DEFAULT_ALLOC_CONF, add_options, binding_mode
 from pytest_ctresources.runtime import RUNTIME_KEY, runtime_of, start_runtime
-from pytest_ctresources.summary import FIGURES_PROPERTY, PROPERTY_PREFIX, SummaryReporter
+from pytest_ctresources.summary import (
+    FIGURES_PROPERTY,
+    PROPERTY_PREFIX,
+    STALE_LEARNED_OUTPUT,
+    SummaryReporter,
+)
 
 __all__ = ["ct_config", "ct_session"]
 
@@ -86,9 +92,10 @@ def pytest_configure(config: pytest.Config) -> None:
         runtime.cleaner = BetweenTests(runtime.settings.cleanup.value)
         config.pluginmanager.register(runtime.cleaner, BetweenTests.name)
     if not hasattr(config, "workerinput"):  # xdist workers report to the controller instead
+        reporter = SummaryReporter(runtime, config)
         if runtime.settings.forget:
-            runtime.learned().forget()
-        config.pluginmanager.register(SummaryReporter(runtime, config), SummaryReporter.name)
+            reporter.forgotten = runtime.learned().forget()
+        config.pluginmanager.register(reporter, SummaryReporter.name)
     if config.pluginmanager.hasplugin("nbmake") and config.getoption("nbmake", False):
         from pytest_ctresources.notebooks import NotebookSupport
 
@@ -99,6 +106,24 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(
             accounting.StrictChecks(runtime), accounting.StrictChecks.name
         )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Before any deselection (-k, -m): every collected test still counts as existing.
+    runtime = runtime_of(config)
+    learned = runtime.learned()
+    if not learned:
+        return
+    stale = stale_keys(
+        learned.keys(), {item.nodeid for item in items}, lambda f: (config.rootpath / f).exists()
+    )
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller prunes
+        config.workeroutput[STALE_LEARNED_OUTPUT] = sorted(stale)  # type: ignore[attr-defined]
+        return
+    reporter = config.pluginmanager.get_plugin(SummaryReporter.name)
+    if reporter is not None:
+        reporter.stale_learned.update(stale)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -29,6 +29,8 @@ ATTRIBUTIONS_PROPERTY = "ct_attribution_batch_sizes"
 AUTO_PROPERTY = "ct_auto_batch_sizes"
 #: user_properties key of the OOM halvings ct_session.attribute recovered from.
 HALVINGS_PROPERTY = "ct_oom_halvings"
+#: xdist ``workeroutput`` key of the learned needs a worker found stale at collection.
+STALE_LEARNED_OUTPUT = "ct_stale_learned"
 #: user_properties key under which the cleanup records how many figures it closed.
 FIGURES_PROPERTY = "ct_figures_closed"
 VRAM_SKIP_PATTERN = re.compile(r"needs [0-9.]+ GiB VRAM")
@@ -209,10 +211,10 @@ class RunSummary:
                         f"most {record.need_source}; write "
                         f"{suggested_marker(peak, record.nodeid)}"
                     )
-            elif record.need_gib is not None and peak > record.need_gib * GIB:
+            elif most is not None and peak > most * GIB:
                 flags.append(
                     f"UNDER-DECLARED: peak {peak / GIB:.2f} GiB reserved > declared "
-                    f"{record.need_gib:.1f} GiB ({record.need_source}); write "
+                    f"{most:.1f} GiB ({record.need_source}); write "
                     f"{suggested_marker(peak, record.nodeid)}"
                 )
             if record.need_gib is None and peak > UNMARKED_BYTES:
@@ -230,13 +232,15 @@ class RunSummary:
             record.flags = flags
 
     def learned(self) -> dict[str, LearnedNeed]:
-        """Needs to remember: the peak reserved of every passed test that used CUDA."""
+        """Needs to remember: the peak reserved of every passed test that used CUDA, except
+        a test that passed only after ct_session halved its batch size (its peak is that of a
+        smaller batch than its key says)."""
         return {
             record.memory_key: LearnedNeed(
                 record.peak_reserved_bytes / GIB, record.gpu, record.date
             )
             for record in self.records.values()
-            if record.outcome == "passed" and record.memory_key
+            if record.outcome == "passed" and record.memory_key and not record.oom_halvings
         }
 
     def is_empty(self) -> bool:
@@ -342,6 +346,16 @@ class SummaryReporter:
         self.verbose = config.get_verbosity() > 0
         self.config = config
         self._finished = False
+        #: Learned needs of tests that no longer exist (found where the tests are collected).
+        self.stale_learned: set[str] = set()
+        #: How many learned needs ``--ct-forget`` cleared (None: not asked).
+        self.forgotten: int | None = None
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: object) -> None:
+        """pytest-xdist: a worker finished; it found stale learned needs while collecting."""
+        output = getattr(node, "workeroutput", None) or {}
+        self.stale_learned.update(output.get(STALE_LEARNED_OUTPUT, ()))
 
     @property
     def terminal(self) -> pytest.TerminalReporter:
@@ -391,8 +405,10 @@ class SummaryReporter:
         settings = self.runtime.settings
         self.summary.flag(settings.leak_threshold_bytes.value)
         measured = self.summary.learned()
-        if measured:
+        stale = self.stale_learned
+        if measured or stale:
             learned = self.runtime.learned()
+            learned.prune(stale)
             learned.update(measured)
             learned.save()
         if settings.report_json is None and settings.report_plot is None:
@@ -410,6 +426,10 @@ class SummaryReporter:
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         settings = self.runtime.settings
+        if self.forgotten is not None:
+            terminalreporter.write_line(
+                f"ctresources: --ct-forget cleared {self.forgotten} learned VRAM need(s)"
+            )
         show_vram = bool(self.summary.records) or settings.report_forced
         if self.summary.is_empty() and not show_vram:
             return

@@ -183,6 +183,7 @@ def test_learned_need_skips_next_run_and_forget_clears_it(
         "-p", "no:randomly", "-rs", "-k", "unmarked_big", "--ct-forget"
     )
     result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["ctresources: --ct-forget cleared 5 learned VRAM need(s)"])
 
 
 def test_merged_report_under_xdist(project: pytest.Pytester) -> None:
@@ -428,3 +429,107 @@ def test_the_resident_model_is_no_leak_and_strict_still_fails_a_real_one(
     )
     assert "LEAK test_resident.py::test_loads_the_model" not in out
     assert "CtLeakWarning: test_resident.py::test_loads_the_model" not in out
+
+
+def test_no_need_is_learned_from_a_test_that_passed_only_after_halving() -> None:
+    from pytest_ctresources.summary import RunSummary, TestRecord
+
+    def record(nodeid: str, halvings: str | None) -> TestRecord:
+        return TestRecord(
+            nodeid,
+            "passed",
+            0,
+            "Card",
+            "2026-12-01",
+            nodeid,
+            0,
+            4 << 30,
+            5 << 30,
+            0,
+            0,
+            oom_halvings=halvings,
+        )
+
+    summary = RunSummary()
+    summary.records = {
+        "t::plain": record("t::plain", None),
+        "t::halved": record("t::halved", "OOM at batch 256, passed at 128"),
+    }
+    assert set(summary.learned()) == {"t::plain"}
+
+
+def test_a_need_learned_under_a_capacity_is_keyed_by_it() -> None:
+    from pytest_ctresources.config import CircuitTracerConfig
+    from pytest_ctresources.learned import memory_key
+
+    cfg = CircuitTracerConfig.defaults()
+    assert memory_key("t::a", cfg) != memory_key("t::a", cfg, 24.0)
+    assert memory_key("t::a", None, 24.0) == "t::a|capacity=24GiB"
+    assert memory_key("t::a", cfg, 24.0).startswith("t::a|")
+
+
+def test_stale_keys_are_those_of_tests_that_no_longer_exist() -> None:
+    from pytest_ctresources.learned import stale_keys
+
+    keys = ["a.py::test_kept", "a.py::test_renamed|{}", "gone.py::test_x", "b.py::test_elsewhere"]
+    collected = {"a.py::test_kept", "a.py::test_new"}  # b.py not collected this run
+    exists = {"a.py", "b.py"}.__contains__
+    assert stale_keys(keys, collected, exists) == {"a.py::test_renamed|{}", "gone.py::test_x"}
+
+
+LEARNED_SESSION = """
+from conftest import FAKE
+
+def test_attribution(ct_session):
+    FAKE.alloc(13); FAKE.free(13)
+
+def test_other(ct_session):
+    pass
+"""
+
+
+def test_a_learned_need_never_skips_what_the_oom_retry_could_pass(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytester.makeconftest(FAKE_CUDA_CONFTEST)
+    pytester.makefile(".yaml", exp=TINY_YAML)
+    pytester.makepyfile(test_learned=LEARNED_SESSION)
+    monkeypatch.setenv("CT_FAKE_GPUS", "Card=24")
+    pytester.runpytest_subprocess("--ct-config", "exp.yaml").assert_outcomes(passed=2)
+    needs = json.loads((pytester.path / ".pytest_cache/v/ctresources/learned-needs").read_text())
+    assert [key.split("|")[0] for key in needs] == ["test_learned.py::test_attribution"]
+    monkeypatch.setenv("CT_FAKE_GPUS", "Card=10")
+    # 13 GiB at batch 128 does not fit 10, but the OOM retry may pass at a smaller batch.
+    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml", "-rs")
+    result.assert_outcomes(passed=2)
+    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml", "-rs", "--ct-no-oom-retry")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*test_learned.py:*: needs 13.0 GiB VRAM (measured 13.0 GiB on Card, ????-??-??); GPU 0 (Card) has 10.0 GiB"
+        ]
+    )
+
+
+def test_learned_needs_of_tests_that_no_longer_exist_are_pruned(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CT_FAKE_GPUS", "Card=24")
+    pytester.makeconftest(FAKE_CUDA_CONFTEST)
+    uses = "from conftest import FAKE\n\ndef test_{}():\n    FAKE.alloc(1); FAKE.free(1)\n"
+    pytester.makepyfile(
+        test_a=uses.format("kept") + "\n" + uses.format("renamed").split("\n", 2)[2]
+    )
+    pytester.makepyfile(test_b=uses.format("deselected"), test_gone=uses.format("gone"))
+    pytester.runpytest_subprocess().assert_outcomes(passed=4)
+    cache = pytester.path / ".pytest_cache/v/ctresources/learned-needs"
+    assert len(json.loads(cache.read_text())) == 4
+    (pytester.path / "test_gone.py").unlink()
+    pytester.makepyfile(test_a=uses.format("kept") + "\n" + uses.format("new").split("\n", 2)[2])
+    result = pytester.runpytest_subprocess("-k", "not deselected", "-n", "2")
+    result.assert_outcomes(passed=2)
+    assert sorted(json.loads(cache.read_text())) == [
+        "test_a.py::test_kept",
+        "test_a.py::test_new",
+        "test_b.py::test_deselected",
+    ]
