@@ -37,10 +37,13 @@ class CleanupPolicy:
             CUDA memory allocated than it started with (its baseline, plus the models it made
             resident): then something a collection could free holds CUDA memory. False: collect
             after every test that used CUDA.
-        freeze: after a collection that took longer than ``freeze_after_s`` (many long-lived
-            objects joined the heap: imports, a model), ``gc.freeze()`` them, so that later
-            collections cost what the tests themselves allocate. Only when nothing else in
-            the process uses ``gc.freeze()``; undone at the end of the run.
+        freeze: ``gc.freeze()`` the long-lived objects, so that collections cost what the
+            tests themselves allocate: at the first collection of the run (then only the young
+            generations are collected first, unless CUDA memory says the test's garbage holds
+            some), and after any collection that took longer than ``freeze_after_s`` (many
+            long-lived objects joined the heap: imports, a model). Undone at the end of the
+            run, unless something else in the process had frozen objects before it (gc cannot
+            unfreeze only some).
         freeze_after_s: see ``freeze``.
         empty_cache_min_bytes: return the CUDA caching allocator's free memory
             (``torch.cuda.empty_cache()``) only when it holds at least this much: a few cached
@@ -50,7 +53,7 @@ class CleanupPolicy:
 
     conditional: bool = True
     freeze: bool = True
-    freeze_after_s: float = 0.01
+    freeze_after_s: float = 0.002
     empty_cache_min_bytes: int = 64 << 20
 
 
@@ -91,8 +94,9 @@ class BetweenTests:
         self.mode = mode
         self._wider_figures: set[int] = set()
         self._froze = False
-        # Freezing is ours only if nobody else in the process freezes (we unfreeze at the end).
-        self._may_freeze = gc.get_freeze_count() == 0
+        # Unfreezing at the end gives back the collector's usual view only if nothing else
+        # froze objects before the run (a server that freezes before forking, say).
+        self._unfreeze_at_close = gc.get_freeze_count() == 0
 
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(
@@ -142,12 +146,27 @@ class BetweenTests:
         else:
             collect = garbage_held or not policy.conditional
         if collect:
-            self._collect(policy, lambda: _above(allocated_beyond_baseline(), resident_bytes))
+            self._collect(
+                policy,
+                lambda: _above(allocated_beyond_baseline(), resident_bytes),
+                needs_full=garbage_held,
+            )
         if cuda:
             self._empty_cache(policy)
         return figures
 
-    def _collect(self, policy: CleanupPolicy, still_held: Callable[[], bool]) -> None:
+    def _collect(
+        self, policy: CleanupPolicy, still_held: Callable[[], bool], *, needs_full: bool
+    ) -> None:
+        if policy.freeze and not self._froze and not needs_full:
+            # The first collection of a run would walk everything torch, transformers and
+            # nnsight imported (0.13-0.3 s); the young generations hold what the test just
+            # dropped. Freeze what is left: later full collections skip it, and it is
+            # unfrozen (and collected as usual) at the end of the run.
+            gc.collect(1)
+            gc.freeze()
+            self._froze = True
+            return
         began = time.perf_counter()
         gc.collect()
         took = time.perf_counter() - began
@@ -155,7 +174,7 @@ class BetweenTests:
             # Still more allocated: garbage set aside by an earlier freeze may hold it (a
             # wider-scoped fixture's objects that died since).
             collect_everything()
-        if policy.freeze and self._may_freeze and took > policy.freeze_after_s:
+        if policy.freeze and took > policy.freeze_after_s:
             gc.freeze()
             self._froze = True
 
@@ -170,9 +189,9 @@ class BetweenTests:
 
     def close(self) -> None:
         """At the end of the run: give the garbage collector its usual view back."""
-        if self._froze:
+        if self._froze and self._unfreeze_at_close:
             gc.unfreeze()
-            self._froze = False
+        self._froze = False
 
 
 def _above(beyond: int | None, resident_bytes: int) -> bool:
