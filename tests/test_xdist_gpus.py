@@ -607,10 +607,16 @@ def test_a_malformed_fake_used_memory_is_one_usage_error_line(
 RESIDENT_CONFTEST = (
     FAKE_CUDA_CONFTEST
     + """
-import fcntl, json, os, time, weakref
+import atexit, fcntl, json, os, threading, time, weakref
 from pytest_ctresources import session
 
 MODEL_GIB = 9
+
+@atexit.register
+def threads_left():  # after pytest's end, its config cleanup included
+    names = [thread.name for thread in threading.enumerate() if thread.is_alive()]
+    with open(f"threads-{os.getpid()}.json", "w") as handle:
+        json.dump(names, handle)
 
 def card(delta, what):
     with open(os.environ["CT_TEST_CARD"], "a+") as handle:
@@ -732,7 +738,7 @@ def test_a_resident_model_is_reused_within_its_lease_and_freed_for_a_test_that_n
     holder = hold_lease(ledger_path("GPU-fake-0"), 24, 8)
     pytester.makepyfile(
         """
-        import pytest
+        import threading, pytest
         from conftest import done, use
 
         @pytest.mark.vram(gib=16)
@@ -746,6 +752,8 @@ def test_a_resident_model_is_reused_within_its_lease_and_freed_for_a_test_that_n
             ct_session.load_model("cuda:0")
             use(7, "t2")
             done(7, "t2")
+            # the model holds a lease: its process watches for waiters
+            assert "ctresources-idle-cache-watcher" in [t.name for t in threading.enumerate()]
 
         @pytest.mark.vram(gib=16)
         def test_3_needs_room():
@@ -778,6 +786,8 @@ def test_a_resident_model_is_reused_within_its_lease_and_freed_for_a_test_that_n
     result.stdout.fnmatch_lines(
         ["*GPU 0 (Card): 3 test(s), 3 with a lease, *1 reused the resident*"]
     )
+    (left,) = pytester.path.glob("threads-*.json")
+    assert "ctresources-idle-cache-watcher" not in json.loads(left.read_text())  # stopped
 
 
 REUSING_TESTS = """
