@@ -31,8 +31,10 @@ What else counts:
 
 Fairness and deadlock:
 
-- A process waiting for units holds no units but a resident model's, and the waiter's
-  ``WANTED`` gets idle resident models freed, so waits can never form a cycle.
+- A process waiting for units holds none for a test; its resident model's, if any, are
+  freed by its watcher once a waiter needs them and no test uses the model, and a test that
+  reuses the model keeps it for at most a short grace while it waits
+  (:mod:`~pytest_ctresources.leases`), so waits can never form a cycle.
 - A turnstile byte: every process takes it before taking units, and a process that cannot
   get its units keeps it while it waits, so newcomers queue behind the waiter and a large
   lease is not starved by a stream of small ones.
