@@ -149,12 +149,16 @@ def testrun_id(environ: Mapping[str, str]) -> str:
 
 
 def open_seats(environ: Mapping[str, str] | None = None) -> Seats | None:
-    """The run's seat board on this host; None without POSIX record locks (round robin)."""
+    """The run's seat board on this host; None without POSIX record locks or a safe ledger
+    directory (then plain round robin; the controller reports an unsafe directory)."""
     try:
-        from pytest_ctresources.ledger import seat_board
+        from pytest_ctresources.ledger import LedgerDirError, seat_board
     except ImportError:  # no fcntl
         return None
-    return seat_board(testrun_id(os.environ if environ is None else environ))
+    try:
+        return seat_board(testrun_id(os.environ if environ is None else environ))
+    except LedgerDirError:
+        return None
 
 
 def is_worker(environ: Mapping[str, str]) -> bool:

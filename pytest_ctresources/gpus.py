@@ -8,6 +8,9 @@ Sources, in order:
 
 1. ``CT_FAKE_GPUS`` -- a testing seam. CPU-only test runs present GPUs of given capacities;
    they are labelled ``source="fake"`` everywhere so they are never mistaken for real ones.
+   ``CT_FAKE_GPUS_USED`` (``"6;0.5"``: GiB by position) is the same seam for the memory in
+   use on each fake GPU, NVML's figure that the VRAM lease budget reads
+   (:func:`used_memory_reader`); unset, nothing is in use.
 2. NVML (``pynvml``, from the ``nvidia-ml-py`` distribution). NVML reads the driver's view of
    the hardware without creating a CUDA context, so detection neither costs GPU memory nor
    breaks later ``fork()``-based workers. ``CUDA_VISIBLE_DEVICES`` is applied here the way the
@@ -31,16 +34,20 @@ from typing import Any, Literal, TypeVar
 __all__ = [
     "DEVICE_ORDER_ENV",
     "FAKE_GPUS_ENV",
+    "FAKE_GPUS_USED_ENV",
     "VISIBLE_DEVICES_ENV",
     "GpuFacts",
     "GpuInfo",
     "GpuSource",
     "detect_gpus",
     "parse_fake_gpus",
+    "parse_fake_used",
     "parse_visible_devices",
+    "used_memory_reader",
 ]
 
 FAKE_GPUS_ENV = "CT_FAKE_GPUS"
+FAKE_GPUS_USED_ENV = "CT_FAKE_GPUS_USED"
 VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 DEVICE_ORDER_ENV = "CUDA_DEVICE_ORDER"
 
@@ -235,6 +242,34 @@ def parse_fake_gpus(text: str) -> list[tuple[str, float]]:
             )
         gpus.append((name, gib))
     return gpus
+
+
+def parse_fake_used(text: str, capacities: Sequence[float] = ()) -> list[float]:
+    """Parse a ``CT_FAKE_GPUS_USED`` value: GiB in use on each fake GPU, by position.
+
+    Entries are separated by ``;`` (``"6;0.5"``); missing ones are 0. With ``capacities``
+    (the fake GPUs' sizes), an entry may not exceed its GPU. Raises
+    ``ValueError("CT_FAKE_GPUS_USED: ...")`` naming the bad entry.
+    """
+    used: list[float] = []
+    for position, raw in enumerate(text.split(";"), start=1):
+        entry = raw.strip()
+        try:
+            gib = float(entry) if entry else 0.0
+        except ValueError:
+            gib = math.nan
+        if not math.isfinite(gib) or gib < 0:
+            raise ValueError(
+                f"{FAKE_GPUS_USED_ENV}: entry {position} {raw!r} is not a number of GiB >= 0; "
+                "expected GiB in use per fake GPU separated by ';', e.g. '6;0.5'"
+            )
+        if position <= len(capacities) and gib > capacities[position - 1]:
+            raise ValueError(
+                f"{FAKE_GPUS_USED_ENV}: entry {position} {raw!r} exceeds fake GPU {position - 1}'s "
+                f"{capacities[position - 1]:g} GiB ({FAKE_GPUS_ENV})"
+            )
+        used.append(gib)
+    return used
 
 
 def parse_visible_devices(value: str | None) -> list[str] | None:
@@ -727,3 +762,55 @@ def _nvml_free(nvml: Any, uuid: str | None) -> int | None:
         return None
     info = _quietly(lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
     return None if info is None else int(info.free)
+
+
+class UsedMemory:
+    """Reads the memory in use on one GPU now, in bytes, whoever uses it (NVML's view).
+
+    Call it for a figure (None when it cannot be read); :meth:`close` when done. An NVML
+    reader keeps NVML initialised between calls, so a reading costs one query.
+    """
+
+    def __init__(self, read: Callable[[], int | None], close: Callable[[], object] = int) -> None:
+        self._read = read
+        self._close = close
+
+    def __call__(self) -> int | None:
+        return _quietly(self._read)
+
+    def close(self) -> None:
+        _quietly(self._close)
+
+
+def used_memory_reader(gpu: GpuInfo, environ: Mapping[str, str] | None = None) -> UsedMemory | None:
+    """A reader of the memory in use on ``gpu``; None where no source can tell.
+
+    Fake GPUs (``CT_FAKE_GPUS``) read ``CT_FAKE_GPUS_USED`` (raises ``ValueError`` if it is
+    malformed); real ones NVML, by UUID: the card's size as CUDA counts it less NVML's free
+    memory, which counts every process's allocations and CUDA contexts. Without NVML (the
+    torch fallback) there is no reader: torch could only tell by creating a CUDA context.
+    """
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    if env.get(FAKE_GPUS_ENV) is not None:
+        capacities = [gib for _name, gib in parse_fake_gpus(env[FAKE_GPUS_ENV])]
+        used = parse_fake_used(env.get(FAKE_GPUS_USED_ENV, ""), capacities)
+        position = gpu.physical_index if gpu.physical_index is not None else gpu.index
+        figure = round(used[position] * _GIB) if position < len(used) else 0
+        return UsedMemory(lambda: figure)
+    if gpu.uuid is None:
+        return None
+    try:
+        nvml = _load_pynvml()
+        nvml.nvmlInit()
+    except Exception:
+        return None
+    handle = _quietly(lambda: nvml.nvmlDeviceGetHandleByUUID(gpu.uuid))
+    if handle is None:
+        _quietly(nvml.nvmlShutdown)
+        return None
+
+    def read() -> int:
+        free = int(nvml.nvmlDeviceGetMemoryInfo(handle).free)
+        return max(0, gpu.total_bytes - free)
+
+    return UsedMemory(read, nvml.nvmlShutdown)

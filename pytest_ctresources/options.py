@@ -211,8 +211,8 @@ INI_ONLY: tuple[tuple[str, str, str], ...] = (
     ),
     (
         "ct_leases",
-        "under pytest-xdist: a test with a known VRAM need takes it from its GPU's budget, "
-        "shared by the workers on the host, and waits while it is taken",
+        "a test with a known VRAM need takes it from its GPU's budget, shared by all of "
+        "this user's pytest runs on the host (xdist or not), and waits while it is taken",
         "true",
     ),
     (
@@ -318,8 +318,8 @@ def add_options(parser: pytest.Parser) -> None:
         dest="ct_leases",
         action="store_false",
         default=None,
-        help="under pytest-xdist, run tests without taking VRAM leases (workers may then "
-        "exceed a shared GPU's memory)",
+        help="run tests without taking VRAM leases (tests of this run's workers and of "
+        "other runs may then exceed a shared GPU's memory)",
     )
     group.addoption(
         "--ct-forget",

@@ -1,8 +1,9 @@
-"""Where each test ran under pytest-xdist: worker, GPU, lease and lease wait.
+"""Where each test ran: worker, GPU, VRAM lease and lease wait.
 
-Workers bound to a GPU attach these as ``ct_*`` properties to every test's reports
-(:mod:`~pytest_ctresources.leases`); the controller turns them into :class:`Placement`
-records for the summary and the JSON report.
+Workers bound to a GPU attach these as ``ct_*`` properties to every test's reports, other
+processes to every test that took a lease (:mod:`~pytest_ctresources.leases`); the controller
+(or the plain run) turns them into :class:`Placement` records for the summary and the JSON
+report.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-#: user_properties key naming the xdist worker that ran a test (set by bound workers only).
+#: user_properties key naming the xdist worker that ran a test (bound workers, leased tests).
 WORKER_PROPERTY = "ct_worker"
+#: The worker name of a test that a plain (non-xdist) run leased for.
+PLAIN_RUN_WORKER = "main"
 
 
 @dataclass
@@ -27,6 +30,8 @@ class Placement:
     lease_gib: float
     lease_wait_s: float
     """Seconds the test waited for its lease; -1 when it gave up (``ct_lease_timeout``)."""
+    lease_reused_gib: float = 0.0
+    """The part of ``lease_gib`` that the resident model it reused already held."""
 
     @property
     def gpu_label(self) -> str:
@@ -52,6 +57,7 @@ def placement_from(nodeid: str, outcome: str, props: dict[str, Any]) -> Placemen
         gpu_uuid=str(uuid) if uuid is not None else None,
         lease_gib=float(props.get("ct_lease_gib", 0.0)),
         lease_wait_s=float(props.get("ct_lease_wait_s", 0.0)),
+        lease_reused_gib=float(props.get("ct_lease_reused_gib", 0.0)),
     )
 
 
@@ -62,17 +68,25 @@ def placement_lines(placements: list[Placement]) -> list[str]:
     by_gpu: dict[str, list[Placement]] = {}
     for placement in placements:
         by_gpu.setdefault(placement.gpu_uuid or placement.gpu_label, []).append(placement)
-    out = [f"GPU placement (pytest-xdist): {len(placements)} test(s) on {len(by_gpu)} GPU(s)"]
+    plain = all(p.worker == PLAIN_RUN_WORKER for p in placements)
+    if plain and not any(p.lease_wait_s != 0 for p in placements):
+        return []  # a plain run's leases are worth a line only when they made a test wait
+    what = "VRAM leases" if plain else "GPU placement (pytest-xdist)"
+    out = [f"{what}: {len(placements)} test(s) on {len(by_gpu)} GPU(s)"]
     for group in sorted(by_gpu.values(), key=lambda g: g[0].gpu_label):
         workers = sorted({p.worker for p in group}, key=lambda w: (len(w), w))
         waits = [p.lease_wait_s for p in group if p.lease_wait_s > 0]
         leased = sum(1 for p in group if p.lease_gib > 0)
         timeouts = sum(1 for p in group if p.lease_wait_s < 0)
+        who = "" if plain else f"{', '.join(workers)}; "
         line = (
-            f"  {group[0].gpu_label}: {', '.join(workers)}; {len(group)} test(s), "
+            f"  {group[0].gpu_label}: {who}{len(group)} test(s), "
             f"{leased} with a lease, waited {sum(waits):.1f} s in all"
             + (f" (longest {max(waits):.1f} s)" if waits else "")
         )
+        reused = [p.lease_reused_gib for p in group if p.lease_reused_gib > 0]
+        if reused:
+            line += f", {len(reused)} reused the resident model's lease"
         if timeouts:
             line += f", {timeouts} lease timeout(s)"
         out.append(line)

@@ -7,8 +7,8 @@
 - fixtures: :mod:`~pytest_ctresources.fixtures`; run state: :mod:`~pytest_ctresources.runtime`
 - per-test VRAM accounting: :mod:`~pytest_ctresources.accounting`; end-of-run report:
   :mod:`~pytest_ctresources.summary` and :mod:`~pytest_ctresources.report_files`
-- xdist workers: GPU binding :mod:`~pytest_ctresources.binding`, VRAM leases
-  :mod:`~pytest_ctresources.leases` over the shared :mod:`~pytest_ctresources.ledger`
+- xdist workers: GPU binding :mod:`~pytest_ctresources.binding`; VRAM leases (every run):
+  :mod:`~pytest_ctresources.leases` over the user's shared :mod:`~pytest_ctresources.ledger`
 """
 
 from __future__ import annotations
@@ -100,8 +100,7 @@ def pytest_configure(config: pytest.Config) -> None:
         from pytest_ctresources.notebooks import NotebookSupport
 
         config.pluginmanager.register(NotebookSupport(), NotebookSupport.name)
-    if runtime.worker_gpu is not None and runtime.worker_gpu.ledger is not None:
-        config.pluginmanager.register(leases.LeaseHooks(runtime), leases.LeaseHooks.name)
+    leases.start(config, runtime)  # VRAM leases where tests run; the ledger directory checked
     if runtime.settings.strict:
         config.pluginmanager.register(
             accounting.StrictChecks(runtime), accounting.StrictChecks.name
@@ -200,7 +199,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
                     item.user_properties.append((FIGURES_PROPERTY, closed))
             accounting.end(item, runtime)
         finally:
-            leases.give_back(item, runtime)  # whatever raised (-W error::CtLeakWarning, ...)
+            leases.give_back(item)  # whatever raised (-W error::CtLeakWarning, ...)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -11,7 +11,7 @@ import pytest
 
 from pytest_ctresources.allocator import ALLOC_CONF_ENV, AllocConf, CapacityCap
 from pytest_ctresources.autobatch import Budget
-from pytest_ctresources.binding import Binding, testrun_id
+from pytest_ctresources.binding import Binding
 from pytest_ctresources.cleanup import cleanup_python_cuda, cuda_initialised
 from pytest_ctresources.cleanup_between_tests import BetweenTests
 from pytest_ctresources.config import FIELDS, CircuitTracerConfig
@@ -35,7 +35,7 @@ class Runtime:
     model_cache: ModelCache = field(default_factory=ModelCache)
     cache: pytest.Cache | None = None
     worker_gpu: WorkerGpu | None = None
-    """The GPU this xdist worker is bound to, and its lease budget (None elsewhere)."""
+    """The GPU this xdist worker is bound to (None elsewhere)."""
     cleaner: BetweenTests | None = None
     """The between-test cleanup (None under ``ct_cleanup = never``)."""
     _gpu_facts: GpuFacts | None = None
@@ -214,10 +214,7 @@ def start_runtime(
         runtime.settings = settings = dataclasses.replace(settings, vram_capacity_gib=capacity)
         runtime.capacity_cap = CapacityCap(capacity.value)
     if binding is not None:
-        budget = capacity.value if capacity else binding.gpu.total_gib
-        runtime.worker_gpu = start_worker_gpu(
-            binding, testrun_id(os.environ), budget, settings.leases.value
-        )
+        runtime.worker_gpu = start_worker_gpu(binding)
     if runtime.capacity_cap is not None and not runs_no_tests(config):
         # The emulated card must bind from the first CUDA allocation, whoever imports torch
         # and whenever: importing torch here does not initialise CUDA.

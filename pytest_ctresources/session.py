@@ -168,6 +168,14 @@ class ModelCache:
         """The model kept loaded now and its measured CUDA bytes, or None."""
         return self._resident
 
+    def resident_for(self, cfg: CircuitTracerConfig) -> ResidentModel | None:
+        """The resident model a test with ``cfg`` would reuse (same model, transcoders,
+        backend and dtype, on whichever device it lives), or None."""
+        resident = self._resident
+        if resident is None or not isinstance(resident.key, tuple):
+            return None
+        return resident if resident.key[:-1] == cfg.model_key() else None
+
     @contextmanager
     def in_use(self) -> Iterator[None]:
         """A test uses the cache for the block: :meth:`evict_if_idle` leaves it alone."""

@@ -6,6 +6,11 @@ must not see a GPU unless a test presents fake ones through ``CT_FAKE_GPUS``.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
 # In-process pytester runs restore sys.modules afterwards, so a C-extension package first
@@ -21,6 +26,7 @@ CT_ENV_VARS = (
     "CT_CONFIG",
     "CT_VRAM_CAPACITY",
     "CT_FAKE_GPUS",
+    "CT_FAKE_GPUS_USED",
 )
 
 
@@ -33,6 +39,24 @@ def _offline_and_clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     # identity (a nested pytest is no worker; tests that want one set these themselves).
     for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def private_temp_dir(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Path]:
+    """A temp directory of the test's own (``TMPDIR``, and ``tempfile`` in this process), so
+    the VRAM ledger directory in it is the test's own: the budget is one per GPU for every run
+    of the user on the host, and fake GPUs have the same UUIDs in every run, so tests (and
+    other suites running at the same time) would share budgets otherwise. Short, because
+    Jupyter kernels put their IPC sockets under it (a socket path has at most 107 bytes).
+    """
+    tmp_path_factory.getbasetemp()  # pytest's own, chosen before TMPDIR changes
+    path = Path(tempfile.mkdtemp(prefix="ct-"))
+    monkeypatch.setenv("TMPDIR", str(path))
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -18,7 +18,9 @@ from pytest_ctresources.gpus import (
     GpuInfo,
     detect_gpus,
     parse_fake_gpus,
+    parse_fake_used,
     parse_visible_devices,
+    used_memory_reader,
 )
 
 GIB = 2**30
@@ -627,3 +629,41 @@ def test_module_import_does_not_import_torch() -> None:
         "assert 'pynvml' not in sys.modules, 'pynvml imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------- memory in use
+
+
+def test_used_memory_of_a_gpu_from_nvml(nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = detect_gpus(nvml_env()).gpus[1]
+    by_uuid = {str(entry["uuid"]): entry for entry in nvml.gpus}
+    monkeypatch.setattr(nvml, "nvmlDeviceGetHandleByUUID", by_uuid.__getitem__, raising=False)
+    real = nvml.nvmlDeviceGetMemoryInfo
+
+    def six_gib_in_use(handle: dict[str, Any], version: int | None = None) -> SimpleNamespace:
+        info = real(handle, version)
+        return SimpleNamespace(**{**vars(info), "free": handle["total"] - 6 * GIB})
+
+    monkeypatch.setattr(nvml, "nvmlDeviceGetMemoryInfo", six_gib_in_use)
+    shutdowns = nvml.shutdowns
+    reader = used_memory_reader(gpu, {})
+    assert reader is not None
+    assert [reader(), reader()] == [6 * GIB, 6 * GIB]  # NVML stays initialised in between
+    assert nvml.shutdowns == shutdowns
+    reader.close()
+    assert nvml.shutdowns == shutdowns + 1
+    # A GPU NVML cannot find by its UUID (or that has none) has no reader.
+    assert used_memory_reader(GpuInfo(0, "x", GIB, None, None), {}) is None
+
+
+def test_used_memory_of_fake_gpus() -> None:
+    env = {FAKE_GPUS_ENV: "A=10;B=24", "CT_FAKE_GPUS_USED": ";6.5"}
+    readers = [used_memory_reader(gpu, env) for gpu in detect_gpus(env).gpus]
+    assert [reader() if reader else None for reader in readers] == [0, round(6.5 * GIB)]
+    assert parse_fake_used("") == [0.0]
+    with pytest.raises(
+        ValueError, match=r"CT_FAKE_GPUS_USED: entry 1 '12' exceeds fake GPU 0's 10 GiB"
+    ):
+        parse_fake_used("12", [10, 24])
+    with pytest.raises(ValueError, match=r"entry 2 '-1' is not a number of GiB >= 0"):
+        parse_fake_used("1;-1")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -30,11 +29,12 @@ from pytest_ctresources.gpus import detect_gpus
 from pytest_ctresources.ledger import (
     LeaseTimeout,
     VramLedger,
+    ensure_root,
     ledger_path,
-    prune_old_runs,
     units_for,
 )
 from pytest_ctresources.placement import Placement, placement_lines
+from tests.fake_cuda import FAKE_CUDA_CONFTEST
 
 pytest_plugins = ["pytester"]
 
@@ -98,7 +98,9 @@ sys.stdin.read()  # hold until killed
 
 
 def hold_lease(path: Path, budget_gib: float, gib: float) -> subprocess.Popen[str]:
-    """Another process holding ``gib`` of the budget (as another worker would)."""
+    """Another process holding ``gib`` of the budget (as another worker or run would)."""
+    if path.parent == ledger_path("x").parent:
+        ensure_root()
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(path), str(budget_gib), str(gib)],
         stdin=subprocess.PIPE,
@@ -179,23 +181,6 @@ def test_newcomers_queue_behind_a_waiting_lease(tmp_path: Path) -> None:
         ledger.close()
 
 
-def test_old_run_directories_are_pruned_only_when_unused() -> None:
-    run = f"prune-test-{os.getpid()}"
-    path = ledger_path(run, "GPU-x")
-    holder = hold_lease(path, 10, 1)
-    try:
-        two_days_ago = time.time() - 2 * 86400
-        os.utime(path.parent, (two_days_ago, two_days_ago))
-        prune_old_runs()
-        assert path.exists()  # a process of that run still has its ledger open
-        holder.kill()
-        holder.wait()
-        prune_old_runs()
-        assert not path.parent.exists()
-    finally:
-        holder.kill()
-
-
 def test_a_lease_larger_than_the_budget_is_refused_at_once(tmp_path: Path) -> None:
     ledger = VramLedger(tmp_path / "gpu.ledger", 10).open()
     with pytest.raises(ValueError, match=r"exceeds the whole budget of 10\.0 GiB"):
@@ -213,6 +198,14 @@ def test_placement_lines() -> None:
         "  GPU 0 (H200): gw0, gw2; 2 test(s), 2 with a lease, waited 2.5 s in all (longest 2.5 s)"
     )
     assert lines[2].endswith("1 lease timeout(s)")
+    # A plain run: a line only when its leases made a test wait (another run held the GPU).
+    assert placement_lines([placed("main", 0, 0)]) == []
+    reused = Placement("t", "passed", "main", "H200", 0, "GPU-0", 16.0, 1.5, lease_reused_gib=9.0)
+    assert placement_lines([placed("main", 0, 0), reused]) == [
+        "VRAM leases: 2 test(s) on 1 GPU(s)",
+        "  GPU 0 (H200): 2 test(s), 2 with a lease, waited 1.5 s in all (longest 1.5 s), "
+        "1 reused the resident model's lease",
+    ]
 
 
 # --- end to end: pytester with -n 2 / -n 3 -----------------------------------------------------
@@ -340,9 +333,9 @@ def test_need_above_capacity_is_skipped_and_default_need_applies(
 def test_lease_timeout_fails_the_test_and_a_killed_holder_frees_it(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Another process of the same run (same --testrunuid) holds 8 of the GPU's 10 GiB.
+    # Another process (of this run or any other of the user's) holds 8 of the GPU's 10 GiB.
     monkeypatch.setenv("CT_FAKE_GPUS", "Card=10")
-    holder = hold_lease(ledger_path("run-under-test", "GPU-fake-0"), 10, 8)
+    holder = hold_lease(ledger_path("GPU-fake-0"), 10, 8)
     pytester.makepyfile(
         """
         import pytest
@@ -355,7 +348,7 @@ def test_lease_timeout_fails_the_test_and_a_killed_holder_frees_it(
         def test_skipped_takes_no_lease(): pass
         """
     )
-    args = ("-n", "2", "--testrunuid", "run-under-test", "-o", "ct_lease_timeout=1")
+    args = ("-n", "2", "-o", "ct_lease_timeout=1")
     try:
         result = pytester.runpytest_subprocess(*args)
         result.assert_outcomes(errors=1, skipped=1)
@@ -369,7 +362,7 @@ def test_lease_timeout_fails_the_test_and_a_killed_holder_frees_it(
         holder.wait()
         pytester.runpytest_subprocess(*args).assert_outcomes(passed=1, skipped=1)
         # --ct-no-leases: nothing waits, whatever the budget.
-        holder = hold_lease(ledger_path("run-under-test", "GPU-fake-0"), 10, 8)
+        holder = hold_lease(ledger_path("GPU-fake-0"), 10, 8)
         pytester.runpytest_subprocess(*args, "--ct-no-leases").assert_outcomes(passed=1, skipped=1)
     finally:
         holder.kill()
@@ -441,3 +434,423 @@ def test_a_replacement_worker_takes_the_crashed_workers_gpu(
     seen = {path.read_text() for path in pytester.path.glob("after-*.txt")}
     # gw2 sits on GPU 1, where gw1 sat, not beside gw0 on GPU 0 (round robin's choice).
     assert seen == {"gw0 GPU-fake-0", "gw2 GPU-fake-1"}, seen
+
+
+# --- one budget per GPU for every run of the user ------------------------------------------------
+
+SPANS_CONFTEST = """
+import os, time
+
+def pytest_configure(config):
+    if os.environ["RUN_LABEL"] == "plain" or hasattr(config, "workerinput"):
+        open(f"started-{os.environ['RUN_LABEL']}", "w").close()  # where tests will run
+
+def both_runs_started():
+    deadline = time.time() + 120
+    while not all(os.path.exists(f"started-{label}") for label in ("plain", "xdist")):
+        assert time.time() < deadline, "the other run never started"
+        time.sleep(0.05)
+"""
+
+SPANS_TEST = """
+import json, os, time, pytest
+from conftest import both_runs_started
+
+@pytest.mark.parametrize("i", range(3))
+@pytest.mark.vram(gib=6)
+def test_x(i):
+    both_runs_started()  # (holding its lease): the runs overlap
+    name = f"{os.environ['RUN_LABEL']}-{i}"
+    start = time.time()
+    time.sleep(0.8)
+    with open(f"span-{name}.json", "w") as handle:
+        json.dump([start, time.time()], handle)
+"""
+
+
+def test_two_concurrent_runs_queue_on_one_gpus_budget(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two runs of the user at once on one 10 GiB card (two terminals, two CI jobs), one plain,
+    # one with -n 2: tests needing 6 GiB never overlap, whichever run they belong to.
+    monkeypatch.setenv("CT_FAKE_GPUS", "Card=10")
+    pytester.makeconftest(SPANS_CONFTEST)
+    pytester.makepyfile(SPANS_TEST)
+    runs = {}
+    for label, args in (("plain", []), ("xdist", ["-n", "2"])):
+        monkeypatch.setenv("RUN_LABEL", label)
+        command = [sys.executable, "-m", "pytest", "-o", "ct_lease_timeout=60"]
+        with open(pytester.path / f"{label}.log", "w") as log:
+            runs[label] = pytester.popen(
+                [*command, *args, "--ct-report-json", f"{label}.json"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+    for label, run in runs.items():
+        assert run.wait(timeout=300) == 0, (pytester.path / f"{label}.log").read_text()
+    spans = sorted(
+        tuple(json.loads(path.read_text())) for path in pytester.path.glob("span-*.json")
+    )
+    assert len(spans) == 6
+    for (_, first_end), (second_start, _) in itertools.pairwise(spans):
+        assert second_start >= first_end - 0.05, spans
+    waits = {
+        label: [
+            placement["lease_wait_s"]
+            for placement in json.loads((pytester.path / f"{label}.json").read_text())["placements"]
+        ]
+        for label in ("plain", "xdist")
+    }
+    assert all(len(run) == 3 and max(run) > 0 for run in waits.values()), waits  # both queued
+
+
+def test_a_plain_run_takes_leases_and_waits_for_another_runs(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CT_FAKE_GPUS", "Card=10")
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.vram(gib=8)
+        def test_big(): pass
+        """
+    )
+    holder = hold_lease(ledger_path("GPU-fake-0"), 10, 8)  # another run's test, say
+    try:
+        result = pytester.runpytest_subprocess("-o", "ct_lease_timeout=1")
+        result.assert_outcomes(errors=1)
+        result.stdout.fnmatch_lines(
+            [
+                "*GPU 0 (Card): waited 1 s for a VRAM lease of 8.0 GiB; the GPU's budget is "
+                "10.0 GiB and 2.0 GiB of it is free (ct_lease_timeout)",
+                "VRAM leases: 1 test(s) on 1 GPU(s)",
+                "  GPU 0 (Card): 1 test(s), 1 with a lease, waited 0.0 s in all, "
+                "1 lease timeout(s)",
+            ]
+        )
+        holder.kill()
+        holder.wait()
+        result = pytester.runpytest_subprocess(
+            "-o", "ct_lease_timeout=1", "--ct-report-json=r.json"
+        )
+        result.assert_outcomes(passed=1)
+        placements = json.loads((pytester.path / "r.json").read_text())["placements"]
+        assert [(p["worker"], p["lease_gib"], p["gpu_uuid"]) for p in placements] == [
+            ("main", 8.0, "GPU-fake-0")
+        ]
+        assert "VRAM leases" not in str(result.stdout)  # nobody waited: nothing to say
+    finally:
+        holder.kill()
+
+
+def test_memory_other_processes_use_counts_against_the_budget(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NVML says 6 of the card's 10 GiB are in use, and no lease of the user's holds them.
+    monkeypatch.setenv("CT_FAKE_GPUS", "Card=10")
+    monkeypatch.setenv("CT_FAKE_GPUS_USED", "6")
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.vram(gib=6)
+        def test_does_not_fit_beside_them(): pass
+
+        @pytest.mark.vram(gib=4)
+        def test_fits_beside_them(): pass
+        """
+    )
+    for args in ((), ("-n", "2")):
+        result = pytester.runpytest_subprocess("-o", "ct_lease_timeout=1", *args)
+        result.assert_outcomes(passed=1, errors=1)
+        result.stdout.fnmatch_lines(
+            [
+                "*waited 1 s for a VRAM lease of 6.0 GiB; the GPU's budget is 10.0 GiB and "
+                "10.0 GiB of it is free, but 6.0 GiB of the card's 10.0 GiB is used beyond the "
+                "leases (other processes, CUDA contexts) (ct_lease_timeout)"
+            ]
+        )
+
+
+def test_a_malformed_fake_used_memory_is_one_usage_error_line(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CT_FAKE_GPUS", "Card=10")
+    pytester.makepyfile("def test_a(): pass\n")
+    for value, problem in (
+        ("lots", "entry 1 'lots' is not a number of GiB >= 0"),
+        ("4;12", "entry 2 '12' exceeds fake GPU 1's"),
+        ("11", "entry 1 '11' exceeds fake GPU 0's 10 GiB (CT_FAKE_GPUS)"),
+    ):
+        monkeypatch.setenv("CT_FAKE_GPUS_USED", value)
+        result = pytester.runpytest_subprocess()
+        if "GPU 1" in problem:
+            assert result.ret == pytest.ExitCode.OK  # one fake GPU: a second entry is not checked
+            continue
+        assert result.ret == pytest.ExitCode.USAGE_ERROR
+        assert [line for line in result.stderr.lines if line.strip()] == [
+            f"ERROR: CT_FAKE_GPUS_USED: {problem}"
+            + (
+                "; expected GiB in use per fake GPU separated by ';', e.g. '6;0.5'"
+                if "number" in problem
+                else ""
+            )
+        ]
+
+
+# --- resident models hold leases ------------------------------------------------------------------
+
+# The fake CUDA allocator (tests/fake_cuda.py), a card shared by every process of the test (a
+# log of allocations, so the test can check what was on it at once), and ct_session's model
+# build replaced by one that puts MODEL_GIB on the card until the model is freed.
+RESIDENT_CONFTEST = (
+    FAKE_CUDA_CONFTEST
+    + """
+import atexit, fcntl, json, os, threading, time, weakref
+from pytest_ctresources import session
+
+MODEL_GIB = 9
+
+@atexit.register
+def threads_left():  # after pytest's end, its config cleanup included
+    names = [thread.name for thread in threading.enumerate() if thread.is_alive()]
+    with open(f"threads-{os.getpid()}.json", "w") as handle:
+        json.dump(names, handle)
+
+def card(delta, what):
+    with open(os.environ["CT_TEST_CARD"], "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.seek(0)
+        lines = handle.read().splitlines()
+        now = (json.loads(lines[-1])["now"] if lines else 0) + delta
+        event = {"now": now, "what": what, "pid": os.getpid(), "t": time.time()}
+        handle.write(json.dumps(event) + "\\n")
+
+def use(gib, what):
+    FAKE.alloc(gib)
+    card(gib, what)
+
+def done(gib, what):
+    FAKE.free(gib)
+    card(-gib, what)
+
+class Model:
+    pass
+
+def build(cfg, device):
+    model = Model()
+    use(MODEL_GIB, "model loaded")
+    weakref.finalize(model, done, MODEL_GIB, "model freed")
+    return model
+
+session.build_model = build
+
+def mark(name):
+    open(name, "w").close()
+
+def wait_for(name, seconds=60):
+    deadline = time.time() + seconds
+    while not os.path.exists(name):
+        assert time.time() < deadline, f"no {name} after {seconds} s"
+        time.sleep(0.05)
+"""
+)
+
+
+def card_events(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture
+def resident_project(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> Path:
+    """A 24 GiB fake card and a 9 GiB cached model; returns the card's log."""
+    monkeypatch.setenv("CT_FAKE_GPUS", "Card=24")
+    monkeypatch.setenv("CT_TEST_CARD", str(tmp_path / "card.jsonl"))
+    pytester.makeconftest(RESIDENT_CONFTEST)
+    return tmp_path / "card.jsonl"
+
+
+def test_another_workers_wait_frees_an_idle_resident_model(
+    pytester: pytest.Pytester, resident_project: Path
+) -> None:
+    # Issue 12's case: two workers on a 24 GiB card; gw-A keeps a 9 GiB model cached while it
+    # runs a test that does not use it; gw-B's test needs 16 GiB. Before resident models held
+    # leases, B got 16 GiB beside the model: 25 GiB on a 24 GiB card.
+    # (--dist loadfile: one file per worker; xdist 3.8's loadgroup cannot rename pytest 9's
+    # node ids, so its groups do not hold.)
+    pytester.makepyfile(
+        test_a="""
+        import pytest
+        from conftest import done, mark, use, wait_for
+
+        @pytest.mark.vram(gib=16)
+        def test_a1_loads_the_model(ct_session):
+            ct_session.load_model("cuda:0")
+            use(2, "a1")
+            done(2, "a1")
+            mark("a-loaded")
+
+        def test_a2_idles_with_the_model_cached():
+            wait_for("b-done")
+        """,
+        test_b="""
+        import pytest
+        from conftest import done, mark, use, wait_for
+
+        def test_b1_waits_for_the_model():
+            wait_for("a-loaded")
+
+        @pytest.mark.vram(gib=16)
+        def test_b2_needs_16_gib():
+            use(16, "b2")
+            done(16, "b2")
+            mark("b-done")
+        """,
+    )
+    result = pytester.runpytest_subprocess(
+        "-n", "2", "--dist", "loadfile", "-o", "ct_lease_timeout=30", "--ct-report-json=r.json"
+    )
+    result.assert_outcomes(passed=4)
+    events = card_events(resident_project)
+    assert max(float(e["now"]) for e in events) <= 24, events  # type: ignore[arg-type]
+    order = [e["what"] for e in events]
+    assert order == ["model loaded", "a1", "a1", "model freed", "b2", "b2"], order
+    placements = {
+        p["nodeid"].rsplit("::", 1)[1]: p
+        for p in json.loads((pytester.path / "r.json").read_text())["placements"]
+    }
+    assert placements["test_b2_needs_16_gib"]["lease_wait_s"] > 0  # until the model was freed
+    assert (
+        placements["test_a1_loads_the_model"]["worker"]
+        != placements["test_b2_needs_16_gib"]["worker"]
+    )
+
+
+def test_a_resident_model_is_reused_within_its_lease_and_freed_for_a_test_that_needs_room(
+    pytester: pytest.Pytester, resident_project: Path
+) -> None:
+    # One process; another run holds 8 GiB of the card. A test reusing the cached model
+    # leases 16 - 9 GiB, so it fits beside the model at once; a 16 GiB test that does not use
+    # the model gets it freed (its own idle cache, before waiting).
+    holder = hold_lease(ledger_path("GPU-fake-0"), 24, 8)
+    pytester.makepyfile(
+        """
+        import threading, pytest
+        from conftest import done, use
+
+        @pytest.mark.vram(gib=16)
+        def test_1_loads(ct_session):
+            ct_session.load_model("cuda:0")
+            use(4, "t1")
+            done(4, "t1")
+
+        @pytest.mark.vram(gib=16)
+        def test_2_reuses(ct_session):
+            ct_session.load_model("cuda:0")
+            use(7, "t2")
+            done(7, "t2")
+            # the model holds a lease: its process watches for waiters
+            assert "ctresources-idle-cache-watcher" in [t.name for t in threading.enumerate()]
+
+        @pytest.mark.vram(gib=16)
+        def test_3_needs_room():
+            use(16, "t3")
+            done(16, "t3")
+        """
+    )
+    try:
+        result = pytester.runpytest_subprocess(
+            "-o", "ct_lease_timeout=10", "--ct-report-json=r.json"
+        )
+    finally:
+        holder.kill()
+    result.assert_outcomes(passed=3)
+    order = [e["what"] for e in card_events(resident_project)]
+    assert order == ["model loaded", "t1", "t1", "t2", "t2", "model freed", "t3", "t3"], order
+    leases = {
+        p["nodeid"].rsplit("::", 1)[1]: (
+            p["lease_gib"],
+            p["lease_reused_gib"],
+            p["lease_wait_s"] > 0,
+        )
+        for p in json.loads((pytester.path / "r.json").read_text())["placements"]
+    }
+    assert leases == {
+        "test_1_loads": (16.0, 0.0, False),
+        "test_2_reuses": (16.0, 9.0, False),
+        "test_3_needs_room": (16.0, 0.0, True),
+    }
+    result.stdout.fnmatch_lines(
+        ["*GPU 0 (Card): 3 test(s), 3 with a lease, *1 reused the resident*"]
+    )
+    (left,) = pytester.path.glob("threads-*.json")
+    assert "ctresources-idle-cache-watcher" not in json.loads(left.read_text())  # stopped
+
+
+REUSING_TESTS = """
+import time, pytest
+from conftest import done, use
+
+@pytest.mark.parametrize("i", range(3))
+@pytest.mark.vram(gib=16)
+def test_reuses(ct_session, i):
+    ct_session.load_model("cuda:0")
+    use(7, "test")
+    time.sleep(0.2)
+    done(7, "test")
+"""
+
+
+def test_workers_whose_tests_reuse_their_cached_models_take_turns(
+    pytester: pytest.Pytester, resident_project: Path
+) -> None:
+    # Each worker's model (9 GiB) and test (7 GiB more) fill 16 of the 24 GiB card: the two
+    # cannot both keep a model and run. A test that reuses its model and cannot get its lease
+    # at once frees the model and waits for its whole need, so neither waits for ever.
+    pytester.makepyfile(test_a=REUSING_TESTS, test_b=REUSING_TESTS)
+    result = pytester.runpytest_subprocess(
+        "-n", "2", "--dist", "loadfile", "-o", "ct_lease_timeout=60"
+    )
+    result.assert_outcomes(passed=6)
+    events = card_events(resident_project)
+    assert max(float(e["now"]) for e in events) <= 24, events  # type: ignore[arg-type]
+    assert len({e["pid"] for e in events if e["what"] == "model loaded"}) == 2
+
+
+def test_a_model_its_lease_cannot_cover_is_freed_after_its_test(
+    pytester: pytest.Pytester, resident_project: Path
+) -> None:
+    # 18 GiB of the card are leased elsewhere; the test declared 4 GiB and loaded a 9 GiB
+    # model. The model cannot stay resident without a lease of its size.
+    holder = hold_lease(ledger_path("GPU-fake-0"), 24, 18)
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.vram(gib=4)
+        def test_under_declared(ct_session):
+            ct_session.load_model("cuda:0")
+
+        def test_after():
+            pass
+        """
+    )
+    try:
+        result = pytester.runpytest_subprocess(
+            "-W", "always::pytest_ctresources.exceptions.CtResourcesWarning"
+        )
+    finally:
+        holder.kill()
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*(float32) (9.00 GiB on the GPU), loaded by *test_under_declared, was freed "
+            "after the test: its lease covered only 4.00 GiB and the GPU's budget had no more "
+            "free; declare the test's need with the model included*"
+        ]
+    )
+    order = [e["what"] for e in card_events(resident_project)]
+    assert order == ["model loaded", "model freed"], order
