@@ -106,7 +106,10 @@ def learned_need_with_retry(
         f"{need.source}; {least:.1f} GiB at the OOM retry's floor, batch {floor}, "
         "estimated" if at_floor is not None else f"{need.source}; the OOM retry may need less",
     )
-    return markers.VramNeed(least, source, most_gib=need.gib)
+    # The most it may take, as for an estimate, is capped at the card: it will retry smaller.
+    card = runtime.auto_budget().capacity_gib
+    most = need.gib if card is None else min(need.gib, card)
+    return markers.VramNeed(least, source, most_gib=most)
 
 
 def estimated_need(cfg: CircuitTracerConfig, runtime: Runtime) -> markers.VramNeed | None:
