@@ -298,6 +298,28 @@ def test_qwen3_reads_and_writes_the_mlp() -> None:
     assert model.cfg.original_architecture == "Qwen3ForCausalLM"
 
 
+def test_published_dimensions_are_bundled() -> None:
+    """The published sizes the estimator is fitted and validated on build by name, with the
+    registry's dimensions for the real model."""
+    from pytest_ctresources import registry
+
+    pairs = {
+        "ctresources/random-gemma-2-9b": "google/gemma-2-9b",
+        "ctresources/random-gemma-2-27b": "google/gemma-2-27b",
+        "ctresources/random-gemma-3-270m": "google/gemma-3-270m",
+        "ctresources/random-gemma-3-1b": "google/gemma-3-1b-pt",
+        "ctresources/random-llama-3.2-3b": "meta-llama/Llama-3.2-3B",
+        "ctresources/random-llama-3.1-8b": "meta-llama/Llama-3.1-8B",
+        "ctresources/random-qwen3-0.6b": "Qwen/Qwen3-0.6B",
+        "ctresources/random-qwen3-1.7b": "Qwen/Qwen3-1.7B",
+        "ctresources/random-qwen3-4b": "Qwen/Qwen3-4B",
+        "ctresources/random-qwen3-8b": "Qwen/Qwen3-8B",
+    }
+    for bundled, real in pairs.items():
+        random, published = registry.model_shape(bundled), registry.MODELS[real]
+        assert dataclasses.replace(random, name=real) == published, bundled
+
+
 def test_build_named_model() -> None:
     model = build_named_model(TINY_LLAMA, RANDOM_TRANSCODERS, device="cpu")
     assert model.cfg.original_architecture == "LlamaForCausalLM"
