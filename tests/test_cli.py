@@ -253,3 +253,19 @@ def test_table_is_the_largest_fitting_batch_per_card(capsys: pytest.CaptureFixtu
     assert fail(capsys, "table", "--cards", "24,big").startswith(
         "ct-resources: error: bad list '24,big'"
     )
+
+
+def test_active_features_given_are_per_layer_and_token(capsys: pytest.CaptureFixture[str]) -> None:
+    """--active-features K: K per layer and token, times the layers and the positions after
+    BOS, and the output says where the figure came from."""
+    common = ["estimate", "--model", "Qwen/Qwen3-0.6B", "--transcoders"]
+    common += ["mwhanna/qwen3-0.6b-transcoders-lowl0", "--prompt-tokens", "21", "--gpu-gib", "80"]
+    payload = json.loads(run(capsys, *common, "--active-features", "10", "--json"))
+    assert payload["active_per_layer_token"] == 10
+    assert payload["active_features"] == 10 * 28 * 20
+    assert payload["active_source"] == "--active-features"
+    text = run(capsys, *common, "--active-features", "10")
+    assert (
+        "features     10 active per layer and token (--active-features): 5600 in all over 28 "
+        "layers x 20 positions after BOS"
+    ) in text
