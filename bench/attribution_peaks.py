@@ -5,7 +5,12 @@
         --out peaks.jsonl
 
 ``--model`` takes a comma-separated list of bundled names (``testing.BUNDLED_MODELS``); each
-model is built, measured over the grid and freed before the next.
+model is built, measured over the grid and freed before the next. ``--plan FILE`` measures a
+JSON list of ``{"split": "fit"|"validation", "model": NAME, "dtype": DTYPE, "points":
+[[prompt_tokens, batch_size], ...]}`` instead (``bench/plan-2026-12-01.json``), in order, each
+record tagged with its split; ``--deadline S`` starts no new model after S seconds, so a run
+under a time limit keeps whole models. Each record carries the estimator's prediction for its
+point (``predicted_bytes``, from the code measured), and the run ends with a table of the errors.
 
 Calibration data for a VRAM estimator (issue 5). For each dtype the bundled random-weight
 model is built once on the GPU; for each (batch size, prompt length) point one
@@ -119,30 +124,87 @@ class BusySampler:
         return round(sum(self.samples) / len(self.samples), 1) if self.samples else None
 
 
+def plan_of(args: argparse.Namespace, cuda: bool) -> list[dict[str, Any]]:
+    """The (model, dtype, points) entries to measure: ``--plan``'s, or the grid's."""
+    from pytest_ctresources import testing
+
+    if args.plan and cuda:
+        entries: list[dict[str, Any]] = json.loads(Path(args.plan).read_text())
+        return entries
+    names = args.model.split(",") if cuda else [testing.TINY_GEMMA2]
+    points = [
+        [tokens, batch]
+        for tokens in parse_ints(args.prompt_tokens)
+        for batch in parse_ints(args.batch_sizes)
+    ]
+    return [
+        {"split": args.split, "model": name, "dtype": dtype, "points": points}
+        for name in names
+        for dtype in args.dtypes.split(",")
+    ]
+
+
 def measure(args: argparse.Namespace) -> int:
     import torch
 
-    from pytest_ctresources import testing
-
     cuda = torch.cuda.is_available()
-    model_names = args.model.split(",") if cuda else [testing.TINY_GEMMA2]
     busy = BusySampler()
+    start = time.perf_counter()
+    records: list[dict[str, Any]] = []
     with Path(args.out).open("a") as handle:
-        for model_name in model_names:
-            for dtype in args.dtypes.split(","):
-                measure_model(model_name, dtype, args, handle, busy, cuda)
+        for entry in plan_of(args, cuda):
+            if args.deadline and time.perf_counter() - start > args.deadline:
+                print(f"deadline: {entry['model']} {entry['dtype']} not measured", flush=True)
+                continue
+            records += measure_model(entry, args, handle, busy, cuda)
+    print_errors(records)
     return 0
 
 
+def predicted_bytes(record: dict[str, Any]) -> int:
+    """The shipped estimator's allocated peak for a measured point, as ``auto`` makes it: the
+    model's shapes, the prompt length, the batch size and the counted active features."""
+    from pytest_ctresources import estimate as est
+    from pytest_ctresources import registry, testing
+
+    model = registry.model_shape(record["model"])
+    transcoders = registry.transcoder_info(testing.RANDOM_TRANSCODERS, record["model"]).shape
+    tokens = record["prompt_tokens"]
+    workload = est.Workload(
+        dtype=record["dtype"],
+        batch_size=record["batch_size"],
+        prompt_tokens=tokens,
+        active_per_layer_token=0.0,
+        max_feature_nodes=record["max_feature_nodes"],
+        n_logits=record["logit_targets"],
+        counted_features=record["active_features"],
+    )
+    return est.estimate(model, transcoders, workload).peak_allocated_bytes
+
+
+def print_errors(records: list[dict[str, Any]]) -> None:
+    rows = [r for r in records if r.get("peak_allocated_bytes") and r.get("predicted_bytes")]
+    if not rows:
+        return
+    print("\nsplit      model                       dtype  tok batch  measured predicted  error")
+    for r in rows:
+        error = r["predicted_bytes"] / r["peak_allocated_bytes"] - 1
+        print(
+            f"{r['split']:10} {r['model'].removeprefix('ctresources/'):27} {r['dtype'][:5]:5} "
+            f"{r['prompt_tokens']:4} {r['batch_size']:5} {r['peak_allocated_bytes'] / 2**30:9.2f} "
+            f"{r['predicted_bytes'] / 2**30:9.2f} {100 * error:+6.2f}%",
+            flush=True,
+        )
+
+
 def measure_model(
-    model_name: str,
-    dtype: str,
+    entry: dict[str, Any],
     args: argparse.Namespace,
     handle: Any,
     busy: BusySampler,
     cuda: bool,
-) -> None:
-    """Build one model and measure every (prompt length, batch size) point of the grid."""
+) -> list[dict[str, Any]]:
+    """Build one model and measure every (prompt length, batch size) point of ``entry``."""
     import gc
 
     import torch
@@ -150,7 +212,9 @@ def measure_model(
 
     from pytest_ctresources import testing
 
+    model_name, dtype = entry["model"], entry["dtype"]
     dims = testing.model_dims_of(model_name)
+    measured: list[dict[str, Any]] = []
     if cuda:
         torch.cuda.empty_cache()
     model = testing.build_named_model(
@@ -160,67 +224,73 @@ def measure_model(
     meter.wrap(model, "setup_attribution")
     meter.wrap(model, "run_forward_pass")
     vocab = model.cfg.d_vocab
-    for tokens in parse_ints(args.prompt_tokens):
+    for tokens, batch in entry["points"]:
         generator = torch.Generator().manual_seed(tokens)
         ids = torch.randint(3, vocab, (tokens - 1,), generator=generator).tolist()
         prompt = [2, *ids]
-        for batch in parse_ints(args.batch_sizes):
-            if cuda:
-                torch.cuda.empty_cache()
-            resident = torch.cuda.memory_allocated() if cuda else 0
-            meter.reset()
-            start = time.perf_counter()
-            record: dict[str, Any] = {
-                "model": model_name,
-                "dtype": dtype,
-                "batch_size": batch,
-                "prompt_tokens": tokens,
-                "max_feature_nodes": args.max_feature_nodes,
-                "resident_bytes": resident,
-                "dims": dataclasses.asdict(dims),
-                "n_model_params": dims.n_model_params,
-                "n_transcoder_params": dims.n_transcoder_params,
-            }
-            try:
-                with busy:
-                    graph = attribute(
-                        prompt, model, batch_size=batch, max_feature_nodes=args.max_feature_nodes
-                    )
-            except torch.cuda.OutOfMemoryError:
-                # Recorded, not fatal: the point did not fit the card, which the estimate
-                # must predict too.
-                record |= {"oom": True, "device_total_bytes": torch.cuda.mem_get_info()[1]}
-                handle.write(json.dumps(record) + "\n")
-                handle.flush()
-                print(f"{model_name} {dtype} tokens={tokens} batch={batch}: OOM", flush=True)
-                gc.collect()
-                continue
-            meter.mark()  # phase 2: everything after the forward pass
-            seconds = time.perf_counter() - start
-            record |= {
-                "active_features": int(graph.active_features.shape[0]),
-                "logit_targets": len(graph.logit_targets),
-                "seconds": round(seconds, 2),
-                "gpu_busy": busy.mean(),
-                "phases": meter.marks,
-            }
-            if cuda:
-                record["peak_allocated_bytes"] = max(m["peak"] for m in meter.marks)
-                record["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
-                record["device"] = torch.cuda.get_device_name()
-                record["torch"] = torch.__version__
-            del graph
+        if cuda:
+            torch.cuda.empty_cache()
+        resident = torch.cuda.memory_allocated() if cuda else 0
+        meter.reset()
+        start = time.perf_counter()
+        record: dict[str, Any] = {
+            "split": entry.get("split", args.split),
+            "model": model_name,
+            "dtype": dtype,
+            "batch_size": batch,
+            "prompt_tokens": tokens,
+            "max_feature_nodes": args.max_feature_nodes,
+            "resident_bytes": resident,
+            "dims": dataclasses.asdict(dims),
+            "n_model_params": dims.n_model_params,
+            "n_transcoder_params": dims.n_transcoder_params,
+        }
+        try:
+            with busy:
+                graph = attribute(
+                    prompt, model, batch_size=batch, max_feature_nodes=args.max_feature_nodes
+                )
+        except torch.cuda.OutOfMemoryError as exc:
+            # Recorded, not fatal: the point did not fit the card, which the estimate
+            # must predict too. The failed call's frames and nnsight threads hold its tensors.
+            from pytest_ctresources import oom
+
+            oom.release(exc, model)
+            record |= {"oom": True, "device_total_bytes": torch.cuda.mem_get_info()[1]}
             handle.write(json.dumps(record) + "\n")
             handle.flush()
-            peak = record.get("peak_allocated_bytes", 0) / 2**30
-            print(
-                f"{model_name} {dtype} tokens={tokens} batch={batch}: peak {peak:.2f} GiB, "
-                f"{record['active_features']} active, {seconds:.1f} s, "
-                f"GPU busy {record['gpu_busy']}%",
-                flush=True,
-            )
+            print(f"{model_name} {dtype} tokens={tokens} batch={batch}: OOM", flush=True)
+            gc.collect()
+            continue
+        meter.mark()  # phase 2: everything after the forward pass
+        seconds = time.perf_counter() - start
+        record |= {
+            "active_features": int(graph.active_features.shape[0]),
+            "logit_targets": len(graph.logit_targets),
+            "seconds": round(seconds, 2),
+            "gpu_busy": busy.mean(),
+            "phases": meter.marks,
+        }
+        if cuda:
+            record["peak_allocated_bytes"] = max(m["peak"] for m in meter.marks)
+            record["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+            record["device"] = torch.cuda.get_device_name()
+            record["torch"] = torch.__version__
+            record["predicted_bytes"] = predicted_bytes(record)
+        del graph
+        handle.write(json.dumps(record) + "\n")
+        handle.flush()
+        peak = record.get("peak_allocated_bytes", 0) / 2**30
+        print(
+            f"{model_name} {dtype} tokens={tokens} batch={batch}: peak {peak:.2f} GiB, "
+            f"{record['active_features']} active, {seconds:.1f} s, "
+            f"GPU busy {record['gpu_busy']}%",
+            flush=True,
+        )
+        measured.append(record)
     del model, meter
     gc.collect()
+    return measured
 
 
 def main() -> int:
@@ -232,6 +302,9 @@ def main() -> int:
     parser.add_argument("--batch-sizes", default="32,64,128,256")
     parser.add_argument("--prompt-tokens", default="8,25,100")
     parser.add_argument("--max-feature-nodes", type=int, default=8192)
+    parser.add_argument("--plan", help="JSON list of models and points (see the docstring)")
+    parser.add_argument("--split", default="fit", help="split of the grid's records")
+    parser.add_argument("--deadline", type=float, default=0.0, help="seconds (0: none)")
     parser.add_argument("--out", default="attribution_peaks.jsonl")
     return measure(parser.parse_args())
 

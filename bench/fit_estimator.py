@@ -1,22 +1,23 @@
-"""Fit the estimator's factors to measured attribution peaks, and show its error per point.
+"""Fit what the estimator does not derive, and show its error per point, fit and validation apart.
 
-    python bench/fit_estimator.py docs/calibration/*.jsonl            # fit, print factors
+    python bench/fit_estimator.py docs/calibration/*.jsonl            # fit, print the numbers
     python bench/fit_estimator.py --check docs/calibration/*.jsonl    # error of CALIBRATION
     python bench/fit_estimator.py --check --markdown docs/calibration/*.jsonl
 
 Input: the JSON lines of ``bench/attribution_peaks.py`` (each carries the model's dimensions
-and parameter counts). For every point the estimate is made from those dimensions, the
-measured number of active features, the batch size and the prompt length, exactly as
-``pytest_ctresources.estimate.estimate`` makes it for a user.
+and parameter counts, and its split: ``fit`` or ``validation``; records without one are fit
+points). For every point the estimate is made from those dimensions, the measured number of
+active features, the batch size and the prompt length, exactly as
+``pytest_ctresources.estimate.estimate`` makes it for ``--ct-batch-size auto``.
 
-Per architecture family the fit takes the residual-stream tensors the forward pass keeps
-(least squares on the memory after the forward pass, split between the model dtype and
-float32 where both dtypes were measured) and the d_mlp-sized intermediates alive at the
-forward peak (median over points of at least 1024 batch-tokens), then the fixed workspace
-(the resident memory beyond the parameters: cuBLAS workspaces). The structural terms
-(attention probabilities, the backward gather) and the reserved-margin envelope are not
-fitted. ``--check`` prints, per point, the predicted and measured allocated peak and the
-error, and the worst errors.
+Every term that scales with the model's dimensions is derived from circuit-tracer's and
+transformers' code and counted on the CPU (``bench/memory_terms.py``), so the fit takes
+only what the code does not fix, from the fit points alone: the fixed workspace (resident
+memory beyond the parameters: cuBLAS workspaces, median over points) and the residual-stream
+gradients alive at the backward peak (``backward_layers``, the value in steps of 0.05 with the
+smallest worst error over the fit points whose peak is in the backward passes). The
+reserved-margin envelope is not fitted. ``--check`` prints, per split, the predicted and
+measured allocated peak of every point and its error, then the worst errors.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def load(paths: list[str]) -> list[dict[str, Any]]:
         if "active_features" in p
     }
     for point in points:
+        point.setdefault("split", "fit")
         if "active_features" not in point:
             point["active_features"] = counts.get(
                 (point["model"], point["dtype"], point["prompt_tokens"]), 0
@@ -82,13 +84,15 @@ def shapes(record: dict[str, Any]) -> tuple[est.ModelShape, est.TranscoderShape,
     model = registry.model_shape(record["model"])
     transcoders = registry.transcoder_info(testing.RANDOM_TRANSCODERS, record["model"]).shape
     tokens = record["prompt_tokens"]
+    active = record["active_features"]
     workload = est.Workload(
         dtype=record["dtype"],
         batch_size=record["batch_size"],
         prompt_tokens=tokens,
-        active_per_token=record["active_features"] / max(tokens - 1, 1),
+        active_per_layer_token=active / max(model.n_layers * (tokens - 1), 1),
         max_feature_nodes=record["max_feature_nodes"],
         n_logits=record["logit_targets"],
+        counted_features=active,
     )
     return model, transcoders, workload
 
@@ -98,61 +102,10 @@ def measured_points(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def fit(points: list[dict[str, Any]]) -> est.Calibration:
-    """Per family: the kept tensors (from the memory after the forward pass) and the
-    transient ones at the forward peak; then the reserved margin and the workspace."""
+    """The workspace and the backward passes' gradients, from the fit points only."""
     import numpy as np
 
-    measured = measured_points(points)
-    families: dict[str, est.FamilyFactors] = {}
-    for family in sorted({p["dims"]["architecture"] for p in measured}):
-        rows, targets, rest = [], [], []
-        for record in (p for p in measured if p["dims"]["architecture"] == family):
-            model, tc, work = shapes(record)
-            b = est.DTYPE_BYTES[work.dtype]
-            bt = work.batch_size * work.prompt_tokens
-            layers = model.n_layers * model.d_model
-            phases = record["phases"]
-            kept = phases[1]["after"] - phases[0]["after"]
-            # Structural part: attention probabilities and any skip output, per layer.
-            structural = bt * model.n_layers * model.n_heads * work.prompt_tokens * b
-            if tc.skip_connection:
-                structural += bt * layers * b
-            if tc.feature_input_hook == est.NORMALIZED_HOOK:
-                structural += bt * layers * b
-            rows.append([bt * layers * b / kept, bt * layers * 4 / kept])
-            targets.append((kept - structural) / kept)
-            forward_peak = phases[1]["peak"] - phases[0]["after"]
-            rest.append((forward_peak, kept, bt, b, model))
-        if len({r[3] for r in rest}) > 1:
-            (kd, kf), *_ = np.linalg.lstsq(np.array(rows), np.array(targets), rcond=None)
-        else:
-            # One dtype measured: its split between model-dtype and float32 tensors cannot be
-            # told. Gemma-3 normalises in float32 as Gemma-2 does, so it takes Gemma-2's
-            # float32 share and the rest in the model dtype; others keep all in their dtype.
-            gemma2 = families.get("gemma2")
-            kf = gemma2.kept_fp32 if family == "gemma3" and gemma2 is not None else 0.0
-            kd = float(
-                np.mean([(t - r[1] * kf) / r[0] for r, t in zip(rows, targets, strict=True)])
-            )
-        logits = 1.0  # per CALIBRATION's convention; a softcap adds one copy
-        transients = [
-            (
-                (peak - kept) / bt / b
-                - (logits + (model.final_logit_softcap is not None)) * model.vocab_size
-            )
-            / model.d_mlp
-            for peak, kept, bt, b, model in rest
-            if bt >= 1024  # small batches: a fixed part of the peak dominates
-        ]
-        families[family] = est.FamilyFactors(
-            round(float(kd), 3),
-            round(float(kf), 3),
-            logits,
-            round(float(np.median(transients)), 2),
-            est.CALIBRATION.family(family).measured,
-        )
-    for family, factors in est.CALIBRATION.families.items():
-        families.setdefault(family, factors)
+    measured = [p for p in measured_points(points) if p["split"] == "fit"]
     workspaces: list[int] = []
     for record in measured:
         model, tc, work = shapes(record)
@@ -160,11 +113,22 @@ def fit(points: list[dict[str, Any]]) -> est.Calibration:
         workspaces.append(
             record["resident_bytes"] - (base.resident_bytes - est.CALIBRATION.workspace_bytes)
         )
-    return replace(
-        est.CALIBRATION,
-        families=families,
-        workspace_bytes=int(np.median(workspaces)),
-    )
+    calibration = replace(est.CALIBRATION, workspace_bytes=int(np.median(workspaces)))
+    backward = [r for r in measured if _phase(r, calibration) == "backward"]
+    if backward:
+        candidates = [round(0.05 * step, 2) for step in range(0, 21)]
+
+        def worst(layers: float) -> float:
+            trial = replace(calibration, backward_layers=layers)
+            return max(abs(row["error"]) for row in check(backward, trial))
+
+        calibration = replace(calibration, backward_layers=min(candidates, key=worst))
+    return calibration
+
+
+def _phase(record: dict[str, Any], calibration: est.Calibration) -> str:
+    model, tc, work = shapes(record)
+    return est.estimate(model, tc, work, calibration).peak_phase
 
 
 def check(points: list[dict[str, Any]], calibration: est.Calibration) -> list[dict[str, Any]]:
@@ -173,11 +137,12 @@ def check(points: list[dict[str, Any]], calibration: est.Calibration) -> list[di
         model, tc, work = shapes(record)
         prediction = est.estimate(model, tc, work, calibration)
         row: dict[str, Any] = {
+            "split": record["split"],
             "model": record["model"],
             "dtype": work.dtype,
             "tokens": work.prompt_tokens,
             "batch": work.batch_size,
-            "active": work.active_features,
+            "active": work.active_features(model.n_layers),
             "predicted": prediction.peak_allocated_bytes / GIB,
             "predicted_reserved": prediction.peak_reserved_bytes / GIB,
             "phase": prediction.peak_phase,
@@ -189,40 +154,57 @@ def check(points: list[dict[str, Any]], calibration: est.Calibration) -> list[di
             row["measured"] = record["peak_allocated_bytes"] / GIB
             row["measured_reserved"] = record["peak_reserved_bytes"] / GIB
             row["error"] = (row["predicted"] - row["measured"]) / row["measured"]
+            # What the call added to what was allocated before it, measured and predicted.
+            resident = record["resident_bytes"] / GIB
+            row["call_measured"] = row["measured"] - resident
+            row["call_error"] = (row["predicted"] - row["measured"]) / max(
+                row["call_measured"], 1e-9
+            )
         results.append(row)
     return results
 
 
 def print_check(results: list[dict[str, Any]], markdown: bool) -> None:
+    for split in ("fit", "validation"):
+        rows = [r for r in results if r["split"] == split]
+        if rows:
+            print(f"\n{split} points ({len(rows)}):")
+            _print_rows(rows, markdown)
+
+
+def _print_rows(results: list[dict[str, Any]], markdown: bool) -> None:
     if markdown:
         print(
             "| model | dtype | tokens | batch | active features | predicted GiB "
-            "| measured GiB | error |"
+            "| measured GiB | error | call measured GiB | call error |"
         )
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if r["measured"] is None:
             measured, error = f"OOM (card {r['device_gib']:.1f})", "-"
+            call, call_error = "-", "-"
         else:
-            measured, error = f"{r['measured']:.2f}", f"{100 * r['error']:+.1f}%"
+            measured, error = f"{r['measured']:.2f}", f"{100 * r['error']:+.2f}%"
+            call, call_error = f"{r['call_measured']:.2f}", f"{100 * r['call_error']:+.1f}%"
         name = r["model"].removeprefix("ctresources/")
         dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(r["dtype"], r["dtype"])
         if markdown:
             print(
                 f"| {name} | {dtype} | {r['tokens']} | {r['batch']} | {r['active']} | "
-                f"{r['predicted']:.2f} | {measured} | {error} |"
+                f"{r['predicted']:.2f} | {measured} | {error} | {call} | {call_error} |"
             )
         else:
             print(
                 f"{name:24} {dtype:5} {r['tokens']:>5} {r['batch']:>5} {r['active']:>7} "
-                f"{r['predicted']:>8.2f} {measured:>16} {error:>7}  {r['phase']}"
+                f"{r['predicted']:>8.2f} {measured:>16} {error:>8} {call:>7} {call_error:>7}  "
+                f"{r['phase']}"
             )
     errors = [r["error"] for r in results if r.get("error") is not None]
     if errors:
         print(
-            f"\n{len(errors)} points: worst over {100 * max(errors):+.1f}%, "
-            f"worst under {100 * min(errors):+.1f}%, "
-            f"mean |error| {100 * sum(abs(e) for e in errors) / len(errors):.1f}%"
+            f"\n{len(errors)} points: worst over {100 * max(errors):+.2f}%, "
+            f"worst under {100 * min(errors):+.2f}%, "
+            f"mean |error| {100 * sum(abs(e) for e in errors) / len(errors):.2f}%"
         )
 
 

@@ -121,7 +121,6 @@ def estimated_need(cfg: CircuitTracerConfig, runtime: Runtime) -> markers.VramNe
     for ``auto``, else the configured one) capped at the GPU, for its lease. Under
     ``--ct-vram-capacity``, a cap on PyTorch's allocator, the CUDA context is left out.
     """
-    from pytest_ctresources.estimate import DEFAULT_ACTIVE_PER_TOKEN
     from pytest_ctresources.registry import estimate_config
 
     settings = runtime.settings
@@ -134,8 +133,8 @@ def estimated_need(cfg: CircuitTracerConfig, runtime: Runtime) -> markers.VramNe
         least_batch, why = settings.oom_retry_floor.value, " (the OOM retry's floor)"
     else:
         least_batch, why = most_batch, ""
-    least = estimate_config(cfg, tokens, DEFAULT_ACTIVE_PER_TOKEN, batch_size=least_batch)
-    most = estimate_config(cfg, tokens, DEFAULT_ACTIVE_PER_TOKEN, batch_size=most_batch)
+    least = estimate_config(cfg, tokens, batch_size=least_batch)
+    most = estimate_config(cfg, tokens, batch_size=most_batch)
     if least is None or most is None:
         return None
     # The card auto would fill; an estimated need counts the reserved peak (what the test

@@ -33,7 +33,6 @@ from pytest_ctresources.config import (
 from pytest_ctresources.sources import Source
 
 GIB: Final = 1 << 30
-DEFAULT_ACTIVE_PER_TOKEN: Final = est.DEFAULT_ACTIVE_PER_TOKEN
 DEFAULT_PROMPT_TOKENS: Final = 32
 DEFAULT_CEILING: Final = int(FIELDS["batch_size_max"].default)  # type: ignore[call-overload]
 
@@ -51,6 +50,7 @@ class Request:
     workload: est.Workload
     auto_batch: bool
     ceiling: int
+    active_source: str
 
 
 def _dtype(text: str) -> str:
@@ -113,10 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument(
         "--active-features",
         type=_positive_float,
-        default=DEFAULT_ACTIVE_PER_TOKEN,
         metavar="K",
-        help=f"active transcoder features per layer and token (default "
-        f"{DEFAULT_ACTIVE_PER_TOKEN}, an assumption)",
+        help="active transcoder features per layer and token (default: the transcoder "
+        f"set's L0 where known, else {est.DEFAULT_ACTIVE_PER_LAYER_TOKEN:g}, an assumption)",
     )
     estimate.add_argument("--max-feature-nodes", type=_positive_int, metavar="N")
     estimate.add_argument(
@@ -137,7 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     table.add_argument("--prompt-tokens", default="32,128", metavar="N,...", help="prompt lengths")
     table.add_argument("--dtypes", default="bfloat16,float32", metavar="DTYPE,...")
     table.add_argument(
-        "--active-features", type=_positive_float, default=DEFAULT_ACTIVE_PER_TOKEN, metavar="K"
+        "--active-features",
+        type=_positive_float,
+        metavar="K",
+        help="active features per layer and token (default: each set's L0 where known, else "
+        f"{est.DEFAULT_ACTIVE_PER_LAYER_TOKEN:g})",
     )
     table.add_argument("--ceiling", type=_positive_int, default=DEFAULT_CEILING, metavar="N")
     return parser
@@ -172,8 +175,18 @@ def resolve(args: argparse.Namespace) -> Request:
         raise CliError(str(exc)) from None
     auto = cfg.batch_size == AUTO
     batch = 1 if auto else int(cfg.batch_size)
-    workload = registry.workload_of(cfg, args.prompt_tokens, args.active_features, batch)
-    return Request(model, transcoders, workload, auto, cfg.batch_size_max)
+    active, source = _active_per_layer_token(args.active_features, cfg)
+    workload = registry.workload_of(cfg, args.prompt_tokens, active, batch)
+    return Request(model, transcoders, workload, auto, cfg.batch_size_max, source)
+
+
+def _active_per_layer_token(given: float | None, cfg: CircuitTracerConfig) -> tuple[float, str]:
+    """``--active-features``, else the set's L0, else the default; and where it came from."""
+    if given is not None:
+        return given, "--active-features"
+    assert cfg.transcoder_set is not None  # resolve() checked the shapes first
+    info = registry.transcoder_info(cfg.transcoder_set, cfg.model_name)
+    return info.active_per_layer_token, info.l0_source
 
 
 def _gpu_budget(args: argparse.Namespace) -> tuple[float | None, str]:
@@ -222,7 +235,10 @@ def run_estimate(args: argparse.Namespace, out: Any) -> int:
                 "batch size 1"
             )
         workload = est.with_batch(workload, fitted[0])
-        auto_reason = auto_reason_text(fitted[0], fitted[1], request.ceiling, workload, budget)
+        nodes = workload.max_feature_nodes
+        feature_rows = workload.active_features(request.model.n_layers)
+        feature_rows = feature_rows if nodes is None else min(feature_rows, nodes)
+        auto_reason = auto_reason_text(fitted[0], fitted[1], request.ceiling, feature_rows, budget)
     prediction = est.estimate(request.model, request.transcoders, workload)
     rows = est.batch_table(
         request.model,
@@ -232,6 +248,7 @@ def run_estimate(args: argparse.Namespace, out: Any) -> int:
     )
     if args.json:
         payload = prediction.to_dict() | {
+            "active_source": request.active_source,
             "gpu_gib": gpu_gib,
             "gpu": gpu_text,
             "largest_fitting_batch_size": choice[0] if choice else None,
@@ -278,8 +295,12 @@ def _print_estimate(
     auto = " (auto)" if request.auto_batch else ""
     write(
         f"workload     {work.dtype}, batch size {work.batch_size}{auto}, {work.prompt_tokens} "
-        f"prompt tokens, {work.active_per_token:g} active features per layer and token "
-        f"({work.active_features} in all), max_feature_nodes {nodes}\n"
+        f"prompt tokens, max_feature_nodes {nodes}\n"
+    )
+    write(
+        f"features     {work.active_per_layer_token:.4g} active per layer and token "
+        f"({request.active_source}): {prediction.active_features} in all over "
+        f"{model.n_layers} layers x {max(work.prompt_tokens - 1, 0)} positions after BOS\n"
     )
     write(f"GPU          {gpu_text}\n\n")
     write("breakdown                GiB\n")
@@ -331,17 +352,26 @@ def run_table(args: argparse.Namespace, out: Any) -> int:
     cards = _csv(args.cards, _positive_float)
     prompts = _csv(args.prompt_tokens, _positive_int)
     dtypes = _csv(args.dtypes, _dtype)
-    header = "| model | transcoders | dtype | prompt tokens | " + " | ".join(
-        f"{card:g} GiB" for card in cards
-    )
+    header = "| model | transcoders | active per layer and token | dtype | prompt tokens | "
+    header += " | ".join(f"{card:g} GiB" for card in cards)
     out.write(header + " |\n")
-    out.write("|---|---|---|---|" + "---|" * len(cards) + "\n")
+    out.write("|---|---|---|---|---|" + "---|" * len(cards) + "\n")
     for model_name, set_name in TABLE_PAIRS:
         model = registry.model_shape(model_name)
-        transcoders = registry.transcoder_info(set_name).loaded()
+        info = registry.transcoder_info(set_name)
+        transcoders = info.loaded()
+        if args.active_features is not None:
+            active, active_text = args.active_features, f"{args.active_features:g} (given)"
+        elif info.l0 is not None:
+            active, active_text = info.l0, f"{info.l0:.1f} (L0)"
+        else:
+            active, active_text = (
+                info.active_per_layer_token,
+                f"{info.active_per_layer_token:g} (assumed)",
+            )
         for dtype in dtypes:
             for tokens in prompts:
-                work = est.Workload(dtype, 1, tokens, args.active_features)
+                work = est.Workload(dtype, 1, tokens, active)
                 cells = []
                 for card in cards:
                     found = est.largest_fitting_batch(
@@ -350,7 +380,7 @@ def run_table(args: argparse.Namespace, out: Any) -> int:
                     cells.append("does not fit" if found is None else str(found[0]))
                 short_set = set_name.split("/transcoder_all/")[-1]
                 out.write(
-                    f"| {model_name} | {short_set} | {dtype} | {tokens} | "
+                    f"| {model_name} | {short_set} | {active_text} | {dtype} | {tokens} | "
                     + " | ".join(cells)
                     + " |\n"
                 )

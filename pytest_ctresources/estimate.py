@@ -3,9 +3,13 @@
 Pure arithmetic over shapes: no torch import, so the ``ct-resources`` command and the skip
 decisions can use it without loading anything. The model follows circuit-tracer 0.5.0's
 nnsight backend (``attribution/attribute.py``, ``attribution/context_nnsight.py``,
-``replacement_model/replacement_model_nnsight.py``); what each term holds:
+``replacement_model/replacement_model_nnsight.py``) on transformers 4.57. Every term that
+scales with the model's dimensions is derived from that code, and checked by counting every
+tensor storage alive during ``attribute()`` on the CPU at small dimensions
+(``bench/memory_terms.py``); the GPU measurements only check it and fit what is allocator
+behaviour (``docs/estimator.md``). What each term holds:
 
-- **weights**: the model's parameters in the model dtype.
+- **weights**: the model's parameters in the model dtype (and cuBLAS workspaces).
 - **transcoders**: the transcoder weights that stay on the GPU. A per-layer set holds
   encoder, decoder (and ``W_skip``) per layer; a cross-layer transcoder's layer-l features
   have decoders to every layer from l on. Sets loaded lazily (safetensors with
@@ -13,23 +17,36 @@ nnsight backend (``attribution/attribute.py``, ``attribution/context_nnsight.py`
 - **setup** (``setup_attribution``, kept for the whole call): encoder and decoder vectors of
   every active feature (a CLT feature has one decoder vector per layer it writes to), the
   error vectors (n_layers x tokens x d_model), token embeddings, one prompt's logits and the
-  sparse activation matrix.
+  sparse activation matrix. While it runs, the per-layer lists of those vectors, the MLP
+  input and output caches, the reconstruction and one layer's dense pre-activations are
+  alive too.
 - **forward** (``run_forward_pass``): the model runs on ``batch_size`` copies of the prompt
-  with gradients on, and this is where the call peaks at every point measured so far. At the
-  peak the vocabulary-sized logits of all copies are alive (Gemma-2's final-logit softcap
-  adds copies) next to the residual-stream activations kept for the backward passes. Both
-  scale with batch x tokens; their per-element factors are calibrated from measurements
-  (:data:`CALIBRATION`).
-- **backward** (logit and feature attribution): the kept activations, the row buffer
-  (row size x batch), and, when ``max_feature_nodes`` is below the number of active
+  with gradients on. Kept for the backward passes, per layer and batch-token
+  (:func:`kept_per_batch_token`): the transcoders' input (cached by circuit-tracer; GemmaScope's
+  ``ln2.hook_normalized`` is Gemma's float32 normalised MLP input) and their output (a new
+  tensor circuit-tracer builds with the skip connection), the attention probabilities that
+  the value path's gradient needs (heads x tokens: circuit-tracer detaches the probabilities,
+  so autograd saves them for ``probs @ V``), and one float32 scalar per RMSNorm on a live
+  gradient path (its detached ``rsqrt``); plus the embeddings and the final norm's output.
+  The MLPs' and the queries' and keys' intermediates are not kept: circuit-tracer detaches
+  the MLP output and the attention probabilities, so their graphs die. At the end of the
+  pass, with all of that alive, the model's output holds the KV cache of every layer (keys
+  and values, which ``use_cache`` keeps; Qwen3's keys also keep their float32 ``k_norm``
+  input through the autograd graph they carry) and the logits of all copies (Gemma-2's
+  final-logit softcap makes two copies alive at once), or, if larger, the last layer's four
+  gated-MLP intermediates (:func:`forward_peak_per_batch_token`).
+- **backward** (logit and feature attribution): the kept tensors, the row buffer
+  (row size x batch), the per-layer gradient gathered at the decoder vectors' positions
+  (batch x decoders writing to a layer x d_model: a CLT's last layer receives a decoder from
+  every active feature), and, when ``max_feature_nodes`` is below the number of active
   features, the float32 copy of the partial edge matrix that ``compute_partial_influences``
-  makes on the GPU to rank features (rows up to max_feature_nodes + logits, one column per
-  node).
+  makes to rank features.
 - **reserved margin**: what PyTorch's caching allocator holds beyond the allocated peak.
 - **CUDA context**: memory the driver takes per process, outside PyTorch's allocator.
 
-The allocated peak is weights + transcoders + setup + max(forward, backward). The figures the
-factors come from, and the error at every measured point, are in ``docs/estimator.md``.
+The allocated peak is weights + transcoders + max(setup peak, setup + max(forward,
+backward)). The figures the fitted numbers come from, and the error at every measured point
+(the fit and the held-out validation apart), are in ``docs/estimator.md``.
 """
 
 from __future__ import annotations
@@ -45,11 +62,15 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPE_BYTES: Final = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: The hook GemmaScope's gemma-2 transcoders read (see TranscoderShape.feature_input_hook).
 NORMALIZED_HOOK: Final = "ln2.hook_normalized"
-#: Active features per layer and token when nobody says: about the average L0 of GemmaScope's
-#: gemma-2-2b transcoders (41 to 76 by layer, from the file names circuit-tracer's ``gemma``
-#: config lists). An assumption, not a measurement; ``ct-resources estimate
-#: --active-features`` changes it, and ``--ct-batch-size auto`` counts the real ones.
-DEFAULT_ACTIVE_PER_TOKEN: Final = 64
+#: The residual stream before the MLP: the one input hook whose reading leaves the MLP's
+#: input norm off the gradient path.
+RESID_MID_HOOK: Final = "hook_resid_mid"
+#: Active features per layer and token when the transcoder set's L0 is not known (the
+#: registry knows it for GemmaScope's gemma-2-2b set: 39 on average over its 26 layers,
+#: docs/registry-sources.md). A conservative assumption, above every known set's average;
+#: ``ct-resources estimate --active-features`` changes it, and ``--ct-batch-size auto``
+#: counts the real ones.
+DEFAULT_ACTIVE_PER_LAYER_TOKEN: Final = 64.0
 
 
 @dataclass(frozen=True)
@@ -89,9 +110,10 @@ class TranscoderShape:
         lazy_encoder, lazy_decoder: the encoder / decoder matrices stay on disk and rows are
             read on demand (circuit-tracer supports this for safetensors sets only; npz sets,
             such as GemmaScope's, always load fully).
-        feature_input_hook: where the transcoders read: GemmaScope's ``ln2.hook_normalized``
-            (Gemma's normalised MLP input) makes the forward pass keep one more
-            residual-stream-sized tensor per layer than ``hook_resid_mid`` or ``mlp.hook_in``.
+        feature_input_hook: where the transcoders read. GemmaScope's ``ln2.hook_normalized``
+            is Gemma's float32 normalised MLP input; ``hook_resid_mid`` (the residual stream
+            before the MLP) leaves the MLP's input norm off the gradient path; ``mlp.hook_in``
+            is the MLP's input in the model dtype.
     """
 
     name: str
@@ -100,7 +122,7 @@ class TranscoderShape:
     skip_connection: bool = False
     lazy_encoder: bool = False
     lazy_decoder: bool = False
-    feature_input_hook: str = "hook_resid_mid"
+    feature_input_hook: str = RESID_MID_HOOK
 
 
 @dataclass(frozen=True)
@@ -111,106 +133,109 @@ class Workload:
         dtype: the model's dtype.
         batch_size: ``attribute(batch_size=...)``.
         prompt_tokens: prompt length in tokens, BOS (and any chat template) included.
-        active_per_token: active transcoder features per layer and token (a transcoder
-            set's L0); together with the prompt length it sets the number of feature nodes.
+        active_per_layer_token: active transcoder features per layer and token (a transcoder
+            set's L0); with the model's layers and the prompt length it sets the number of
+            feature nodes (:meth:`active_features`).
         max_feature_nodes: ``attribute(max_feature_nodes=...)``; None keeps them all.
         n_logits: logit targets (``max_n_logits``, 10 by default).
         offload: ``attribute(offload=...)``: ``"cpu"`` or ``"disk"``. circuit-tracer then moves
             per-layer transcoders without a skip connection off the GPU after the setup pass,
             before the forward pass (and the MLPs after it), so the forward and backward
             peaks do without them. Derived from circuit-tracer's code, not measured.
+        counted_features: the active features counted in a setup pass (``auto`` has them);
+            when given, it replaces ``active_per_layer_token`` x layers x tokens.
     """
 
     dtype: Dtype
     batch_size: int
     prompt_tokens: int
-    active_per_token: float
+    active_per_layer_token: float
     max_feature_nodes: int | None = 8192
     n_logits: int = 10
     offload: Literal["cpu", "disk"] | None = None
+    counted_features: int | None = None
 
-    @property
-    def active_features(self) -> int:
-        """Active features of the prompt. Position 0 (BOS) never has any: circuit-tracer
-        zeroes it."""
-        return math.ceil(self.active_per_token * max(self.prompt_tokens - 1, 0))
+    def active_features(self, n_layers: int) -> int:
+        """Active features of the prompt over all ``n_layers`` layers. Position 0 (BOS)
+        never has any: circuit-tracer zeroes it."""
+        if self.counted_features is not None:
+            return self.counted_features
+        return math.ceil(self.active_per_layer_token * n_layers * max(self.prompt_tokens - 1, 0))
 
 
 @dataclass(frozen=True)
-class FamilyFactors:
-    """How much one architecture keeps per batch-token, in units of its own tensors.
+class ArchitectureTerms:
+    """What one architecture's forward pass keeps beyond the common terms, derived from its
+    transformers 4.57 code and counted on the CPU (``bench/memory_terms.py``).
 
     Attributes:
-        kept_dtype: residual-stream-sized tensors per layer (d_model elements) in the model
-            dtype that the forward pass keeps for the backward passes.
-        kept_fp32: the same, always in float32 (Gemma's RMSNorm computes in float32).
-        logits: vocabulary-sized tensors alive at the forward peak, in the model dtype,
-            without a final-logit softcap; a softcap (Gemma-2) adds one: the tanh output
-            autograd keeps next to the result.
-        transient: d_mlp-sized tensors of the last layers' work alive at the peak besides
-            the logits (the gated MLP's intermediates), in the model dtype.
-        measured: whether points of this family were measured (see docs/estimator.md).
+        post_attention_norm: an RMSNorm on the attention output before the residual add
+            (Gemma's sandwich norms): one more float32 scalar per token on the gradient path.
+        k_norm_fp32: the keys' RMSNorm keeps its float32 input (n_kv_heads x head_dim) for
+            autograd through the KV cache, with its scalar (Qwen3: circuit-tracer does not
+            detach that norm).
+        k_norm_scalars: the keys' RMSNorm keeps only its detached scalar (Gemma-3).
     """
 
-    kept_dtype: float
-    kept_fp32: float
-    logits: float
-    transient: float
-    measured: str
+    post_attention_norm: bool
+    k_norm_fp32: bool = False
+    k_norm_scalars: bool = False
+
+
+#: Per family; an unknown family is estimated as Llama.
+ARCHITECTURES: Final[Mapping[str, ArchitectureTerms]] = MappingProxyType(
+    {
+        "gemma2": ArchitectureTerms(post_attention_norm=True),
+        "gemma3": ArchitectureTerms(post_attention_norm=True, k_norm_scalars=True),
+        "llama": ArchitectureTerms(post_attention_norm=False),
+        "qwen3": ArchitectureTerms(post_attention_norm=False, k_norm_fp32=True),
+    }
+)
+
+
+def architecture(family: str) -> ArchitectureTerms:
+    return ARCHITECTURES.get(family, ARCHITECTURES["llama"])
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """Factors fitted to measured peaks (``bench/fit_estimator.py``, ``docs/estimator.md``).
+    """What the code does not fix: the allocator, the device and the backward passes' order
+    of freeing, fitted to GPU measurements (``bench/fit_estimator.py``, ``docs/estimator.md``).
 
     Attributes:
-        families: :class:`FamilyFactors` per architecture family (gemma2, gemma3, llama,
-            qwen3); an unknown family uses ``llama``'s.
+        backward_gather: copies of the per-layer gradient gathered at the decoder vectors'
+            positions (batch x decoders writing to a layer x d_model) at the backward peak
+            (``compute_score``'s ``grads[:, positions]``: one, from the code).
+        backward_layers: residual-stream-sized gradients per layer and batch-token alive with
+            them, in the model dtype.
         unembed_share: the backward passes hold this share of the unembedding matrix
             (vocabulary x d_model) in the model dtype at their peak.
-        backward_gather: copies of the per-layer gradient gathered at the decoder vectors'
-            positions (batch x decoders writing to a layer x d_model) at the backward peak.
-        backward_layers: residual-stream-sized gradients per layer and batch-token alive
-            with them, in the model dtype.
         reserved, reserved_bytes: reserved minus allocated at the peak, estimated as
-            ``reserved`` x what the call adds + ``reserved_bytes``; with expandable segments
-            this covers the measured reserved peaks at 53 of 57 points and misses the other
-            4 by at most 0.24 GiB.
+            ``reserved`` x what the call adds + ``reserved_bytes`` (an envelope over the
+            measured points, with expandable segments).
         context_bytes: the CUDA context of one process, outside PyTorch's allocator.
         workspace_bytes: allocated besides the parameters once the model has run (cuBLAS
             workspaces): measured resident memory minus the weights.
         safety: the allocated peak is multiplied by it.
     """
 
-    families: Mapping[str, FamilyFactors]
-    unembed_share: float
     backward_gather: float
     backward_layers: float
+    unembed_share: float
     reserved: float
     reserved_bytes: int
     context_bytes: int
     workspace_bytes: int = 0
     safety: float = 1.0
 
-    def family(self, name: str) -> FamilyFactors:
-        return self.families.get(name, self.families["llama"])
 
-
-#: Fitted by ``bench/fit_estimator.py`` from the points in ``docs/calibration/`` (one H200,
-#: torch 2.11, circuit-tracer 0.5.0, nnsight backend, transformers 4.57.3); the fit and the
-#: error at every point are in ``docs/estimator.md``.
+#: Fitted by ``bench/fit_estimator.py`` from the fit points in ``docs/calibration/`` (one
+#: H200, torch 2.11, circuit-tracer 0.5.0, nnsight backend, transformers 4.57.3); the fit,
+#: the held-out validation and the error at every point are in ``docs/estimator.md``.
 CALIBRATION: Final = Calibration(
-    families=MappingProxyType(
-        {
-            "gemma2": FamilyFactors(0.075, 1.004, 1.0, 5.78, "bf16 and fp32"),
-            "gemma3": FamilyFactors(0.057, 1.004, 1.0, 6.83, "bf16"),
-            "llama": FamilyFactors(1.125, 0.001, 1.0, 2.25, "bf16 and fp32"),
-            "qwen3": FamilyFactors(1.125, 0.001, 1.0, 2.25, "none: Llama's factors"),
-        }
-    ),
-    unembed_share=0.25,
     backward_gather=1.0,
-    backward_layers=0.35,
+    backward_layers=0.25,
+    unembed_share=0.25,
     reserved=0.12,
     reserved_bytes=150 << 20,
     # bench/cuda_context.py on the H200 (driver 580.159.04, torch 2.11): NVML's used memory
@@ -218,6 +243,15 @@ CALIBRATION: Final = Calibration(
     # drivers differ by a few hundred MiB.
     context_bytes=718_077_952,
     workspace_bytes=102760960,
+)
+
+
+#: Per family, the worst under-prediction of the allocated peak over the held-out validation
+#: points (docs/estimator.md), as a share of the measured peak: ``--ct-batch-size auto``'s
+#: first call on a model keeps at least this margin. ``tests/test_estimate.py`` checks it
+#: against the data.
+WORST_UNDER_PREDICTION: Final[Mapping[str, float]] = MappingProxyType(
+    {"gemma2": 0.001, "gemma3": 0.001, "llama": 0.002, "qwen3": 0.002}
 )
 
 
@@ -263,6 +297,19 @@ class Estimate:
         return self.total_bytes / GIB
 
     @property
+    def active_features(self) -> int:
+        """Active features of the prompt over all layers."""
+        return self.workload.active_features(self.model.n_layers)
+
+    @property
+    def active_per_layer_token(self) -> float:
+        """Active features per layer and token: the workload's, or the counted ones'."""
+        work = self.workload
+        if work.counted_features is None:
+            return work.active_per_layer_token
+        return work.counted_features / max(self.model.n_layers * (work.prompt_tokens - 1), 1)
+
+    @property
     def resident_bytes(self) -> int:
         """Weights and transcoders: allocated before the call starts."""
         return sum(t.bytes for t in self.terms if t.name in ("weights", "transcoders"))
@@ -286,8 +333,8 @@ class Estimate:
             "dtype": self.workload.dtype,
             "batch_size": self.workload.batch_size,
             "prompt_tokens": self.workload.prompt_tokens,
-            "active_per_token": self.workload.active_per_token,
-            "active_features": self.workload.active_features,
+            "active_per_layer_token": round(self.active_per_layer_token, 3),
+            "active_features": self.active_features,
             "max_feature_nodes": self.workload.max_feature_nodes,
             "peak_gib": round(self.peak_gib, 3),
             "peak_reserved_gib": round(self.peak_reserved_bytes / GIB, 3),
@@ -315,6 +362,65 @@ def _decoder_vectors_per_feature(model: ModelShape, tc: TranscoderShape) -> floa
     return (model.n_layers + 1) / 2 if tc.cross_layer else 1.0
 
 
+def norms_on_gradient_path(model: ModelShape, transcoders: TranscoderShape) -> int:
+    """RMSNorms per layer whose detached scalar autograd keeps: the attention's input norm
+    (the value path), Gemma's norm after attention, and the MLP's input norm unless the
+    transcoders read the residual stream before it (the MLP's own graph is detached)."""
+    arch = architecture(model.family)
+    mlp_input = 0 if transcoders.feature_input_hook == RESID_MID_HOOK else 1
+    return 1 + int(arch.post_attention_norm) + mlp_input
+
+
+def kept_per_batch_token(
+    model: ModelShape, transcoders: TranscoderShape, dtype_bytes: int, prompt_tokens: int
+) -> int:
+    """Bytes the forward pass keeps for the backward passes per batch-token, alive from its
+    end to the end of the call (see the module's docstring)."""
+    b, d = dtype_bytes, model.d_model
+    # Per layer: the transcoders' input (float32 for GemmaScope's normalised MLP input) and
+    # output, the attention probabilities, a float32 scalar per norm on the gradient path.
+    feature_input = 4 if transcoders.feature_input_hook == NORMALIZED_HOOK else b
+    per_layer = (
+        d * (feature_input + b)
+        + model.n_heads * prompt_tokens * b
+        + 4 * norms_on_gradient_path(model, transcoders)
+    )
+    # The embeddings' output (the token nodes' gradients) and the final norm's output (the
+    # logit nodes' injection point), with the final norm's scalar.
+    return model.n_layers * per_layer + 2 * d * b + 4
+
+
+def cache_per_batch_token(model: ModelShape, dtype_bytes: int) -> int:
+    """Bytes per batch-token the model's output holds at the end of the forward pass on top
+    of the kept tensors: every layer's KV cache, and what the keys' graph keeps."""
+    arch = architecture(model.family)
+    kv = model.n_kv_heads * model.head_dim
+    per_layer = 2 * kv * dtype_bytes
+    if arch.k_norm_fp32:
+        per_layer += 4 * kv + 4 * model.n_kv_heads
+    elif arch.k_norm_scalars:
+        per_layer += 4 * model.n_kv_heads
+    return model.n_layers * per_layer
+
+
+def forward_peak_per_batch_token(
+    model: ModelShape, transcoders: TranscoderShape, dtype_bytes: int, prompt_tokens: int
+) -> int:
+    """Bytes per batch-token the forward pass adds at its peak: what it keeps, the KV cache,
+    and the larger of the logits (two copies under a softcap: ``tanh``'s output, which autograd
+    keeps, and the result) and the last layer's gated-MLP intermediates (gate, up, the
+    activation and the product, with the MLP's input and its norm's: at most three residual
+    streams more, counted on the CPU; the logits are larger in every published model)."""
+    logit_copies = 2 if model.final_logit_softcap else 1
+    mlp = 4 * model.d_mlp + 3 * model.d_model
+    transient = max(logit_copies * model.vocab_size, mlp) * dtype_bytes
+    return (
+        kept_per_batch_token(model, transcoders, dtype_bytes, prompt_tokens)
+        + cache_per_batch_token(model, dtype_bytes)
+        + transient
+    )
+
+
 def estimate(
     model: ModelShape,
     transcoders: TranscoderShape,
@@ -326,38 +432,31 @@ def estimate(
     b = DTYPE_BYTES[workload.dtype]
     n_layers, d, vocab = model.n_layers, model.d_model, model.vocab_size
     tokens, batch = workload.prompt_tokens, workload.batch_size
-    nnz = workload.active_features
+    nnz = workload.active_features(n_layers)
     batch_tokens = batch * tokens
     layer_row = n_layers * d * b  # one token's residual stream over all layers, in bytes
 
     weights = model.n_params * b + cal.workspace_bytes
     transcoder_bytes = transcoder_params_on_gpu(model, transcoders) * b
-    factors = cal.family(model.family)
 
     decoders = _decoder_vectors_per_feature(model, transcoders)
+    feature_vectors = int(nnz * d * b * (1 + decoders))  # encoder and decoder vectors
     setup = int(
-        nnz * d * b * (1 + decoders)  # encoder and decoder vectors of active features
+        feature_vectors
         + n_layers * tokens * d * b  # error vectors
         + tokens * d * b  # token embeddings
         + tokens * vocab * b  # one prompt's logits (ctx.logits)
         + nnz * (3 * 8 + b)  # sparse activation matrix: int64 indices and values
     )
-    # setup_attribution's own peak: the MLP input and output caches and the reconstruction
-    # are alive next to what it keeps (measured: twice what it keeps).
-    setup_peak = 2 * setup
-
-    # Per batch-token, kept for the backward passes: per layer, residual-stream-sized
-    # tensors and the attention probabilities (heads x tokens), plus a skip connection's
-    # output and the normalised input GemmaScope's transcoders read.
-    skip_factor = 1.0 if transcoders.skip_connection else 0.0
-    skip_factor += 1.0 if transcoders.feature_input_hook == NORMALIZED_HOOK else 0.0
-    kept_per_token = n_layers * (
-        d * (factors.kept_dtype * b + factors.kept_fp32 * 4 + skip_factor * b)
-        + model.n_heads * tokens * b
+    # setup_attribution's own peak, at the concatenation of the per-layer feature vectors:
+    # the lists being joined, the MLP input and output caches and the reconstruction, and one
+    # layer's dense pre-activations and activations (tokens x width, in the model dtype).
+    setup_peak = (
+        setup + feature_vectors + 3 * n_layers * tokens * d * b + 2 * tokens * transcoders.width * b
     )
-    kept = int(batch_tokens * kept_per_token)
-    logits = factors.logits + (1.0 if model.final_logit_softcap else 0.0)
-    forward = kept + int(batch_tokens * (logits * vocab + factors.transient * model.d_mlp) * b)
+
+    kept = batch_tokens * kept_per_batch_token(model, transcoders, b, tokens)
+    forward = batch_tokens * forward_peak_per_batch_token(model, transcoders, b, tokens)
 
     row_size = nnz + (n_layers + 1) * tokens
     feature_nodes = (
@@ -399,14 +498,23 @@ def estimate(
         if (transcoders.lazy_encoder or transcoders.lazy_decoder)
         else "all on the GPU"
     )
+    per_layer = (
+        workload.active_per_layer_token
+        if workload.counted_features is None
+        else nnz / max(n_layers * (tokens - 1), 1)
+    )
     terms = (
         Term("weights", weights, f"{model.n_params / 1e9:.2f}e9 parameters, workspaces"),
         Term("transcoders", transcoder_bytes, tc_note),
-        Term("setup", setup, f"{nnz} active features"),
+        Term(
+            "setup",
+            setup,
+            f"{per_layer:.1f} active features per layer and token, {nnz} in all",
+        ),
         Term(
             "forward",
             forward,
-            f"batch {batch} x {tokens} tokens"
+            f"batch {batch} x {tokens} tokens, kept {kept / GIB:.2f} GiB"
             + (", softcapped logits" if model.final_logit_softcap else ""),
         ),
         Term(

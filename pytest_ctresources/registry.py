@@ -18,7 +18,14 @@ from types import MappingProxyType
 from typing import Any, Final
 
 from pytest_ctresources.config import AUTO, CircuitTracerConfig
-from pytest_ctresources.estimate import Estimate, ModelShape, TranscoderShape, Workload, estimate
+from pytest_ctresources.estimate import (
+    DEFAULT_ACTIVE_PER_LAYER_TOKEN,
+    Estimate,
+    ModelShape,
+    TranscoderShape,
+    Workload,
+    estimate,
+)
 
 
 class UnknownShape(LookupError):
@@ -97,8 +104,27 @@ def _models() -> dict[str, ModelShape]:
         _model("google/gemma-3-4b-it", *gemma_3_4b, vision=True),
         _model("google/gemma-3-12b-pt", *gemma_3_12b, vision=True),
         _model("google/gemma-3-12b-it", *gemma_3_12b, vision=True),
+        _model("google/gemma-2-27b", "gemma2", 46, 4608, 36864, 256000, 32, 16, 128),
+        _model("google/gemma-2-27b-it", "gemma2", 46, 4608, 36864, 256000, 32, 16, 128),
+        _model("google/gemma-3-270m", "gemma3", 18, 640, 2048, 262144, 4, 1, 256),
+        _model("google/gemma-3-270m-it", "gemma3", 18, 640, 2048, 262144, 4, 1, 256),
         _model("meta-llama/Llama-3.2-1B", "llama", 16, 2048, 8192, 128256, 32, 8, 64),
         _model("meta-llama/Llama-3.2-1B-Instruct", "llama", 16, 2048, 8192, 128256, 32, 8, 64),
+        _model("meta-llama/Llama-3.2-3B", "llama", 28, 3072, 8192, 128256, 24, 8, 128),
+        _model("meta-llama/Llama-3.2-3B-Instruct", "llama", 28, 3072, 8192, 128256, 24, 8, 128),
+        _model("meta-llama/Llama-3.1-8B", "llama", 32, 4096, 14336, 128256, 32, 8, 128, tied=False),
+        _model(
+            "meta-llama/Llama-3.1-8B-Instruct",
+            "llama",
+            32,
+            4096,
+            14336,
+            128256,
+            32,
+            8,
+            128,
+            tied=False,
+        ),
         _model("Qwen/Qwen3-0.6B", "qwen3", 28, 1024, 3072, 151936, 16, 8, 128),
         _model("Qwen/Qwen3-1.7B", "qwen3", 28, 2048, 6144, 151936, 16, 8, 128),
         _model("Qwen/Qwen3-4B", "qwen3", 36, 2560, 9728, 151936, 32, 8, 128),
@@ -120,11 +146,27 @@ class TranscoderSetInfo:
         models: the models it was trained on.
         lazy_capable: whether circuit-tracer can keep its matrices on disk (its own
             safetensors layout); GemmaScope npz and GemmaScope-2 files always load fully.
+        l0: its active features per layer and token (average over layers), where published
+            (sources in docs/registry-sources.md); None when not known.
     """
 
     shape: TranscoderShape
     models: tuple[str, ...]
     lazy_capable: bool
+    l0: float | None = None
+
+    @property
+    def active_per_layer_token(self) -> float:
+        """The active features per layer and token an estimate assumes for this set: its
+        L0, else :data:`~pytest_ctresources.estimate.DEFAULT_ACTIVE_PER_LAYER_TOKEN`."""
+        return DEFAULT_ACTIVE_PER_LAYER_TOKEN if self.l0 is None else self.l0
+
+    @property
+    def l0_source(self) -> str:
+        """Where :attr:`active_per_layer_token` comes from, for reports."""
+        if self.l0 is None:
+            return "assumed: the set's L0 is not known"
+        return f"{self.shape.name}'s L0"
 
     def loaded(self, *, lazy_encoder: bool = False, lazy_decoder: bool = True) -> TranscoderShape:
         """The shape with circuit-tracer's lazy-loading flags applied (its defaults here)."""
@@ -144,11 +186,17 @@ def _set(
     clt: bool = False,
     skip: bool = False,
     hook: str = "hook_resid_mid",
+    l0: float | None = None,
 ) -> TranscoderSetInfo:
     shape = TranscoderShape(
         name=name, width=width, cross_layer=clt, skip_connection=skip, feature_input_hook=hook
     )
-    return TranscoderSetInfo(shape, models, lazy)
+    return TranscoderSetInfo(shape, models, lazy, l0)
+
+
+#: GemmaScope's gemma-2-2b transcoders as circuit-tracer's ``gemma`` set lists them: the
+#: ``average_l0_N`` of each layer's file (76, 65, 49, ..., 37, 41), 1020 over 26 layers.
+_GEMMA_SCOPE_L0: Final = 1020 / 26
 
 
 _GEMMA_2_2B = ("google/gemma-2-2b", "google/gemma-2-2b-it")
@@ -164,6 +212,7 @@ TRANSCODER_SETS: Final[Mapping[str, TranscoderSetInfo]] = MappingProxyType(
                 _GEMMA_2_2B,
                 lazy=False,
                 hook="ln2.hook_normalized",
+                l0=_GEMMA_SCOPE_L0,
             ),
             _set("mntss/transcoder-Llama-3.2-1B", 131072, _LLAMA_1B, lazy=True, skip=True),
             _set("mntss/clt-gemma-2-2b-426k", 16384, _GEMMA_2_2B, lazy=True, clt=True),
@@ -289,6 +338,7 @@ def transcoder_info(name: str, model: str | None = None) -> TranscoderSetInfo:
                 clt=dims.cross_layer,
                 skip=dims.skip_connection,
                 hook=testing.default_hooks(dims)[0],
+                l0=float(testing.DEFAULT_FEATURES_PER_TOKEN),
             )
     resolved = ALIASES.get(name, name)
     if resolved in TRANSCODER_SETS:
@@ -487,35 +537,56 @@ def shapes_of_config(cfg: CircuitTracerConfig) -> tuple[ModelShape, TranscoderSh
 
 
 def workload_of(
-    cfg: CircuitTracerConfig, prompt_tokens: int, active_per_token: float, batch_size: int
+    cfg: CircuitTracerConfig,
+    prompt_tokens: int,
+    active_per_layer_token: float,
+    batch_size: int,
+    *,
+    counted_features: int | None = None,
 ) -> Workload:
-    """One attribution under ``cfg``'s dtype, feature nodes, logits and offload."""
+    """One attribution under ``cfg``'s dtype, feature nodes, logits and offload;
+    ``counted_features`` is the prompt's real number of active features, when counted."""
     return Workload(
         dtype=cfg.dtype,
         batch_size=batch_size,
         prompt_tokens=prompt_tokens,
-        active_per_token=active_per_token,
+        active_per_layer_token=active_per_layer_token,
         max_feature_nodes=cfg.max_feature_nodes,
         n_logits=cfg.max_n_logits,
         offload=cfg.offload,
+        counted_features=counted_features,
     )
+
+
+def default_active_per_layer_token(cfg: CircuitTracerConfig) -> float:
+    """The active features per layer and token to assume for ``cfg``'s transcoder set: its
+    L0 where the registry knows it, else the documented conservative default."""
+    if not cfg.transcoder_set:
+        return DEFAULT_ACTIVE_PER_LAYER_TOKEN
+    try:
+        return transcoder_info(cfg.transcoder_set, cfg.model_name).active_per_layer_token
+    except UnknownShape:
+        return DEFAULT_ACTIVE_PER_LAYER_TOKEN
 
 
 def estimate_config(
     cfg: CircuitTracerConfig,
     prompt_tokens: int,
-    active_per_token: float,
+    active_per_layer_token: float | None = None,
     *,
     batch_size: int | None = None,
 ) -> Estimate | None:
     """The estimate of one attribution under ``cfg`` (at ``batch_size`` when given), or None
     when its model or transcoder set is not configured or not known. ``batch_size: auto``
-    without ``batch_size`` is estimated at batch size 1, the least auto can choose."""
+    without ``batch_size`` is estimated at batch size 1, the least auto can choose.
+    ``active_per_layer_token`` defaults to the set's L0 (:func:`default_active_per_layer_token`)."""
     try:
         model, transcoders = shapes_of_config(cfg)
     except UnknownShape:
         return None
     if batch_size is None:
         batch_size = 1 if cfg.batch_size == AUTO else int(cfg.batch_size)
-    workload = workload_of(cfg, prompt_tokens, active_per_token, batch_size)
+    if active_per_layer_token is None:
+        active_per_layer_token = default_active_per_layer_token(cfg)
+    workload = workload_of(cfg, prompt_tokens, active_per_layer_token, batch_size)
     return estimate(model, transcoders, workload)

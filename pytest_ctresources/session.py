@@ -323,7 +323,7 @@ class CtSession:
             model = self.load_model()
         from circuit_tracer import attribute
 
-        from pytest_ctresources.autobatch import choose_with_setup, reused_setup
+        from pytest_ctresources.autobatch import choose_with_setup, observed, reused_setup
 
         if kwargs["batch_size"] == AUTO:
             # The call's own overrides (max_feature_nodes, offload, ...) shape the estimate.
@@ -338,11 +338,15 @@ class CtSession:
             self.auto_choices.append(choice)
             kwargs["batch_size"] = choice.batch_size
         else:
-            setup = None
+            choice, setup = None, None
         while True:
             try:
-                # auto's setup pass is the one attribute() starts with: it is not run twice.
-                with reused_setup(model, prompt, setup):
+                # auto's setup pass is the one attribute() starts with: it is not run twice;
+                # the call's measured peak corrects auto's later choices on this model.
+                with (
+                    reused_setup(model, prompt, setup),
+                    observed(model, choice, kwargs["batch_size"]) as seen,
+                ):
                     setup = None  # the first attempt only: a retry runs its own
                     graph = attribute(prompt, model, **kwargs)
             except Exception as exc:
@@ -355,6 +359,8 @@ class CtSession:
                 self.halvings.append(oom.Halving(kwargs["batch_size"], smaller))
                 kwargs["batch_size"] = smaller
             else:
+                if seen.choice is not None:
+                    self.auto_choices[-1] = seen.choice
                 self.calls.append(AttributionCall(dict(kwargs)))
                 return graph
             cleanup_python_cuda()

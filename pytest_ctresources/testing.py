@@ -3,10 +3,12 @@
 This module is public: besides serving the plugin's own tests, it is meant for users' CPU smoke
 tests and for GPU tests that need a model of a *real* size without downloading any weights.
 
-It builds :mod:`circuit_tracer` replacement models of two real architectures -- Gemma-2
-(``Gemma2ForCausalLM``) and Llama (``LlamaForCausalLM``) -- with randomly initialised weights,
-random JumpReLU single-layer transcoders, and a small word-level tokenizer written to a local
-directory. Nothing touches the Hugging Face Hub.
+It builds :mod:`circuit_tracer` replacement models of four real architectures -- Gemma-2
+(``Gemma2ForCausalLM``), Gemma-3 (``Gemma3ForCausalLM``), Llama (``LlamaForCausalLM``) and
+Qwen3 (``Qwen3ForCausalLM``) -- with randomly initialised weights, random JumpReLU transcoders
+(one per layer, or one cross-layer transcoder), and a small word-level tokenizer written to a
+local directory. Nothing touches the Hugging Face Hub. ``*_DIMS`` constants give the published
+dimensions of real models (their sources are in ``docs/registry-sources.md``).
 
 Typical use in a CPU smoke test::
 
@@ -61,10 +63,24 @@ if TYPE_CHECKING:
 __all__ = [
     "BUNDLED_MODELS",
     "BUNDLED_TRANSCODER_SETS",
+    "DEFAULT_FEATURES_PER_TOKEN",
     "GEMMA_2_2B_CLT_DIMS",
     "GEMMA_2_2B_DIMS",
+    "GEMMA_2_9B_DIMS",
+    "GEMMA_2_27B_DIMS",
+    "GEMMA_3_1B_DIMS",
     "GEMMA_3_4B_DIMS",
+    "GEMMA_3_12B_DIMS",
+    "GEMMA_3_270M_DIMS",
+    "LLAMA_3_1_8B_DIMS",
     "LLAMA_3_2_1B_DIMS",
+    "LLAMA_3_2_3B_CLT_DIMS",
+    "LLAMA_3_2_3B_DIMS",
+    "QWEN3_0_6B_DIMS",
+    "QWEN3_1_7B_CLT_DIMS",
+    "QWEN3_1_7B_DIMS",
+    "QWEN3_4B_DIMS",
+    "QWEN3_8B_DIMS",
     "RANDOM_GEMMA_2_2B",
     "RANDOM_GEMMA_2_2B_CLT",
     "RANDOM_GEMMA_3_4B",
@@ -103,10 +119,21 @@ RANDOM_LLAMA_3_2_1B: Final = "ctresources/random-llama-3.2-1b"
 RANDOM_TRANSCODERS: Final = "ctresources/random-jumprelu"
 
 #: Architectures :func:`build_replacement_model` can build.
-Architecture = Literal["gemma2", "gemma3", "llama"]
+Architecture = Literal["gemma2", "gemma3", "llama", "qwen3"]
 
 _HF_ARCHITECTURE: Final[Mapping[str, str]] = MappingProxyType(
-    {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "llama": "LlamaForCausalLM"}
+    {
+        "gemma2": "Gemma2ForCausalLM",
+        "gemma3": "Gemma3ForCausalLM",
+        "llama": "LlamaForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+    }
+)
+#: Whether an architecture's random model ties its embeddings when ``ModelDims`` does not say:
+#: Gemma's and Qwen3's small models do; the Llama builder never did (Llama-3.2-1B's measured
+#: points were taken untied).
+_TIED_BY_DEFAULT: Final[Mapping[str, bool]] = MappingProxyType(
+    {"gemma2": True, "gemma3": True, "llama": False, "qwen3": True}
 )
 
 # Hook points the transcoders read from / write to, per architecture. They mirror the public
@@ -120,6 +147,9 @@ _DEFAULT_HOOKS: Final[Mapping[str, tuple[str, str]]] = MappingProxyType(
         # Gemma-3 (text): the MLP input, as circuit-tracer's Gemma3 mapping names it.
         "gemma3": ("mlp.hook_in", "hook_mlp_out"),
         "llama": ("hook_resid_mid", "hook_mlp_out"),
+        # Qwen3: circuit-tracer's mapping knows only the MLP's input and output, which the
+        # mwhanna/qwen3-* transcoders read and write.
+        "qwen3": ("mlp.hook_in", "mlp.hook_out"),
     }
 )
 
@@ -169,6 +199,10 @@ _CALIBRATION_TEXT: Final = (
     "people often ask why the sea is blue , but few know the answer ."
 )
 
+#: Active transcoder features per layer and token the random transcoders are calibrated to
+#: (:func:`build_replacement_model`'s ``features_per_token``); about what random prompts get.
+DEFAULT_FEATURES_PER_TOKEN: Final = 16
+
 #: Vocabulary size of the bundled tiny models: a power of two above the word list's size, so
 #: every token the tokenizer can produce is a valid model id.
 _TINY_VOCAB_SIZE: Final = 512
@@ -201,12 +235,14 @@ class ModelDims:
         head_dim: Width of each attention head.
         d_transcoder: Number of features of each transcoder.
         architecture: ``"gemma2"``, ``"gemma3"`` (text-only ``Gemma3ForCausalLM``, nnsight
-            backend only) or ``"llama"``.
+            backend only), ``"llama"`` or ``"qwen3"`` (nnsight backend only).
         max_position: Maximum sequence length the model is configured for.
         skip_connection: Whether each transcoder has a linear skip connection
             (``W_skip``, d_model x d_model), as the llama-3.2-1b 131k transcoders do.
         cross_layer: One cross-layer transcoder (CLT: the features of layer l write to every
             later layer) instead of one transcoder per layer.
+        tied_embeddings: Whether the unembedding shares the embedding matrix; None takes the
+            architecture's default (tied for Gemma and Qwen3, untied for Llama).
     """
 
     n_layers: int
@@ -221,6 +257,7 @@ class ModelDims:
     max_position: int = 512
     skip_connection: bool = False
     cross_layer: bool = False
+    tied_embeddings: bool | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in _HF_ARCHITECTURE:
@@ -255,19 +292,23 @@ class ModelDims:
             )
 
     @property
-    def n_model_params(self) -> int:
-        """Number of parameters of the transformer (embeddings counted once if tied).
+    def ties_embeddings(self) -> bool:
+        """Whether the built model shares its embedding and unembedding matrices."""
+        if self.tied_embeddings is None:
+            return _TIED_BY_DEFAULT[self.architecture]
+        return self.tied_embeddings
 
-        Gemma ties its embedding and unembedding, Llama does not (as built here).
-        """
+    @property
+    def n_model_params(self) -> int:
+        """Number of parameters of the transformer (embeddings counted once if tied)."""
         attn = self.d_model * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         mlp = 3 * self.d_model * self.d_mlp
-        n_norms = 2 if self.architecture == "llama" else 4
+        n_norms = 2 if self.architecture in ("llama", "qwen3") else 4
         per_layer = attn + mlp + n_norms * self.d_model
-        if self.architecture == "gemma3":
+        if self.architecture in ("gemma3", "qwen3"):
             per_layer += 2 * self.head_dim  # q_norm and k_norm
         embeddings = self.vocab_size * self.d_model
-        if self.architecture == "llama":
+        if not self.ties_embeddings:
             embeddings *= 2
         return self.n_layers * per_layer + embeddings + self.d_model
 
@@ -346,6 +387,72 @@ LLAMA_3_2_1B_DIMS: Final = ModelDims(
     skip_connection=True,
 )
 
+
+def _published(
+    architecture: Architecture,
+    n_layers: int,
+    d_model: int,
+    d_mlp: int,
+    vocab_size: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    *,
+    tied: bool,
+    d_transcoder: int = 16384,
+) -> ModelDims:
+    """A published model's dimensions (its ``config.json``) with 16k per-layer transcoders."""
+    return ModelDims(
+        n_layers=n_layers,
+        d_model=d_model,
+        d_mlp=d_mlp,
+        vocab_size=vocab_size,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        d_transcoder=d_transcoder,
+        architecture=architecture,
+        max_position=8192,
+        tied_embeddings=tied,
+    )
+
+
+# Published dimensions of the models the estimator is fitted and validated on
+# (docs/estimator.md), with random per-layer transcoders of 16k features unless named
+# otherwise; the sources of every value are in docs/registry-sources.md. All GPU only.
+#: google/gemma-2-9b.
+GEMMA_2_9B_DIMS: Final = _published("gemma2", 42, 3584, 14336, 256000, 16, 8, 256, tied=True)
+#: google/gemma-2-27b (about 27e9 parameters: 54 GB in bfloat16).
+GEMMA_2_27B_DIMS: Final = _published("gemma2", 46, 4608, 36864, 256000, 32, 16, 128, tied=True)
+#: google/gemma-3-270m.
+GEMMA_3_270M_DIMS: Final = _published("gemma3", 18, 640, 2048, 262144, 4, 1, 256, tied=True)
+#: google/gemma-3-1b-pt.
+GEMMA_3_1B_DIMS: Final = _published("gemma3", 26, 1152, 6912, 262144, 4, 1, 256, tied=True)
+#: google/gemma-3-12b-pt's text model.
+GEMMA_3_12B_DIMS: Final = _published("gemma3", 48, 3840, 15360, 262208, 16, 8, 256, tied=True)
+#: meta-llama/Llama-3.2-3B, per-layer transcoders without a skip connection.
+LLAMA_3_2_3B_DIMS: Final = _published("llama", 28, 3072, 8192, 128256, 24, 8, 128, tied=True)
+#: Llama-3.2-3B with a cross-layer transcoder of 8192 features per layer.
+LLAMA_3_2_3B_CLT_DIMS: Final = dataclasses.replace(
+    LLAMA_3_2_3B_DIMS, d_transcoder=8192, cross_layer=True
+)
+#: meta-llama/Llama-3.1-8B (untied embeddings), per-layer transcoders without skip.
+LLAMA_3_1_8B_DIMS: Final = _published("llama", 32, 4096, 14336, 128256, 32, 8, 128, tied=False)
+#: Qwen/Qwen3-0.6B with transcoders as wide as mwhanna/qwen3-0.6b-transcoders-lowl0 (163840).
+QWEN3_0_6B_DIMS: Final = _published(
+    "qwen3", 28, 1024, 3072, 151936, 16, 8, 128, tied=True, d_transcoder=163840
+)
+#: Qwen/Qwen3-1.7B.
+QWEN3_1_7B_DIMS: Final = _published("qwen3", 28, 2048, 6144, 151936, 16, 8, 128, tied=True)
+#: Qwen3-1.7B with a cross-layer transcoder of 4096 features per layer.
+QWEN3_1_7B_CLT_DIMS: Final = dataclasses.replace(
+    QWEN3_1_7B_DIMS, d_transcoder=4096, cross_layer=True
+)
+#: Qwen/Qwen3-4B.
+QWEN3_4B_DIMS: Final = _published("qwen3", 36, 2560, 9728, 151936, 32, 8, 128, tied=True)
+#: Qwen/Qwen3-8B (untied embeddings).
+QWEN3_8B_DIMS: Final = _published("qwen3", 36, 4096, 12288, 151936, 32, 8, 128, tied=False)
+
 #: Bundled model names and their dimensions (read-only).
 BUNDLED_MODELS: Final[Mapping[str, ModelDims]] = MappingProxyType(
     {
@@ -355,6 +462,19 @@ BUNDLED_MODELS: Final[Mapping[str, ModelDims]] = MappingProxyType(
         RANDOM_GEMMA_2_2B_CLT: GEMMA_2_2B_CLT_DIMS,
         RANDOM_GEMMA_3_4B: GEMMA_3_4B_DIMS,
         RANDOM_LLAMA_3_2_1B: LLAMA_3_2_1B_DIMS,
+        "ctresources/random-gemma-2-9b": GEMMA_2_9B_DIMS,
+        "ctresources/random-gemma-2-27b": GEMMA_2_27B_DIMS,
+        "ctresources/random-gemma-3-270m": GEMMA_3_270M_DIMS,
+        "ctresources/random-gemma-3-1b": GEMMA_3_1B_DIMS,
+        "ctresources/random-gemma-3-12b": GEMMA_3_12B_DIMS,
+        "ctresources/random-llama-3.2-3b": LLAMA_3_2_3B_DIMS,
+        "ctresources/random-llama-3.2-3b-clt": LLAMA_3_2_3B_CLT_DIMS,
+        "ctresources/random-llama-3.1-8b": LLAMA_3_1_8B_DIMS,
+        "ctresources/random-qwen3-0.6b": QWEN3_0_6B_DIMS,
+        "ctresources/random-qwen3-1.7b": QWEN3_1_7B_DIMS,
+        "ctresources/random-qwen3-1.7b-clt": QWEN3_1_7B_CLT_DIMS,
+        "ctresources/random-qwen3-4b": QWEN3_4B_DIMS,
+        "ctresources/random-qwen3-8b": QWEN3_8B_DIMS,
     }
 )
 #: Bundled transcoder-set names.
@@ -485,6 +605,7 @@ def _hf_config(dims: ModelDims, tokenizer_dir: str, dtype: torch.dtype) -> Any:
         "eos_token_id": _EOS_ID,
         "bos_token_id": _BOS_ID,
         "initializer_range": 0.02,
+        "tie_word_embeddings": dims.ties_embeddings,
         # HF's ``from_config`` creates the parameters in this dtype (it sets torch's default
         # dtype while building), so nothing is ever materialised in float32 first.
         "dtype": dtype,
@@ -511,8 +632,13 @@ def _hf_config(dims: ModelDims, tokenizer_dir: str, dtype: torch.dtype) -> Any:
             hidden_activation="gelu_pytorch_tanh",
             rms_norm_eps=1e-6,
         )
+    elif dims.architecture == "qwen3":
+        # Qwen3's values: RMSNorm on queries and keys, no attention bias, no sliding window.
+        config = _transformers().Qwen3Config(
+            **common, rms_norm_eps=1e-6, rope_theta=1_000_000.0, attention_bias=False
+        )
     else:
-        config = _transformers().LlamaConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=False)
+        config = _transformers().LlamaConfig(**common, rms_norm_eps=1e-5)
     config.architectures = [_HF_ARCHITECTURE[dims.architecture]]
     # circuit-tracer's nnsight ``from_config`` loads the tokenizer from ``_name_or_path`` and
     # uses it as the model name too.
@@ -697,7 +823,7 @@ def build_replacement_model(
     backend: str = "nnsight",
     seed: int = 0,
     tokenizer_dir: str | None = None,
-    features_per_token: int = 16,
+    features_per_token: int = DEFAULT_FEATURES_PER_TOKEN,
     feature_input_hook: str | None = None,
     feature_output_hook: str | None = None,
 ) -> AnyReplacementModel:
@@ -745,8 +871,10 @@ def build_replacement_model(
         raise ValueError(f"unknown backend {backend!r}; known: {', '.join(_BACKENDS)}")
     if features_per_token <= 0:
         raise ValueError(f"features_per_token must be positive, got {features_per_token}")
-    if dims.architecture == "gemma3" and backend != "nnsight":
-        raise ValueError("gemma3 random models are built for the nnsight backend only")
+    if dims.architecture in ("gemma3", "qwen3") and backend != "nnsight":
+        raise ValueError(
+            f"{dims.architecture} random models are built for the nnsight backend only"
+        )
     torch_dtype = _resolve_dtype(dtype)
     torch_device = torch.device(device if device is not None else default_device())
 
@@ -793,10 +921,11 @@ def default_hooks(dims: ModelDims) -> tuple[str, str]:
     """The (input, output) hooks the random transcoders of ``dims`` use, as the public sets
     of that architecture do."""
     default_in, default_out = _DEFAULT_HOOKS[dims.architecture]
-    if dims.cross_layer:
+    if dims.cross_layer and dims.architecture != "qwen3":
         # circuit-tracer's CLTs (mntss/clt-gemma-2-2b-426k, clt-llama-3.2-1b-524k) read the
         # residual stream before the MLP. (Its CLT does not cast its input to its own dtype,
         # so Gemma-2's float32 normalised MLP input would not work in bfloat16 anyway.)
+        # circuit-tracer's Qwen3 mapping has no such hook; its MLP input is in the model dtype.
         default_in = "hook_resid_mid"
     return default_in, default_out
 

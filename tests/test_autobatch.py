@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import circuit_tracer  # noqa: F401  (imported before any in-process pytester run; see conftest)
+import circuit_tracer  # imported before any in-process pytester run; see conftest
 import pytest
 
 from pytest_ctresources import autobatch, registry, testing
 from pytest_ctresources import estimate as est
 from pytest_ctresources.config import CircuitTracerConfig
-from pytest_ctresources.estimate import DEFAULT_ACTIVE_PER_TOKEN
 from pytest_ctresources.registry import estimate_config
 from tests.conftest import TINY_YAML
 
@@ -38,7 +37,9 @@ def project(pytester: pytest.Pytester) -> pytest.Pytester:
     return pytester
 
 
-def test_option_auto_on_cpu_takes_the_ceiling(project: pytest.Pytester) -> None:
+def test_option_auto_on_cpu_fits_the_host_memory(project: pytest.Pytester) -> None:
+    """Without CUDA the model runs on the CPU: auto fits the host's available memory (the
+    tiny model's call fits it at the ceiling) and says so."""
     result = project.runpytest_subprocess(
         "--ct-config",
         "exp.yaml",
@@ -53,19 +54,20 @@ def test_option_auto_on_cpu_takes_the_ceiling(project: pytest.Pytester) -> None:
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(
         [
-            "test_auto.py CHOICE 48",
+            # MAX_FEATURE_NODES is 40: 40 rows need one backward pass, as 48 would.
+            "test_auto.py CHOICE 40",
             "*batch_size=auto (--ct-batch-size)*",
-            "attributions: 1 in 1 test(s), batch size(s) 48",
-            "  test_auto.py::test_attribution: auto batch size 48 (6 prompt tokens; the model "
-            "is not on a CUDA GPU: the ceiling 48)",
+            "attributions: 1 in 1 test(s), batch size(s) 40",
+            "  test_auto.py::test_attribution: auto batch size 40 (6 prompt tokens, * active "
+            "features, predicted * GiB; the model is not on a CUDA GPU: it fits the host's "
+            "available memory, * GiB (*) less 5% margin; the ceiling 48; 40 needs the same 1 "
+            "backward passes over 40 feature rows)",
         ]
     )
     report = json.loads((project.path / "report.json").read_text())
-    assert report["auto_batch_sizes"] == {
-        "test_auto.py::test_attribution": [
-            "batch size 48 (6 prompt tokens; the model is not on a CUDA GPU: the ceiling 48)"
-        ]
-    }
+    (choice,) = report["auto_batch_sizes"]["test_auto.py::test_attribution"]
+    assert choice.startswith("batch size 40 (6 prompt tokens, ")
+    assert "it fits the host's available memory" in choice
 
 
 @pytest.mark.parametrize(
@@ -92,7 +94,8 @@ def test_auto_from_yaml_ini_and_env(
     project.makefile(".yaml", exp=yaml)
     result = project.runpytest_subprocess("--ct-config", "exp.yaml", "-s")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*CHOICE 24", "attributions: 1 in 1 test(s), batch size(s) 24"])
+    # The ceiling 24; 40 feature rows take two passes, as at 20.
+    result.stdout.fnmatch_lines(["*CHOICE 20", "attributions: 1 in 1 test(s), batch size(s) 20"])
 
 
 @pytest.mark.parametrize(
@@ -148,16 +151,35 @@ def auto_config(**fields: Any) -> CircuitTracerConfig:
     return defaults.layered({"batch_size": "auto", **fields}, defaults.source_of("dtype"))
 
 
+class FakeCuda:
+    """The CUDA figures auto reads, set by the test: allocated, reserved, the device's free
+    and total memory, and the peak."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, free_gib: float = 1000.0) -> None:
+        import torch
+
+        self.allocated = 1 << 30
+        self.reserved = 1 << 30
+        self.free = int(free_gib * GIB)
+        self.total = 80 * GIB
+        self.peak = self.allocated
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: self.reserved)
+        monkeypatch.setattr(cuda, "mem_get_info", lambda device=None: (self.free, self.total))
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: self.peak)
+
+
+GIB = 1 << 30
+
+
 def test_choice_on_a_gpu_uses_measured_memory_and_real_active_features(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import torch
-
     prompt = "the capital of france is"
     model = tiny_model_seen_on_a_gpu(monkeypatch)
     cfg = auto_config(batch_size_max=4096, max_feature_nodes=4096)
-    allocated = {"bytes": 1 << 30}
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated["bytes"])
+    cuda = FakeCuda(monkeypatch)
     budget = autobatch.Budget(4.0, "fake", 0.1)
     active = int(model.setup_attribution(model.ensure_tokenized(prompt)).activation_matrix._nnz())
     assert 10 < active < 4096
@@ -171,12 +193,12 @@ def test_choice_on_a_gpu_uses_measured_memory_and_real_active_features(
 
     # Less room: leave space for about 60 batch rows, so several passes are needed.
     shape, transcoders = registry.shapes_of_loaded(model)
-    work = est.Workload("float32", 1, 6, active / 5, 4096)
+    work = est.Workload("float32", 1, 6, 0.0, 4096, counted_features=active)
     one, two = (est.estimate(shape, transcoders, est.with_batch(work, b)) for b in (1, 2))
     # auto fits the allocated peak plus the CUDA context (autobatch.counted_for_fit).
     fit_one, fit_two = (autobatch.counted_for_fit(e, budget) for e in (one, two))
     per_row = fit_two - fit_one
-    allocated["bytes"] = budget.budget_bytes - (fit_one - one.resident_bytes) - 60 * per_row
+    cuda.allocated = budget.budget_bytes - (fit_one - one.resident_bytes) - 60 * per_row
     tight = autobatch.choose(model, prompt, cfg, budget)
     assert 1 < tight.batch_size < active
     largest = int(tight.reason.split(" is the largest")[0])
@@ -184,13 +206,215 @@ def test_choice_on_a_gpu_uses_measured_memory_and_real_active_features(
     assert tight.predicted_gib is not None and tight.predicted_gib <= 3.6
     assert tight.reason.endswith("budget 3.6 GiB = 4.0 GiB (fake) less 10% margin")
 
-    allocated["bytes"] = int(3.3 * (1 << 30))  # with the context, already over the budget
+    cuda.allocated = int(3.3 * GIB)  # with the context, already over the budget
     none = autobatch.choose(model, prompt, cfg, budget)
     assert none.batch_size == 1
     assert "not even batch size 1 is predicted to fit" in none.reason
     # Under an emulated capacity (a cap on PyTorch's allocator) the context does not count.
     capped = autobatch.choose(model, prompt, cfg, autobatch.Budget(4.0, "cap", 0.1, emulated=True))
     assert capped.batch_size > 1
+
+
+def test_auto_fits_what_is_free_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process holds most of the card: mem_get_info's free memory (plus what this
+    process's allocator holds unused) bounds auto below the card's budget, and the reason
+    says so."""
+    prompt = "the capital of france is"
+    model = tiny_model_seen_on_a_gpu(monkeypatch)
+    cfg = auto_config(batch_size_max=4096, max_feature_nodes=4096)
+    cuda = FakeCuda(monkeypatch)
+    budget = autobatch.Budget(80.0, "an 80 GiB card", 0.05)
+    alone = autobatch.choose(model, prompt, cfg, budget)
+    assert "room" not in alone.reason
+    # Leave free what the call takes at batch 20 with what is allocated, less the 0.5 GiB
+    # this process's cache holds unused, and the 5% margin of that room.
+    call_20 = _call_bytes(model, prompt, 20)
+    cuda.reserved = cuda.allocated + (512 << 20)
+    cuda.free = int((cuda.allocated + call_20) / 0.95) - cuda.reserved
+    crowded = autobatch.choose(model, prompt, cfg, budget)
+    assert 10 < crowded.batch_size <= 20 < alone.batch_size
+    assert crowded.predicted_gib is not None
+    assert "GiB free on the device (mem_get_info: other processes' memory counts) + " in (
+        crowded.reason
+    )
+    assert crowded.reason.endswith("GiB this process reserves, less 5% margin")
+    cuda.free = 0
+    cuda.reserved = cuda.allocated
+    full = autobatch.choose(model, prompt, cfg, budget)
+    assert full.batch_size == 1
+    assert "not even batch size 1 is predicted to fit the room" in full.reason
+
+
+def test_auto_on_the_cpu_fits_the_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    prompt = "the capital of france is"
+    model = testing.build_named_model(testing.TINY_GEMMA2, testing.RANDOM_TRANSCODERS, device="cpu")
+    cfg = auto_config(batch_size_max=4096, max_feature_nodes=4096)
+    budget = autobatch.Budget(None, "no CUDA GPU detected", 0.05)
+    shape, transcoders = registry.shapes_of_loaded(model)
+    active = int(model.setup_attribution(model.ensure_tokenized(prompt)).activation_matrix._nnz())
+    work = est.Workload("float32", 60, 6, 0.0, 4096, counted_features=active)
+    sixty = est.estimate(shape, transcoders, work).call_bytes
+    monkeypatch.setattr(autobatch, "host_available", lambda: (int(sixty / 0.95), "fake"))
+    choice, context = autobatch.choose_with_setup(model, prompt, cfg, budget)
+    assert context is not None  # handed to attribute(), as on a GPU
+    assert 1 < choice.batch_size <= 60
+    assert choice.reason.startswith(
+        "the model is not on a CUDA GPU: it fits the host's available memory, "
+    )
+    assert "GiB (fake) less 5% margin; " in choice.reason
+    monkeypatch.setattr(autobatch, "host_available", lambda: None)
+    unknown = autobatch.choose(model, prompt, cfg, budget)
+    assert unknown.batch_size == 4096
+    assert unknown.reason == (
+        "the model is not on a CUDA GPU, and the host's available memory is unknown: the "
+        "ceiling 4096"
+    )
+
+
+def test_host_memory_is_read_from_proc_meminfo() -> None:
+    found = autobatch.host_available()
+    assert found is not None
+    available, source = found
+    assert available > 0
+    assert source in ("psutil", "/proc/meminfo MemAvailable")
+
+
+def test_a_first_call_keeps_the_family_s_validation_margin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ct_auto_margin 0, a first call on a model still leaves its family's worst
+    validation under-prediction free; once a call measured, the user's margin holds."""
+    prompt = "the capital of france is"
+    model = tiny_model_seen_on_a_gpu(monkeypatch)
+    cfg = auto_config(batch_size_max=4096, max_feature_nodes=4096)
+    FakeCuda(monkeypatch)
+    first = autobatch.choose(model, prompt, cfg, autobatch.Budget(2.0, "fake", 0.0))
+    margin = est.WORST_UNDER_PREDICTION["gemma2"]
+    assert first.reason.endswith(f"(fake) less {100 * margin:g}% margin")
+
+
+def _call_bytes(model: Any, prompt: str, batch: int) -> int:
+    """What the estimator says an attribution of ``prompt`` at ``batch`` adds."""
+    shape, transcoders = registry.shapes_of_loaded(model)
+    active = int(model.setup_attribution(model.ensure_tokenized(prompt)).activation_matrix._nnz())
+    tokens = int(model.ensure_tokenized(prompt).numel())
+    work = est.Workload("float32", batch, tokens, 0.0, 4096, counted_features=active)
+    return est.estimate(shape, transcoders, work).call_bytes
+
+
+def test_the_measured_peak_corrects_later_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call that took 0.3 GiB more than predicted: the next choice on the same model and
+    prompt length predicts that much more (more above the measured batch), chooses a smaller
+    batch and says why; the measured peak is in the first choice's description."""
+    prompt = "the capital of france is"
+    model = tiny_model_seen_on_a_gpu(monkeypatch)
+    cfg = auto_config(batch_size_max=4096, max_feature_nodes=4096)
+    cuda = FakeCuda(monkeypatch)
+    budget = autobatch.Budget(4.0, "fake", 0.05, emulated=True)
+    cuda.allocated = budget.budget_bytes - _call_bytes(model, prompt, 100)
+    first = autobatch.choose(model, prompt, cfg, budget)
+    assert 50 < first.batch_size <= 100
+    assert first.predicted_gib is not None and first.measured_gib is None
+    assert "corrected" not in first.reason
+    excess = _call_bytes(model, prompt, 50)
+    measured = cuda.allocated + first._predicted_call_bytes + excess
+    with autobatch.observed(model, first, first.batch_size) as seen:
+        cuda.peak = measured  # the call raised the device's peak: an exact measurement
+    assert seen.choice is not None
+    assert seen.choice.measured_gib == pytest.approx(measured / GIB)
+    assert f"measured {measured / GIB:.2f} GiB" in seen.choice.describe()
+
+    second = autobatch.choose(model, prompt, cfg, budget)
+    assert second.batch_size < first.batch_size
+    assert second.reason.startswith(
+        f"corrected +{excess / GIB:.2f} GiB at batch {first.batch_size} from the peak measured "
+        "there on this model and prompt length; "
+    )
+    assert second.predicted_gib is not None and second.predicted_gib <= 3.8
+    correction = autobatch.correction_for(model, first._key)
+    assert correction is not None
+    assert correction.at(first.batch_size) == excess
+    assert correction.at(2 * first.batch_size) == 2 * excess
+    assert correction.at(first.batch_size // 2) == excess
+    # Another prompt length has nothing measured: no correction.
+    other = autobatch.choose(model, "a different prompt of other length", cfg, budget)
+    assert "corrected" not in other.reason
+
+
+def test_a_call_below_the_earlier_peak_only_bounds_the_correction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call that did not raise the device's peak measured only an upper bound: kept when
+    it shows the prediction was high, ignored otherwise; no measured figure is claimed."""
+    prompt = "the capital of france is"
+    model = tiny_model_seen_on_a_gpu(monkeypatch)
+    cfg = auto_config(batch_size_max=4096, max_feature_nodes=4096)
+    cuda = FakeCuda(monkeypatch)
+    budget = autobatch.Budget(1.6, "fake", 0.05)
+    choice = autobatch.choose(model, prompt, cfg, budget)
+    cuda.peak = 100 * GIB  # an earlier, larger peak in the same test
+    with autobatch.observed(model, choice, choice.batch_size) as seen:
+        pass
+    assert seen.choice is None
+    assert autobatch.correction_for(model, choice._key) is None
+    cuda.peak = cuda.allocated + choice._predicted_call_bytes // 2
+    with autobatch.observed(model, choice, choice.batch_size + 1) as seen:
+        cuda.peak -= 1  # an OOM retry's smaller batch: not auto's choice, nothing learnt
+    assert autobatch.correction_for(model, choice._key) is None
+    with autobatch.observed(model, choice, choice.batch_size) as seen:
+        pass  # peak unchanged: at most half the prediction
+    correction = autobatch.correction_for(model, choice._key)
+    assert correction is not None and correction.excess_bytes < 0
+
+
+def test_an_out_of_memory_error_corrects_the_next_choice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    prompt = "the capital of france is"
+    model = tiny_model_seen_on_a_gpu(monkeypatch)
+    cfg = auto_config(batch_size_max=4096, max_feature_nodes=4096)
+    cuda = FakeCuda(monkeypatch)
+    budget = autobatch.Budget(80.0, "card", 0.05)
+    # The device has room for about 100 batch rows beyond the margin.
+    cuda.free = int((cuda.allocated + _call_bytes(model, prompt, 100)) / 0.95) - cuda.reserved
+    first = autobatch.choose(model, prompt, cfg, budget)
+    assert 50 < first.batch_size <= 100
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        with autobatch.observed(model, first, first.batch_size):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+    second = autobatch.choose(model, prompt, cfg, budget)
+    assert second.batch_size < first.batch_size
+    assert "from an out-of-memory error there" in second.reason
+
+
+def test_ct_session_reports_the_measured_peak_and_the_correction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through CtSession (what the summary and the JSON report show): the first choice's
+    description carries its measured peak, the second its correction."""
+    from pytest_ctresources.session import CtSession
+
+    prompt = "the capital of france is"
+    model = tiny_model_seen_on_a_gpu(monkeypatch)
+    cuda = FakeCuda(monkeypatch)
+
+    def attribute(prompt: Any, model: Any, **kwargs: Any) -> Any:
+        cuda.peak = cuda.allocated + int(0.25 * GIB) + kwargs["batch_size"] * 1000
+        return "graph"
+
+    monkeypatch.setattr(circuit_tracer, "attribute", attribute)
+    session = CtSession(
+        auto_config(max_feature_nodes=64),
+        oom_retry=False,
+        auto_budget=autobatch.Budget(8.0, "fake", 0.05),
+    )
+    assert session.attribute(prompt, model) == "graph"
+    assert session.attribute(prompt, model) == "graph"
+    first, second = (choice.describe() for choice in session.auto_choices)
+    assert ", measured " in first and "corrected" not in first
+    assert "from the peak measured there on this model and prompt length" in second
 
 
 def test_balanced_batch() -> None:
@@ -229,9 +453,7 @@ def _estimated_gib(prompt_tokens: int, batch_size: int = 1) -> float:
         {"model_name": "google/gemma-2-2b", "transcoder_set": "gemma", "dtype": "bfloat16"},
         CircuitTracerConfig.defaults().source_of("dtype"),
     )
-    prediction = estimate_config(
-        cfg, prompt_tokens, DEFAULT_ACTIVE_PER_TOKEN, batch_size=batch_size
-    )
+    prediction = estimate_config(cfg, prompt_tokens, batch_size=batch_size)
     assert prediction is not None
     return round(prediction.total_gib, 2)
 
@@ -363,7 +585,7 @@ def test_under_xdist_auto_fills_its_lease_only(
         {"model_name": "google/gemma-2-2b", "transcoder_set": "gemma", "dtype": "bfloat16"},
         CircuitTracerConfig.defaults().source_of("dtype"),
     )
-    most = estimate_config(cfg, 32, DEFAULT_ACTIVE_PER_TOKEN, batch_size=512)
+    most = estimate_config(cfg, 32, batch_size=512)
     assert most is not None
     assert leases["test_estimated"] == min(60.0, round(most.total_gib, 2))
 
@@ -419,7 +641,7 @@ def test_auto_runs_the_setup_pass_once_and_attributes_the_same(
     # A GPU as auto sees it, so the choice runs its setup pass.
     model = tiny_model_seen_on_a_gpu(monkeypatch)
     cfg = auto_config(max_feature_nodes=64)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 << 30)
+    FakeCuda(monkeypatch)
     setups = []
     original = type(model).setup_attribution
 
@@ -474,7 +696,7 @@ def test_an_unused_setup_is_freed_and_a_patch_of_the_callers_restored() -> None:
 def test_a_share_of_a_card_fits_the_reserved_peak() -> None:
     shape = registry.model_shape("google/gemma-2-2b")
     transcoders = registry.transcoder_info("gemma").loaded()
-    work = est.Workload("bfloat16", 1, 32, 64.0, 8192)
+    work = est.Workload("bfloat16", 1, 32, 40.0, 8192)
     card = autobatch.Budget(24.0, "card", 0.05)
     share = autobatch.Budget(24.0, "a vram marker", 0.05, shared=True)
     on_card = autobatch.fit_batch(shape, transcoders, work, card, 512)

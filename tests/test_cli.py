@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from importlib import metadata
@@ -50,11 +51,17 @@ def test_json_peak_is_the_estimators(capsys: pytest.CaptureFixture[str]) -> None
     )
     payload = json.loads(out)
     model = registry.MODELS["google/gemma-2-2b"]
-    transcoders = registry.transcoder_info("gemma").loaded()
-    work = est.Workload("bfloat16", 64, 40, est.DEFAULT_ACTIVE_PER_TOKEN)
+    info = registry.transcoder_info("gemma")
+    transcoders = info.loaded()
+    # Without --active-features: GemmaScope's L0, per layer and token.
+    assert info.l0 is not None
+    work = est.Workload("bfloat16", 64, 40, info.l0)
     expected = est.estimate(model, transcoders, work)
     assert payload["peak_gib"] == round(expected.peak_allocated_bytes / GIB, 3)
     assert payload["batch_size"] == 64
+    assert payload["active_per_layer_token"] == round(info.l0, 3)
+    assert payload["active_features"] == math.ceil(info.l0 * 26 * 39)
+    assert payload["active_source"] == "mwhanna/gemma-scope-transcoders's L0"
     assert set(payload["breakdown_gib"]) == {
         "weights",
         "transcoders",
@@ -86,6 +93,11 @@ def test_text_output_has_the_breakdown_and_the_table(capsys: pytest.CaptureFixtu
     assert lines[0].startswith("model        google/gemma-2-2b-it: 2.61e9 parameters, 26 layers")
     assert "transcoders  mwhanna/gemma-scope-transcoders: per-layer, 16384" in lines[1]
     assert "bfloat16, batch size " in lines[2] and "(auto), 60 prompt tokens" in lines[2]
+    features = math.ceil(1020 / 26 * 26 * 59)
+    assert lines[3] == (
+        "features     39.23 active per layer and token (mwhanna/gemma-scope-transcoders's "
+        f"L0): {features} in all over 26 layers x 59 positions after BOS"
+    )
     for name in ("weights", "transcoders", "setup", "forward", "backward", "CUDA context"):
         assert any(line.startswith(f"  {name} ") for line in lines), name
     assert "batch size   peak GiB   total GiB   fits 24.0 GiB" in lines
@@ -102,12 +114,15 @@ def test_auto_batch_size_is_the_plugins_choice(capsys: pytest.CaptureFixture[str
     auto = json.loads(run(capsys, *common, "--batch-size", "auto", "--json"))
     model = registry.MODELS["meta-llama/Llama-3.2-1B"]
     transcoders = registry.transcoder_info("llama").loaded()
-    work = est.Workload("bfloat16", 1, 32, est.DEFAULT_ACTIVE_PER_TOKEN)
+    # The llama set's L0 is not known: the documented default, per layer and token.
+    work = est.Workload("bfloat16", 1, 32, est.DEFAULT_ACTIVE_PER_LAYER_TOKEN)
     budget = autobatch.Budget(16.0, "--gpu-gib 16", autobatch.DEFAULT_AUTO_MARGIN)
     fitted = autobatch.fit_batch(model, transcoders, work, budget, 512)
     assert fitted is not None
     assert auto["batch_size"] == fitted[0] < auto["largest_fitting_batch_size"]
-    assert auto["auto_reason"] == autobatch.reason(fitted[0], fitted[1], 512, work, budget)
+    rows = min(8192, work.active_features(model.n_layers))
+    assert auto["auto_reason"] == autobatch.reason(fitted[0], fitted[1], 512, rows, budget)
+    assert auto["active_source"] == "assumed: the set's L0 is not known"
     capped = json.loads(run(capsys, *common, "--batch-size", "auto", "--ceiling", "8", "--json"))
     assert capped["batch_size"] == 8
     assert capped["auto_reason"].startswith("the ceiling 8; budget 15.2 GiB = 16.0 GiB")
@@ -219,13 +234,18 @@ def test_the_console_script_is_installed() -> None:
 def test_table_is_the_largest_fitting_batch_per_card(capsys: pytest.CaptureFixture[str]) -> None:
     out = run(capsys, "table", "--cards", "24,80", "--prompt-tokens", "32", "--dtypes", "bf16")
     lines = out.splitlines()
-    assert lines[0] == "| model | transcoders | dtype | prompt tokens | 24 GiB | 80 GiB |"
+    assert lines[0] == (
+        "| model | transcoders | active per layer and token | dtype | prompt tokens | 24 GiB "
+        "| 80 GiB |"
+    )
     row = next(line for line in lines if line.startswith("| google/gemma-2-2b | gemma |"))
     cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[2] == "39.2 (L0)"
+    assert any("| 64 (assumed) |" in line for line in lines)
     model = registry.MODELS["google/gemma-2-2b"]
     transcoders = registry.transcoder_info("gemma").loaded()
-    work = est.Workload("bfloat16", 1, 32, est.DEFAULT_ACTIVE_PER_TOKEN)
-    for cell, card in zip(cells[4:], (24, 80), strict=True):
+    work = est.Workload("bfloat16", 1, 32, 1020 / 26)
+    for cell, card in zip(cells[5:], (24, 80), strict=True):
         found = est.largest_fitting_batch(model, transcoders, work, card * GIB, ceiling=512)
         assert found is not None
         assert cell == str(found[0])
@@ -233,3 +253,19 @@ def test_table_is_the_largest_fitting_batch_per_card(capsys: pytest.CaptureFixtu
     assert fail(capsys, "table", "--cards", "24,big").startswith(
         "ct-resources: error: bad list '24,big'"
     )
+
+
+def test_active_features_given_are_per_layer_and_token(capsys: pytest.CaptureFixture[str]) -> None:
+    """--active-features K: K per layer and token, times the layers and the positions after
+    BOS, and the output says where the figure came from."""
+    common = ["estimate", "--model", "Qwen/Qwen3-0.6B", "--transcoders"]
+    common += ["mwhanna/qwen3-0.6b-transcoders-lowl0", "--prompt-tokens", "21", "--gpu-gib", "80"]
+    payload = json.loads(run(capsys, *common, "--active-features", "10", "--json"))
+    assert payload["active_per_layer_token"] == 10
+    assert payload["active_features"] == 10 * 28 * 20
+    assert payload["active_source"] == "--active-features"
+    text = run(capsys, *common, "--active-features", "10")
+    assert (
+        "features     10 active per layer and token (--active-features): 5600 in all over 28 "
+        "layers x 20 positions after BOS"
+    ) in text

@@ -190,6 +190,10 @@ def test_auto_and_the_retry_after_an_oom_in_the_trace(
     # every active feature in one pass; the forward pass then runs out of memory.
     monkeypatch.setattr(autobatch, "_device_of", lambda model: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    # What auto also reads there: this process's cache, the device's free memory, the peak.
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0)
     cfg = CircuitTracerConfig.defaults().layered(
         {"batch_size": "auto", "max_feature_nodes": 128},
         CircuitTracerConfig.defaults().source_of("batch_size"),

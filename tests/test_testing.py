@@ -27,6 +27,7 @@ from pytest_ctresources.testing import (
     ModelDims,
     build_named_model,
     build_replacement_model,
+    default_hooks,
     is_bundled_model,
     model_dims_of,
     write_local_tokenizer,
@@ -203,6 +204,8 @@ def test_bad_arguments() -> None:
         (dataclasses.replace(TINY_GEMMA2_DIMS, cross_layer=True), "nnsight"),
         (dataclasses.replace(TINY_LLAMA_DIMS, cross_layer=True, skip_connection=True), "nnsight"),
         (dataclasses.replace(TINY_GEMMA2_DIMS, architecture="gemma3"), "nnsight"),
+        (dataclasses.replace(TINY_GEMMA2_DIMS, architecture="qwen3"), "nnsight"),
+        (dataclasses.replace(TINY_GEMMA2_DIMS, architecture="qwen3", cross_layer=True), "nnsight"),
     ],
     ids=[
         "gemma2-nnsight",
@@ -214,6 +217,8 @@ def test_bad_arguments() -> None:
         "gemma2-clt",
         "llama-clt-skip",
         "gemma3",
+        "qwen3",
+        "qwen3-clt",
     ],
 )
 # Upstream noise: nnsight patches torch globally, and the warning fires for TransformerLens too.
@@ -258,8 +263,11 @@ def test_attribution_respects_max_feature_nodes(dims: ModelDims, backend: str) -
         dataclasses.replace(TINY_GEMMA2_DIMS, cross_layer=True),
         dataclasses.replace(TINY_GEMMA2_DIMS, cross_layer=True, skip_connection=True),
         dataclasses.replace(TINY_GEMMA2_DIMS, architecture="gemma3"),
+        dataclasses.replace(TINY_GEMMA2_DIMS, architecture="qwen3"),
+        dataclasses.replace(TINY_GEMMA2_DIMS, architecture="qwen3", tied_embeddings=False),
+        dataclasses.replace(TINY_LLAMA_DIMS, tied_embeddings=True),
     ],
-    ids=["skip", "clt", "clt-skip", "gemma3"],
+    ids=["skip", "clt", "clt-skip", "gemma3", "qwen3", "qwen3-untied", "llama-tied"],
 )
 def test_parameter_counts(dims: ModelDims) -> None:
     model = build_replacement_model(dims, device="cpu")
@@ -270,13 +278,46 @@ def test_parameter_counts(dims: ModelDims) -> None:
     assert n_model == dims.n_model_params
 
 
-def test_gemma3_is_nnsight_only() -> None:
-    with pytest.raises(ValueError, match="nnsight backend only"):
+@pytest.mark.parametrize("architecture", ["gemma3", "qwen3"])
+def test_gemma3_and_qwen3_are_nnsight_only(architecture: str) -> None:
+    with pytest.raises(ValueError, match=f"{architecture} random models are built for the nnsight"):
         build_replacement_model(
-            dataclasses.replace(TINY_GEMMA2_DIMS, architecture="gemma3"),
+            dataclasses.replace(TINY_GEMMA2_DIMS, architecture=architecture),
             device="cpu",
             backend="transformerlens",
         )
+
+
+def test_qwen3_reads_and_writes_the_mlp() -> None:
+    """Qwen3's transcoders use the hooks circuit-tracer's Qwen3 mapping has (the MLP's input
+    and output, as the mwhanna/qwen3-* sets), per-layer and cross-layer alike."""
+    dims = dataclasses.replace(TINY_GEMMA2_DIMS, architecture="qwen3")
+    assert default_hooks(dims) == ("mlp.hook_in", "mlp.hook_out")
+    assert default_hooks(dataclasses.replace(dims, cross_layer=True))[0] == "mlp.hook_in"
+    model = build_replacement_model(dims, device="cpu")
+    assert model.cfg.original_architecture == "Qwen3ForCausalLM"
+
+
+def test_published_dimensions_are_bundled() -> None:
+    """The published sizes the estimator is fitted and validated on build by name, with the
+    registry's dimensions for the real model."""
+    from pytest_ctresources import registry
+
+    pairs = {
+        "ctresources/random-gemma-2-9b": "google/gemma-2-9b",
+        "ctresources/random-gemma-2-27b": "google/gemma-2-27b",
+        "ctresources/random-gemma-3-270m": "google/gemma-3-270m",
+        "ctresources/random-gemma-3-1b": "google/gemma-3-1b-pt",
+        "ctresources/random-llama-3.2-3b": "meta-llama/Llama-3.2-3B",
+        "ctresources/random-llama-3.1-8b": "meta-llama/Llama-3.1-8B",
+        "ctresources/random-qwen3-0.6b": "Qwen/Qwen3-0.6B",
+        "ctresources/random-qwen3-1.7b": "Qwen/Qwen3-1.7B",
+        "ctresources/random-qwen3-4b": "Qwen/Qwen3-4B",
+        "ctresources/random-qwen3-8b": "Qwen/Qwen3-8B",
+    }
+    for bundled, real in pairs.items():
+        random, published = registry.model_shape(bundled), registry.MODELS[real]
+        assert dataclasses.replace(random, name=real) == published, bundled
 
 
 def test_build_named_model() -> None:
