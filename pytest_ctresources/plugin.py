@@ -19,7 +19,7 @@ from collections.abc import Generator
 import pytest
 
 from pytest_ctresources import accounting, leases, markers
-from pytest_ctresources.allocator import AllocConf
+from pytest_ctresources.allocator import ALLOC_KEY, AllocConf
 from pytest_ctresources.binding import Binding, bind_worker, is_worker, open_seats, plan_line
 from pytest_ctresources.cleanup import cleanup_after_test
 from pytest_ctresources.fixtures import ct_config, ct_session
@@ -29,7 +29,7 @@ from pytest_ctresources.summary import FIGURES_PROPERTY, SummaryReporter
 
 __all__ = ["ct_config", "ct_session"]
 
-_ALLOC_KEY = pytest.StashKey[AllocConf]()
+_ALLOC_KEY = ALLOC_KEY
 _BINDING_KEY = pytest.StashKey[Binding]()
 
 
@@ -41,8 +41,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     # Conftests are imported right after this hook and may import torch and touch CUDA:
     # the allocator default must be in the environment before then.
+    # (A bad value, a TOML list included, is not applied; the settings report it at configure.)
     value = early_config.getini("ct_alloc_conf")
-    alloc = AllocConf(DEFAULT_ALLOC_CONF if value is None else value.strip())
+    alloc = AllocConf(DEFAULT_ALLOC_CONF if value is None else str(value).strip())
     alloc.apply()
     early_config.stash[_ALLOC_KEY] = alloc
     early_config.add_cleanup(alloc.undo)
