@@ -85,7 +85,12 @@ def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):  # xdist workers report to the controller instead
         if runtime.settings.forget:
             runtime.learned().forget()
-        config.pluginmanager.register(SummaryReporter(runtime, config), SummaryReporter.name)
+        reporter = SummaryReporter(runtime, config)
+        config.pluginmanager.register(reporter, SummaryReporter.name)
+        if runtime.settings.report_json is not None:
+            from pytest_ctresources.report_files import on_sigterm
+
+            on_sigterm(config, reporter)
     if config.pluginmanager.hasplugin("nbmake") and config.getoption("nbmake", False):
         from pytest_ctresources.notebooks import NotebookSupport
 

@@ -33,6 +33,13 @@ from pytest_ctresources.options import (
     positive_count,
     seconds,
 )
+from pytest_ctresources.report_files import (
+    JSON_FLAG,
+    PLOT_FLAG,
+    TargetError,
+    check_plot_support,
+    check_target,
+)
 from pytest_ctresources.sources import Source, Sourced
 
 _INI_DEFAULTS = {name: default for name, _help, default in INI_ONLY}
@@ -213,6 +220,14 @@ def resolve_settings(
     timeout = _ini_or_default(ini, "ct_lease_timeout", inifile, seconds)
     margin = _ini_or_default(ini, "ct_auto_margin", inifile, fraction)
     prompt_tokens = _ini_or_default(ini, "ct_estimate_prompt_tokens", inifile, positive_count)
+    report_json = _writable(options.get("ct_report_json"), JSON_FLAG, invocation_dir)
+    report_plot = _writable(options.get("ct_report_plot"), PLOT_FLAG, invocation_dir)
+    if report_plot is not None:
+        unsupported = check_plot_support()
+        if unsupported is not None:
+            raise pytest.UsageError(f"{PLOT_FLAG}: {unsupported}")
+        if report_json is not None and os.path.abspath(report_json) == os.path.abspath(report_plot):
+            raise pytest.UsageError(f"{PLOT_FLAG}: {report_plot} is also the {JSON_FLAG} path")
     return Settings(
         ini_layer=ini_layer,
         experiment=experiment,
@@ -235,8 +250,8 @@ def resolve_settings(
         estimate_prompt_tokens=prompt_tokens,  # type: ignore[arg-type]
         report_forced=bool(options.get("ct_report")),
         report_top=int(options.get("ct_report_top") or 10),  # type: ignore[call-overload]
-        report_json=_writable(options.get("ct_report_json"), "--ct-report-json", invocation_dir),
-        report_plot=_writable(options.get("ct_report_plot"), "--ct-report-plot", invocation_dir),
+        report_json=report_json,
+        report_plot=report_plot,
         strict=bool(options.get("ct_strict")),
         forget=bool(options.get("ct_forget")),
     )
@@ -262,15 +277,10 @@ def _writable(value: object, flag: str, invocation_dir: Path) -> Path | None:
     """The report path of ``flag``, checked now rather than after an hour of tests."""
     if value is None:
         return None
-    path = invocation_dir / str(value)
-    parent = path.parent
-    if path.is_dir():
-        raise pytest.UsageError(f"{flag}: {value} is a directory, not a file path")
-    if not parent.is_dir():
-        raise pytest.UsageError(f"{flag}: cannot write {value}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise pytest.UsageError(f"{flag}: cannot write {value}: permission denied")
-    return path
+    try:
+        return check_target(str(value), flag, invocation_dir)
+    except TargetError as exc:
+        raise pytest.UsageError(f"{flag}: {exc}") from None
 
 
 def ini_values(config: pytest.Config) -> dict[str, str | None]:
