@@ -14,6 +14,8 @@ from __future__ import annotations
 import fnmatch
 import os
 import stat
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -690,6 +692,27 @@ def test_ct_resources_error_is_one_line(
     assert exc.value.code == 2
     out, err = capsys.readouterr()
     _assert_one_line(_error_lines(err), row, out + err)
+
+
+@pytest.mark.parametrize("argv", [["gpus", "--json"], ["table"]], ids=["gpus", "table"])
+def test_ct_resources_into_a_closed_pipe_ends_quietly(argv: list[str]) -> None:
+    """`ct-resources ... | head`: the reader has gone before the output is written (a pipe
+    whose read end is closed, the deterministic form of `| head -c 0`)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        process = subprocess.run(
+            [sys.executable, "-m", "pytest_ctresources.cli", *argv],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "CT_FAKE_GPUS": "H200=139.8"},
+            timeout=300,
+        )
+    finally:
+        os.close(write_end)
+    assert process.returncode == 1
+    assert process.stderr == ""
 
 
 XDIST_ROWS = (
