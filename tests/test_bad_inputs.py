@@ -59,7 +59,11 @@ class Row:
     prepare: Callable[[Path], None] | None = None  # e.g. plant a symlink, a FIFO
     check: Callable[[Path], None] | None = None  # what must still hold afterwards
     nodeid: str = "test_bad"  # for kind "test": the item that must fail alone
-    needs_root: bool = False
+    # True: only as root (mknod); False: never as root. A row that aims at a system device
+    # such as /dev/null runs only where the user cannot replace it: as root, code with the
+    # bug this table guards against replaced /dev/null with a file, for every process on
+    # the machine.
+    as_root: bool | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
 
@@ -169,12 +173,14 @@ def _victim_intact(path: Path) -> None:
 
 
 def _char_device(path: Path) -> None:
-    # /dev/full's numbers (1, 7): writing there fails, replacing it destroys a device node.
+    # /dev/full's numbers (1, 7) and /dev/null's (1, 3), in the test's own directory.
     os.mknod(path / "full", stat.S_IFCHR | 0o600, os.makedev(1, 7))
+    os.mknod(path / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
 
 
 def _still_a_device(path: Path) -> None:
     assert stat.S_ISCHR(os.lstat(path / "full").st_mode)
+    assert stat.S_ISCHR(os.lstat(path / "null").st_mode)
 
 
 def _fifo(path: Path) -> None:
@@ -256,10 +262,33 @@ ROWS: list[Row] = [
         message="is a device node",
         prepare=_char_device,
         check=_still_a_device,
-        needs_root=True,
+        as_root=True,
     ),
-    option("json-over-dev-null", "--ct-report-json", "/dev/null", message="is a device node"),
-    option("plot-over-dev-full", "--ct-report-plot", "/dev/full", message="is a device node"),
+    option(
+        "json-over-null-device",
+        "--ct-report-json",
+        "null",
+        message="is a device node",
+        prepare=_char_device,
+        check=_still_a_device,
+        as_root=True,
+    ),
+    option(
+        "plot-over-char-device",
+        "--ct-report-plot",
+        "full",
+        message="is a device node",
+        prepare=_char_device,
+        check=_still_a_device,
+        as_root=True,
+    ),
+    option(
+        "json-over-dev-null",
+        "--ct-report-json",
+        "/dev/null",
+        message="is a device node",
+        as_root=False,
+    ),
     option(
         "json-over-fifo",
         "--ct-report-json",
@@ -544,6 +573,19 @@ ROWS: list[Row] = [
         source="ct-resources: error:",
     ),
     cli(
+        "cli-unknown-transcoders",
+        "estimate",
+        "--model",
+        "google/gemma-2-2b",
+        "--transcoders",
+        "nope/none",
+        "--gpu-gib",
+        "24",
+        message="unknown transcoder set 'nope/none'; known: gemma",
+        source="ct-resources: error:",
+    ),
+    cli("cli-table-active-features-nan", "table", "--active-features", "nan", message="positive"),
+    cli(
         "cli-table-cards-1e308",
         "table",
         "--cards",
@@ -625,8 +667,11 @@ def _assert_one_line(lines: list[str], row: Row, output: str) -> None:
 
 
 def _setup_project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, row: Row) -> None:
-    if row.needs_root and os.geteuid() != 0:
+    root = os.geteuid() == 0
+    if row.as_root is True and not root:
         pytest.skip("mknod of a character device needs root")
+    if row.as_root is False and root:
+        pytest.skip("aims at a system device, which root could destroy")
     for name, text in row.files:
         (pytester.path / name).write_text(text, errors="surrogateescape")
     if row.ini is not None:
