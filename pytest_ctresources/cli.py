@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,8 +28,12 @@ from pytest_ctresources.config import (
     DTYPE_ALIASES,
     DTYPES,
     FIELDS,
+    MAX_COUNT,
+    MAX_GIB,
     CircuitTracerConfig,
     ConfigError,
+    bound_text,
+    shown,
 )
 from pytest_ctresources.sources import Source
 
@@ -61,20 +66,26 @@ def _dtype(text: str) -> str:
 
 
 def _positive_int(text: str) -> int:
-    return int(_positive(text, int, "integer"))
+    return int(_positive(text, int, "integer", MAX_COUNT))
 
 
 def _positive_float(text: str) -> float:
-    return _positive(text, float, "number")
+    return _positive(text, float, "number", MAX_COUNT)
 
 
-def _positive(text: str, convert: Any, kind: str) -> float:
+def _gib(text: str) -> float:
+    return _positive(text, float, "number of GiB", MAX_GIB)
+
+
+def _positive(text: str, convert: Any, kind: str, most: float) -> float:
     try:
-        value = convert(text)
+        value = convert(text)  # int() of over 4300 digits raises ValueError too
     except ValueError:
         value = 0
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive {kind}, got {text!r}")
+    if not value > 0:  # nan included
+        raise argparse.ArgumentTypeError(f"must be a positive {kind}, got {shown(text)}")
+    if value > most:  # inf included; the same bounds as the plugin's settings
+        raise argparse.ArgumentTypeError(f"must be at most {bound_text(most)}, got {shown(text)}")
     return float(value)
 
 
@@ -119,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument("--max-feature-nodes", type=_positive_int, metavar="N")
     estimate.add_argument(
-        "--gpu-gib", type=_positive_float, metavar="G", help="card size (default: detected GPU 0)"
+        "--gpu-gib", type=_gib, metavar="G", help="card size (default: detected GPU 0)"
     )
     estimate.add_argument(
         "--ceiling",
@@ -343,13 +354,13 @@ def _csv(text: str, parse: Any) -> list[Any]:
     try:
         return [parse(part) for part in text.split(",") if part.strip()]
     except (ValueError, argparse.ArgumentTypeError) as exc:
-        raise CliError(f"bad list {text!r}: {exc}") from None
+        raise CliError(f"bad list {shown(text)}: {exc}") from None
 
 
 def run_table(args: argparse.Namespace, out: Any) -> int:
     """A Markdown table: the largest batch size (up to the ceiling) whose estimated total
     fits each card, for circuit-tracer's example models and transcoder sets."""
-    cards = _csv(args.cards, _positive_float)
+    cards = _csv(args.cards, _gib)
     prompts = _csv(args.prompt_tokens, _positive_int)
     dtypes = _csv(args.dtypes, _dtype)
     header = "| model | transcoders | active per layer and token | dtype | prompt tokens | "
@@ -423,10 +434,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "gpus":
-            return run_gpus(args, sys.stdout)
-        if args.command == "table":
-            return run_table(args, sys.stdout)
-        return run_estimate(args, sys.stdout)
+            status = run_gpus(args, sys.stdout)
+        elif args.command == "table":
+            status = run_table(args, sys.stdout)
+        else:
+            status = run_estimate(args, sys.stdout)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler below
+        return status
+    except BrokenPipeError:
+        # `ct-resources ... | head`: the reader has gone. Python's recipe (the signal module's
+        # "Note on SIGPIPE"): point stdout at devnull so the flush at exit cannot raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except CliError as exc:
         parser.exit(2, f"ct-resources: error: {exc}\n")
     except ValueError as exc:  # a malformed CT_FAKE_GPUS, say

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import reprlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -36,6 +38,39 @@ class ConfigError(ValueError):
     """A value that does not fit a setting. The message is one line, ready for the user."""
 
 
+#: The most GiB any one setting may name for one GPU (a capacity, a need, a threshold).
+#: The largest cards sold today hold 288 GB; 1 TiB leaves room for a few generations, and
+#: keeps every GiB figure convertible to bytes, ledger units and floats without overflow.
+MAX_GIB = 1024.0
+#: The largest count a setting takes (batch sizes, feature nodes, tokens): a C ``int``,
+#: what the tensor shapes these end up in are safe with, far beyond any real workload.
+MAX_COUNT = 2**31 - 1
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = 40
+_SHOWN.maxlevel = 3
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 4
+_LONG_INT_BITS = 133  # 40 decimal digits
+
+
+def shown(value: object) -> str:
+    """``repr(value)``, short enough to quote in a one-line message.
+
+    Input is quoted back to its author, and input may be hostile: ``repr`` of an integer
+    over 4300 digits raises, of a 5000-character string floods the terminal, and of a YAML
+    alias bomb never finishes. :mod:`reprlib` bounds the work and the length.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value.bit_length() > _LONG_INT_BITS:
+            digits = math.floor(value.bit_length() * math.log10(2)) + 1
+            return f"{'-' if value < 0 else ''}an integer of about {digits} digits"
+        return repr(value)
+    text = _SHOWN.repr(value)
+    if isinstance(value, str) and len(value) > _SHOWN.maxstring:
+        text += f" ({len(value)} characters)"
+    return text
+
+
 # --- value checks shared by every layer --------------------------------------------------
 
 
@@ -44,9 +79,25 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value: object) -> bool:
+    return _is_int(value) or isinstance(value, float)
+
+
+def bound_text(most: float) -> str:
+    """A bound as a message gives it: ``2147483647``, ``1024``, ``0.5``."""
+    return str(int(most)) if float(most).is_integer() else f"{most:g}"
+
+
+def _at_most(value: float, most: float, unit: str = "") -> None:
+    # Compared before any float(): float(10**400) raises OverflowError, the comparison not.
+    if value > most:
+        raise ConfigError(f"must be at most {bound_text(most)}{unit}, got {shown(value)}")
+
+
 def _positive_int(value: object) -> int:
     if not _is_int(value) or value <= 0:  # type: ignore[operator]
-        raise ConfigError(f"must be a positive integer, got {value!r}")
+        raise ConfigError(f"must be a positive integer, got {shown(value)}")
+    _at_most(value, MAX_COUNT)  # type: ignore[arg-type]
     return value  # type: ignore[return-value]
 
 
@@ -58,31 +109,37 @@ def _batch_size(value: object) -> int | str:
     if isinstance(value, str) and value.strip().lower() == AUTO:
         return AUTO
     if not _is_int(value) or value <= 0:  # type: ignore[operator]
-        raise ConfigError(f"must be a positive integer or 'auto', got {value!r}")
+        raise ConfigError(f"must be a positive integer or 'auto', got {shown(value)}")
+    _at_most(value, MAX_COUNT)  # type: ignore[arg-type]
     return value  # type: ignore[return-value]
 
 
-def _positive_number(value: object) -> float:
-    if not (_is_int(value) or isinstance(value, float)) or not value > 0:  # type: ignore[operator]
-        raise ConfigError(f"must be a positive number, got {value!r}")
+def gib_amount(value: object) -> float:
+    """A positive, finite number of GiB, at most :data:`MAX_GIB`; else :class:`ConfigError`."""
+    if not _is_number(value) or not value > 0 or value != value:  # type: ignore[operator]
+        raise ConfigError(f"must be a positive number of GiB, got {shown(value)}")
+    _at_most(value, MAX_GIB, " GiB")  # type: ignore[arg-type]
     return float(value)  # type: ignore[arg-type]
 
 
 def _probability(value: object) -> float:
-    if not (_is_int(value) or isinstance(value, float)) or not 0 < value <= 1:  # type: ignore[operator]
-        raise ConfigError(f"must be a number in (0, 1], got {value!r}")
+    if not _is_number(value) or not 0 < value <= 1:  # type: ignore[operator]
+        raise ConfigError(f"must be a number in (0, 1], got {shown(value)}")
     return float(value)  # type: ignore[arg-type]
 
 
 def _text(value: object) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"must be a non-empty string, got {value!r}")
+        raise ConfigError(f"must be a non-empty string, got {shown(value)}")
+    if not value.isprintable():
+        # A name with a newline or a NUL breaks every one-line message and header it is in.
+        raise ConfigError(f"must be one line of printable text, got {shown(value)}")
     return value
 
 
 def _bool(value: object) -> bool:
     if not isinstance(value, bool):
-        raise ConfigError(f"must be true or false, got {value!r}")
+        raise ConfigError(f"must be true or false, got {shown(value)}")
     return value
 
 
@@ -94,7 +151,7 @@ def _choice(
             value = (aliases or {}).get(value, value)
             if value in choices:
                 return value
-        raise ConfigError(f"must be one of {', '.join(choices)}; got {value!r}")
+        raise ConfigError(f"must be one of {', '.join(choices)}; got {shown(value)}")
 
     return check
 
@@ -242,7 +299,7 @@ FIELDS: Mapping[str, FieldSpec] = {
         FieldSpec(
             "vram_gib",
             None,
-            _positive_number,
+            gib_amount,
             _text_to_number,
             nullable=True,
             help="declared peak VRAM need in GiB, used in skip decisions",

@@ -15,3 +15,7 @@ class CtLeakWarning(CtResourcesWarning):
 
 class AllocConfIneffectiveWarning(CtResourcesWarning):
     """PYTORCH_CUDA_ALLOC_CONF was set after CUDA had already initialised."""
+
+
+class ReportFileWarning(CtResourcesWarning):
+    """A report file (``--ct-report-json``, ``--ct-report-plot``) could not be written."""

@@ -31,6 +31,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+from pytest_ctresources.config import MAX_GIB, shown
+
 __all__ = [
     "DEVICE_ORDER_ENV",
     "FAKE_GPUS_ENV",
@@ -235,10 +237,10 @@ def parse_fake_gpus(text: str) -> list[tuple[str, float]]:
                 f"{FAKE_GPUS_ENV}: entry {position} {raw!r}: {number.strip()!r} is not a "
                 f"number of GiB; {_FAKE_FORMAT}"
             ) from None
-        if not math.isfinite(gib) or gib <= 0:
+        if not math.isfinite(gib) or gib <= 0 or gib > MAX_GIB:
             raise ValueError(
-                f"{FAKE_GPUS_ENV}: entry {position} {raw!r}: capacity must be a positive "
-                f"number of GiB; {_FAKE_FORMAT}"
+                f"{FAKE_GPUS_ENV}: entry {position} {shown(raw)}: capacity must be a positive "
+                f"number of GiB, at most {MAX_GIB:g}; {_FAKE_FORMAT}"
             )
         gpus.append((name, gib))
     return gpus

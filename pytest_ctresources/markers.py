@@ -21,6 +21,8 @@ from pytest_ctresources.config import (
     CircuitTracerConfig,
     ConfigError,
     did_you_mean,
+    gib_amount,
+    shown,
     validate_typed,
 )
 from pytest_ctresources.experiment_yaml import load_experiment_yaml
@@ -33,20 +35,22 @@ class MarkerError(Exception):
 
 def vram(gib: float) -> float:
     """vram(gib): the test's peak VRAM need in GiB; skipped when it exceeds the GPU's capacity."""
-    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0:
-        raise MarkerError(f"gib must be a positive number of GiB, got {gib!r}")
-    return float(gib)
+    try:
+        return gib_amount(gib)  # finite, at most MAX_GIB: inf and 10**400 are refused
+    except ConfigError as exc:
+        raise MarkerError(f"gib {exc}") from None
 
 
 def ct_config(path: str | None = None, **overrides: object) -> tuple[str | None, dict[str, Any]]:
     """ct_config(path=None, **fields): experiment YAML and CircuitTracerConfig overrides."""
     if path is not None and not isinstance(path, str):
-        raise MarkerError(f"path must be a string, got {path!r}")
+        raise MarkerError(f"path must be a string, got {shown(path)}")
     checked: dict[str, Any] = {}
     for name, value in overrides.items():
         if name not in FIELDS:
             raise MarkerError(
-                f"unknown field {name!r}{did_you_mean(name, FIELDS)}; fields: {', '.join(FIELDS)}"
+                f"unknown field {shown(name)}{did_you_mean(name, FIELDS)}; "
+                f"fields: {', '.join(FIELDS)}"
             )
         try:
             checked[name] = validate_typed(name, value)
@@ -76,7 +80,9 @@ def _call(name: str, mark: pytest.Mark, nodeid: str) -> Any:
     unknown = [] if accepts_any else [k for k in mark.kwargs if k not in signature.parameters]
     problem = None
     if unknown:
-        problem = f"unknown keyword {unknown[0]!r}{did_you_mean(unknown[0], signature.parameters)}"
+        problem = (
+            f"unknown keyword {shown(unknown[0])}{did_you_mean(unknown[0], signature.parameters)}"
+        )
     else:
         try:
             signature.bind(*mark.args, **mark.kwargs)

@@ -9,12 +9,20 @@ added in one place.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 
-from pytest_ctresources.config import ConfigError, parse_text
+from pytest_ctresources.config import (
+    MAX_COUNT,
+    MAX_GIB,
+    ConfigError,
+    bound_text,
+    parse_text,
+    shown,
+)
 
 GROUP = "ctresources"
 DEFAULT_LEAK_THRESHOLD = "256MiB"
@@ -32,79 +40,129 @@ DEFAULT_ALLOC_CONF = "expandable_segments:True"
 BINDING_MODES: tuple[str, ...] = ("auto", "off")
 
 
-def _number(text: str, *, zero_ok: bool, message: str) -> float:
-    """Parse a finite float, positive (or 0 when ``zero_ok``); else ``ValueError(message)``."""
+#: The longest a test may wait for its VRAM lease: a week. (Beyond threading.TIMEOUT_MAX, about
+#: 292 years, waits raise OverflowError; a week is longer than any CI job runs.)
+MAX_SECONDS = 7 * 24 * 3600.0
+
+
+def _text(value: object) -> str:
+    # Legacy [tool.pytest.ini_options] hands a TOML list to a "string" ini key unchanged.
+    if not isinstance(value, str):
+        raise ValueError(f"must be a single value, got the {type(value).__name__} {shown(value)}")
+    return value
+
+
+def _number(text: str, *, zero_ok: bool, most: float, unit: str, message: str) -> float:
+    """Parse a finite float, positive (or 0 when ``zero_ok``), at most ``most``; else
+    ``ValueError(message)``."""
     try:
-        value = float(text)
+        value = float(_text(text))
     except ValueError:
-        value = -1.0
-    if not (value >= 0 if zero_ok else value > 0) or value == float("inf"):
-        raise ValueError(f"{message}, got {text!r}")
+        value = -1.0  # nan, too: neither >= 0 nor > 0
+    if not (value >= 0 if zero_ok else value > 0):
+        raise ValueError(f"{message}, got {shown(text)}")
+    if value > most:  # inf (1e400 parses as inf) included
+        raise ValueError(f"must be at most {bound_text(most)}{unit}, got {shown(text)}")
     return value
 
 
 def positive_number(text: str) -> float:
-    """Parse a positive float (GiB); raise ``ValueError`` with a user-facing message."""
-    return _number(text, zero_ok=False, message="must be a positive number of GiB")
+    """Parse a positive number of GiB, at most ``MAX_GIB``; raise ``ValueError`` with a
+    user-facing message."""
+    return _number(
+        text, zero_ok=False, most=MAX_GIB, unit=" GiB", message="must be a positive number of GiB"
+    )
 
 
 def positive_count(text: str) -> int:
-    """Parse a positive integer count; raise ``ValueError`` with a user-facing message."""
+    """Parse a positive integer count, at most ``MAX_COUNT``; raise ``ValueError`` with a
+    user-facing message."""
     try:
-        value = int(text)
+        value = int(_text(text))  # more than 4300 digits: ValueError too
     except ValueError:
-        raise ValueError(f"must be a positive integer, got {text!r}") from None
+        raise ValueError(f"must be a positive integer, got {shown(text)}") from None
     if value <= 0:
-        raise ValueError(f"must be a positive integer, got {text!r}")
+        raise ValueError(f"must be a positive integer, got {shown(text)}")
+    if value > MAX_COUNT:
+        raise ValueError(f"must be at most {MAX_COUNT}, got {shown(text)}")
     return value
 
 
 def non_negative_gib(text: str) -> float:
-    """Parse a number of GiB that may be 0."""
-    return _number(text, zero_ok=True, message="must be a number of GiB, 0 or more")
+    """Parse a number of GiB that may be 0, at most ``MAX_GIB``."""
+    return _number(
+        text, zero_ok=True, most=MAX_GIB, unit=" GiB", message="must be a number of GiB, 0 or more"
+    )
 
 
 def binding_mode(text: str) -> str:
     """Parse ``ct_gpu_binding``."""
-    value = text.strip().lower()
+    value = _text(text).strip().lower()
     if value not in BINDING_MODES:
-        raise ValueError(f"must be one of {', '.join(BINDING_MODES)}; got {text!r}")
+        raise ValueError(f"must be one of {', '.join(BINDING_MODES)}; got {shown(text)}")
+    return value
+
+
+def cleanup_mode(text: str) -> str:
+    """Parse ``ct_cleanup``."""
+    value = _text(text).strip()
+    if value not in CLEANUP_MODES:
+        raise ValueError(f"must be one of {', '.join(CLEANUP_MODES)}; got {shown(value)}")
     return value
 
 
 def fraction(text: str) -> float:
     """Parse a share in [0, 1)."""
-    value = _number(text, zero_ok=True, message="must be a number from 0 to below 1")
+    value = _number(
+        text, zero_ok=True, most=math.inf, unit="", message="must be a number from 0 to below 1"
+    )
     if value >= 1:
-        raise ValueError(f"must be a number from 0 to below 1, got {text!r}")
+        raise ValueError(f"must be a number from 0 to below 1, got {shown(text)}")
     return value
 
 
 def seconds(text: str) -> float:
-    """Parse a positive number of seconds."""
-    return _number(text, zero_ok=False, message="must be a positive number of seconds")
+    """Parse a positive number of seconds, at most ``MAX_SECONDS``."""
+    return _number(
+        text,
+        zero_ok=False,
+        most=MAX_SECONDS,
+        unit=" seconds (a week)",
+        message="must be a positive number of seconds",
+    )
 
 
 def byte_size(text: str) -> int:
-    """Parse ``256MiB``, ``1GiB``, ``500MB`` or a bare number of MiB into bytes."""
-    cleaned = text.strip().lower().replace(" ", "")
+    """Parse ``256MiB``, ``1GiB``, ``500MB`` or a bare number of MiB into bytes (at most
+    ``MAX_GIB`` GiB)."""
+    cleaned = _text(text).strip().lower().replace(" ", "")
     number = cleaned.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = cleaned[len(number) :] or "mib"
     try:
         value = float(number)
     except ValueError:
         value = -1.0
-    if unit not in _UNITS or not value >= 0 or value == float("inf"):
+    if unit not in _UNITS or not value >= 0:
         raise ValueError(
-            f"must be a size such as 256MiB, 1GiB or 500MB (a bare number is MiB), got {text!r}"
+            f"must be a size such as 256MiB, 1GiB or 500MB (a bare number is MiB), "
+            f"got {shown(text)}"
         )
+    if value * _UNITS[unit] > MAX_GIB * _UNITS["gib"]:  # inf included
+        raise ValueError(f"must be at most {bound_text(MAX_GIB)}GiB, got {shown(text)}")
     return int(value * _UNITS[unit])
+
+
+def alloc_conf(text: str) -> str:
+    """Parse ``ct_alloc_conf``: the allocator options torch would accept, or empty."""
+    from pytest_ctresources.allocator import check_alloc_conf
+
+    return check_alloc_conf(_text(text).strip())
 
 
 def _field_parser(field: str) -> Callable[[str], object]:
     def parse(text: str) -> object:
         try:
-            return parse_text(field, text)
+            return parse_text(field, _text(text))
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
 

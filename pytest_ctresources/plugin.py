@@ -19,7 +19,7 @@ from collections.abc import Generator
 import pytest
 
 from pytest_ctresources import accounting, leases, markers
-from pytest_ctresources.allocator import AllocConf
+from pytest_ctresources.allocator import ALLOC_KEY, AllocConf
 from pytest_ctresources.binding import Binding, bind_worker, is_worker, open_seats, plan_line
 from pytest_ctresources.cleanup_between_tests import BetweenTests
 from pytest_ctresources.fixtures import OneLineModelFailures, ct_config, ct_session
@@ -35,7 +35,7 @@ from pytest_ctresources.summary import (
 
 __all__ = ["ct_config", "ct_session"]
 
-_ALLOC_KEY = pytest.StashKey[AllocConf]()
+_ALLOC_KEY = ALLOC_KEY
 _BINDING_KEY = pytest.StashKey[Binding]()
 
 
@@ -47,8 +47,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     # Conftests are imported right after this hook and may import torch and touch CUDA:
     # the allocator default must be in the environment before then.
+    # (A bad value, a TOML list included, is not applied; the settings report it at configure.)
     value = early_config.getini("ct_alloc_conf")
-    alloc = AllocConf(DEFAULT_ALLOC_CONF if value is None else value.strip())
+    alloc = AllocConf(DEFAULT_ALLOC_CONF if value is None else str(value).strip())
     alloc.apply()
     early_config.stash[_ALLOC_KEY] = alloc
     early_config.add_cleanup(alloc.undo)
@@ -96,6 +97,10 @@ def pytest_configure(config: pytest.Config) -> None:
         if runtime.settings.forget:
             reporter.forgotten = runtime.learned().forget()
         config.pluginmanager.register(reporter, SummaryReporter.name)
+        if runtime.settings.report_json is not None:
+            from pytest_ctresources.report_files import on_sigterm
+
+            on_sigterm(config, reporter)
     if config.pluginmanager.hasplugin("nbmake") and config.getoption("nbmake", False):
         from pytest_ctresources.notebooks import NotebookSupport
 

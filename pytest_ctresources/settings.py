@@ -20,19 +20,28 @@ from pathlib import Path
 
 import pytest
 
-from pytest_ctresources.config import CircuitTracerConfig, ConfigError, parse_bool
+from pytest_ctresources.allocator import ALLOC_CONF_ENV, ALLOC_KEY, alloc_conf_in_environment
+from pytest_ctresources.config import CircuitTracerConfig, ConfigError, parse_bool, shown
 from pytest_ctresources.experiment_yaml import ExperimentFile, load_experiment_yaml
 from pytest_ctresources.options import (
-    CLEANUP_MODES,
     INI_ONLY,
     SETTINGS,
     SettingSpec,
+    alloc_conf,
     binding_mode,
     byte_size,
+    cleanup_mode,
     fraction,
     non_negative_gib,
     positive_count,
     seconds,
+)
+from pytest_ctresources.report_files import (
+    JSON_FLAG,
+    PLOT_FLAG,
+    TargetError,
+    check_plot_support,
+    check_target,
 )
 from pytest_ctresources.sources import Source, Sourced
 
@@ -117,9 +126,11 @@ class Settings:
             else "as detected"
         )
         alloc = self.alloc_conf.value or "(not set)"
+        source = self.alloc_conf.source
+        variable = source.where.removeprefix("env ") if source.kind == "env" else ALLOC_CONF_ENV
         lines.append(
             f"ctresources: vram capacity {capacity}, cleanup={self.cleanup.value} "
-            f"({self.cleanup.source}), PYTORCH_CUDA_ALLOC_CONF={alloc} ({self.alloc_conf.source})"
+            f"({self.cleanup.source}), {variable}={alloc} ({source})"
         )
         return lines
 
@@ -151,6 +162,13 @@ def resolve_settings(
     ``options`` maps option dests to parsed values (None when not given), ``ini`` maps ini
     keys to their raw text (None when unset). Pure: testable without a pytest run.
     """
+    for key, raw in ini.items():
+        if raw is not None and not isinstance(raw, str):
+            # Legacy [tool.pytest.ini_options] hands a TOML list to a "string" key unchanged.
+            raise pytest.UsageError(
+                f"{Source.ini(key, inifile)}: must be a single value, got the "
+                f"{type(raw).__name__} {shown(raw)}"
+            )
     ini_layer: dict[str, Sourced[object]] = {}
     env_layer: dict[str, Sourced[object]] = {}
     option_layer: dict[str, Sourced[object]] = {}
@@ -186,23 +204,13 @@ def resolve_settings(
         except ConfigError as exc:
             raise pytest.UsageError(f"{experiment_source}: {exc}") from None
 
-    cleanup_text = ini.get("ct_cleanup")
-    if cleanup_text is not None:
-        cleanup = Sourced(cleanup_text.strip(), Source.ini("ct_cleanup", inifile))
-        if cleanup.value not in CLEANUP_MODES:
-            raise pytest.UsageError(
-                f"{cleanup.source}: must be one of {', '.join(CLEANUP_MODES)}; "
-                f"got {cleanup.value!r}"
-            )
-    else:
-        cleanup = Sourced(_INI_DEFAULTS["ct_cleanup"], Source.default())
-
-    alloc_text = ini.get("ct_alloc_conf")
-    alloc_conf = (
-        Sourced(alloc_text.strip(), Source.ini("ct_alloc_conf", inifile))
-        if alloc_text is not None
-        else Sourced(_INI_DEFAULTS["ct_alloc_conf"], Source.default())
-    )
+    cleanup = _ini_or_default(ini, "ct_cleanup", inifile, cleanup_mode)
+    allocator = _ini_or_default(ini, "ct_alloc_conf", inifile, alloc_conf)
+    in_environment = alloc_conf_in_environment(environ)
+    if in_environment is not None:
+        # The user's own variable wins over ct_alloc_conf (which is still checked above).
+        name, value = in_environment
+        allocator = Sourced(value, Source.env(name))
     capacity = session.get("ct_vram_capacity")
     leak = _ini_or_default(ini, "ct_leak_threshold", inifile, byte_size)
     floor = _ini_or_default(ini, "ct_oom_retry_floor", inifile, positive_count)
@@ -217,6 +225,14 @@ def resolve_settings(
     timeout = _ini_or_default(ini, "ct_lease_timeout", inifile, seconds)
     margin = _ini_or_default(ini, "ct_auto_margin", inifile, fraction)
     prompt_tokens = _ini_or_default(ini, "ct_estimate_prompt_tokens", inifile, positive_count)
+    report_json = _writable(options.get("ct_report_json"), JSON_FLAG, invocation_dir)
+    report_plot = _writable(options.get("ct_report_plot"), PLOT_FLAG, invocation_dir)
+    if report_plot is not None:
+        unsupported = check_plot_support()
+        if unsupported is not None:
+            raise pytest.UsageError(f"{PLOT_FLAG}: {unsupported}")
+        if report_json is not None and os.path.abspath(report_json) == os.path.abspath(report_plot):
+            raise pytest.UsageError(f"{PLOT_FLAG}: {report_plot} is also the {JSON_FLAG} path")
     return Settings(
         ini_layer=ini_layer,
         experiment=experiment,
@@ -226,8 +242,8 @@ def resolve_settings(
         vram_capacity_gib=Sourced(float(capacity.value), capacity.source)  # type: ignore[arg-type]
         if capacity
         else None,
-        cleanup=cleanup,
-        alloc_conf=alloc_conf,
+        cleanup=cleanup,  # type: ignore[arg-type]
+        alloc_conf=allocator,  # type: ignore[arg-type]
         leak_threshold_bytes=leak,  # type: ignore[arg-type]
         oom_retry=retry,  # type: ignore[arg-type]
         oom_retry_floor=floor,  # type: ignore[arg-type]
@@ -239,8 +255,8 @@ def resolve_settings(
         estimate_prompt_tokens=prompt_tokens,  # type: ignore[arg-type]
         report_forced=bool(options.get("ct_report")),
         report_top=int(options.get("ct_report_top") or 10),  # type: ignore[call-overload]
-        report_json=_writable(options.get("ct_report_json"), "--ct-report-json", invocation_dir),
-        report_plot=_writable(options.get("ct_report_plot"), "--ct-report-plot", invocation_dir),
+        report_json=report_json,
+        report_plot=report_plot,
         strict=bool(options.get("ct_strict")),
         forget=bool(options.get("ct_forget")),
     )
@@ -266,15 +282,10 @@ def _writable(value: object, flag: str, invocation_dir: Path) -> Path | None:
     """The report path of ``flag``, checked now rather than after an hour of tests."""
     if value is None:
         return None
-    path = invocation_dir / str(value)
-    parent = path.parent
-    if path.is_dir():
-        raise pytest.UsageError(f"{flag}: {value} is a directory, not a file path")
-    if not parent.is_dir():
-        raise pytest.UsageError(f"{flag}: cannot write {value}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise pytest.UsageError(f"{flag}: cannot write {value}: permission denied")
-    return path
+    try:
+        return check_target(str(value), flag, invocation_dir)
+    except TargetError as exc:
+        raise pytest.UsageError(f"{flag}: {exc}") from None
 
 
 def ini_values(config: pytest.Config) -> dict[str, str | None]:
@@ -285,13 +296,18 @@ def ini_values(config: pytest.Config) -> dict[str, str | None]:
 
 def settings_from_config(config: pytest.Config) -> Settings:
     """Resolve :class:`Settings` for a pytest run (raises ``pytest.UsageError``)."""
+    environ: Mapping[str, str] = os.environ
+    applied = config.stash.get(ALLOC_KEY, None)
+    if applied is not None and applied.set_by_us:
+        # The variable the plugin set itself at start-up is the setting's, not the user's.
+        environ = {name: value for name, value in os.environ.items() if name != ALLOC_CONF_ENV}
     return resolve_settings(
         options={
             **{spec.dest: config.getoption(spec.dest) for spec in SETTINGS},
             **{dest: config.getoption(dest) for dest in REPORT_DESTS},
         },
         ini=ini_values(config),
-        environ=os.environ,
+        environ=environ,
         inifile=str(config.inipath) if config.inipath else None,
         invocation_dir=config.invocation_params.dir,
     )

@@ -398,10 +398,14 @@ class SummaryReporter:
     def pytest_unconfigure(self) -> None:
         self.finish(None)
 
-    def finish(self, exitstatus: int | None) -> None:
+    def finish(self, exitstatus: int | None, signal_name: str | None = None) -> None:
+        """Flag the records, remember the measured needs, write the report files.
+
+        ``signal_name``: the run is being terminated (report_files.SigtermReport); the
+        session may still finish after that, and then writes the files again."""
         if self._finished:
             return
-        self._finished = True
+        self._finished = signal_name is None
         settings = self.runtime.settings
         self.summary.flag(settings.leak_threshold_bytes.value)
         measured = self.summary.learned()
@@ -415,14 +419,7 @@ class SummaryReporter:
             return
         from pytest_ctresources import report_files
 
-        capacity, note = self.capacity()
-        if settings.report_json is not None:
-            report_files.write_json(
-                settings.report_json,
-                report_files.build_report(self.summary, self.runtime, exitstatus, capacity, note),
-            )
-        if settings.report_plot is not None:
-            report_files.write_plot(settings.report_plot, self.summary, capacity, note)
+        report_files.write_reports(self, exitstatus, signal_name)
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         settings = self.runtime.settings

@@ -1,0 +1,849 @@
+"""A table of bad inputs: every option, ini key, environment variable, YAML key, marker,
+notebook metadata field and ct-resources flag, given a value a careless or hostile user
+would (issue 14, sections 4-6).
+
+Each row asserts the exit status (4, pytest's usage error; 1 where only the test that
+carries the bad input fails; 2 for ct-resources, argparse's convention), exactly one error
+line, that the line names the input's source, and that no traceback and no INTERNALERROR
+is printed. Rows run in-process (``pytester.runpytest``): a usage error costs pytest no
+collection, so the table takes seconds.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import stat
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from pytest_ctresources.allocator import check_alloc_conf
+from pytest_ctresources.cli import main as cli_main
+from pytest_ctresources.experiment_yaml import MAX_BYTES
+
+pytest_plugins = ["pytester"]
+
+BIG_INT = "1" * 5000  # Python refuses to read integers over 4300 digits
+OVER_COUNT = "1" + "0" * 400  # 10**400: a valid int, far over any count
+DEEP = "[" * 20_000 + "]" * 20_000
+# Billion laughs: 9 levels of 9 aliases expand to 9**9 values.
+BOMB = "  l0: &l0 [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"  l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in range(1, 9)
+)
+GOOD_TEST = "def test_good():\n    pass\n"
+VICTIM_TEXT = "precious\n"
+
+Kind = Literal["usage", "test", "cli"]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One bad input: how to present it, where the error must say it came from, and what."""
+
+    id: str
+    kind: Kind
+    source: str
+    message: str
+    args: tuple[str, ...] = ()
+    ini: str | None = None  # lines of tox.ini's [pytest]
+    pyproject: str | None = None  # a whole pyproject.toml
+    env: tuple[tuple[str, str], ...] = ()
+    files: tuple[tuple[str, str], ...] = ()
+    test: str = GOOD_TEST
+    prepare: Callable[[Path], None] | None = None  # e.g. plant a symlink, a FIFO
+    check: Callable[[Path], None] | None = None  # what must still hold afterwards
+    nodeid: str = "test_bad"  # for kind "test": the item that must fail alone
+    # True: only as root (mknod); False: never as root. A row that aims at a system device
+    # such as /dev/null runs only where the user cannot replace it: as root, code with the
+    # bug this table guards against replaced /dev/null with a file, for every process on
+    # the machine.
+    as_root: bool | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+def option(id: str, *args: str, message: str, source: str | None = None, **kw: object) -> Row:
+    flag = next(a for a in args if a.startswith("--"))
+    default = f"argument {flag}:" if flag not in _CHECKED_AT_CONFIGURE else f"{flag}:"
+    return Row(id, "usage", source or default, message, args=args, **kw)  # type: ignore[arg-type]
+
+
+_CHECKED_AT_CONFIGURE = ("--ct-config", "--ct-report-json", "--ct-report-plot")
+
+
+def ini(id: str, key: str, value: str, message: str) -> Row:
+    return Row(id, "usage", f"ini {key} in ", message, ini=f"{key} = {value}")
+
+
+def toml_list(id: str, key: str, value: str) -> Row:
+    return Row(
+        id,
+        "usage",
+        f"ini {key} in ",
+        "must be a single value, got the list",
+        # pytest's own deprecation of the legacy list (a TypeError in pytest 10), aside.
+        args=("-W", "ignore:Passing a value that is not a string"),
+        pyproject=f"[tool.pytest.ini_options]\n{key} = {value}\n",
+    )
+
+
+def env(id: str, name: str, value: str, message: str, **kw: object) -> Row:
+    source = kw.pop("source", f"env {name}")
+    return Row(id, "usage", source, message, env=((name, value),), **kw)  # type: ignore[arg-type]
+
+
+def yaml(id: str, text: str, message: str) -> Row:
+    return Row(
+        id,
+        "usage",
+        "--ct-config: exp.yaml:",
+        message,
+        args=("--ct-config", "exp.yaml"),
+        files=(("exp.yaml", text),),
+    )
+
+
+def marker(
+    id: str, decorator: str, message: str, *, files: tuple[tuple[str, str], ...] = ()
+) -> Row:
+    name = decorator.split("(")[0]
+    test = f"import pytest\n\n@pytest.mark.{decorator}\ndef test_bad(ct_config):\n    pass\n\n"
+    return Row(
+        id,
+        "test",
+        f"@pytest.mark.{name} on test_bad.py::test_bad",
+        message,
+        test=test,
+        files=files,
+    )
+
+
+def notebook(id: str, metadata: str, message: str, *, source: str = "bad.ipynb") -> Row:
+    text = (
+        '{"cells": [], "metadata": {"ctresources": ' + metadata + "}, "
+        '"nbformat": 4, "nbformat_minor": 5}'
+    )
+    return Row(
+        id, "test", source, message, args=("--nbmake",), files=(("bad.ipynb", text),), nodeid="bad"
+    )
+
+
+def notebook_config(id: str, text: str, message: str) -> Row:
+    # The notebook is never read (the config fails first), so none is written: nbmake would
+    # collect and run it.
+    return Row(
+        id,
+        "test",
+        "exp.yaml:",
+        message,
+        args=("--nbmake",),
+        files=(("exp.yaml", "NOTEBOOK: nb.ipynb\n" + text),),
+        nodeid="exp.yaml",
+    )
+
+
+def cli(id: str, *argv: str, message: str, source: str | None = None, **kw: object) -> Row:
+    flag = next((a for a in argv if a.startswith("--")), "")
+    return Row(
+        id,
+        "cli",
+        source or f"argument {flag}:",
+        message,
+        args=argv,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+# --- what the attacks of section 4 leave behind ------------------------------------------
+
+
+def _symlink_to_victim(path: Path) -> None:
+    (path / "victim.txt").write_text(VICTIM_TEXT)
+    (path / "r.out").symlink_to(path / "victim.txt")
+
+
+def _victim_intact(path: Path) -> None:
+    assert (path / "victim.txt").read_text() == VICTIM_TEXT
+    assert (path / "r.out").is_symlink()
+
+
+def _char_device(path: Path) -> None:
+    # /dev/full's numbers (1, 7) and /dev/null's (1, 3), in the test's own directory.
+    os.mknod(path / "full", stat.S_IFCHR | 0o600, os.makedev(1, 7))
+    os.mknod(path / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+
+
+def _still_a_device(path: Path) -> None:
+    assert stat.S_ISCHR(os.lstat(path / "full").st_mode)
+    assert stat.S_ISCHR(os.lstat(path / "null").st_mode)
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path / "pipe")
+
+
+def _still_a_fifo(path: Path) -> None:
+    assert stat.S_ISFIFO(os.lstat(path / "pipe").st_mode)
+
+
+def _conftest_unchanged(path: Path) -> None:
+    assert (path / "notes.txt").read_text() == VICTIM_TEXT
+
+
+def _directory(path: Path) -> None:
+    (path / "out").mkdir()
+
+
+ROWS: list[Row] = [
+    # --- command-line options --------------------------------------------------------------
+    option("batch-size-zero", "--ct-batch-size", "0", message="positive integer or 'auto'"),
+    option("batch-size-negative", "--ct-batch-size", "-3", message="positive integer"),
+    option("batch-size-text", "--ct-batch-size", "many", message="got 'many'"),
+    option("batch-size-float", "--ct-batch-size", "1.5", message="got '1.5'"),
+    option("batch-size-5000-digits", "--ct-batch-size", BIG_INT, message="(5000 characters)"),
+    option("batch-size-10**400", "--ct-batch-size", OVER_COUNT, message="at most 2147483647"),
+    option("batch-size-max-zero", "--ct-batch-size-max", "0", message="positive integer"),
+    option("batch-size-max-auto", "--ct-batch-size-max", "auto", message="got 'auto'"),
+    option("feature-nodes-text", "--ct-max-feature-nodes", "x", message="positive integer"),
+    option("feature-nodes-huge", "--ct-max-feature-nodes", OVER_COUNT, message="at most"),
+    option("capacity-zero", "--ct-vram-capacity", "0", message="positive number of GiB"),
+    option("capacity-negative", "--ct-vram-capacity", "-8", message="positive number of GiB"),
+    option("capacity-1e308", "--ct-vram-capacity", "1e308", message="at most 1024 GiB"),
+    option("capacity-1e400", "--ct-vram-capacity", "1e400", message="at most 1024 GiB"),
+    option("capacity-inf", "--ct-vram-capacity", "inf", message="at most 1024 GiB"),
+    option("capacity-nan", "--ct-vram-capacity", "nan", message="positive number of GiB"),
+    option("capacity-2000", "--ct-vram-capacity", "2000", message="at most 1024 GiB"),
+    option("report-top-zero", "--ct-report-top", "0", message="positive integer"),
+    option("report-top-5000-digits", "--ct-report-top", BIG_INT, message="(5000 characters)"),
+    option("config-missing", "--ct-config", "missing.yaml", message="No such file"),
+    option(
+        "config-directory",
+        "--ct-config",
+        "out",
+        message="Is a directory",
+        prepare=_directory,
+    ),
+    option("config-fifo", "--ct-config", "pipe", message="not a regular file", prepare=_fifo),
+    option("config-dev-zero", "--ct-config", "/dev/zero", message="not a regular file"),
+    option("config-nul", "--ct-config", "a\0b.yaml", message="not a valid path"),
+    option(
+        "config-too-large",
+        "--ct-config",
+        "exp.yaml",
+        message="larger than 1 MiB",
+        files=(("exp.yaml", "#" * (MAX_BYTES + 1)),),
+    ),
+    # --- the report files (section 4): refused at start-up, and left as they were ----------
+    option(
+        "json-through-symlink",
+        "--ct-report-json",
+        "r.out",
+        message="is a symbolic link",
+        prepare=_symlink_to_victim,
+        check=_victim_intact,
+    ),
+    option(
+        "plot-through-symlink",
+        "--ct-report-plot",
+        "r.out",
+        message="is a symbolic link",
+        prepare=_symlink_to_victim,
+        check=_victim_intact,
+    ),
+    option(
+        "json-over-char-device",
+        "--ct-report-json",
+        "full",
+        message="is a device node",
+        prepare=_char_device,
+        check=_still_a_device,
+        as_root=True,
+    ),
+    option(
+        "json-over-null-device",
+        "--ct-report-json",
+        "null",
+        message="is a device node",
+        prepare=_char_device,
+        check=_still_a_device,
+        as_root=True,
+    ),
+    option(
+        "plot-over-char-device",
+        "--ct-report-plot",
+        "full",
+        message="is a device node",
+        prepare=_char_device,
+        check=_still_a_device,
+        as_root=True,
+    ),
+    option(
+        "json-over-dev-null",
+        "--ct-report-json",
+        "/dev/null",
+        message="is a device node",
+        as_root=False,
+    ),
+    option(
+        "json-over-fifo",
+        "--ct-report-json",
+        "pipe",
+        message="is a FIFO",
+        prepare=_fifo,
+        check=_still_a_fifo,
+    ),
+    option("json-a-directory", "--ct-report-json", ".", message="is a directory"),
+    option("plot-a-directory", "--ct-report-plot", ".", message="is a directory"),
+    option(
+        "json-over-a-file-not-ours",
+        "--ct-report-json",
+        "notes.txt",
+        message="is not a pytest-ctresources JSON report",
+        files=(("notes.txt", VICTIM_TEXT),),
+        check=_conftest_unchanged,
+    ),
+    option(
+        "plot-over-a-file-not-ours",
+        "--ct-report-plot",
+        "notes.txt",
+        message="is not a PNG image",
+        files=(("notes.txt", VICTIM_TEXT),),
+        check=_conftest_unchanged,
+    ),
+    option(
+        "json-missing-directory",
+        "--ct-report-json",
+        "missing/r.json",
+        message="directory * does not exist",
+    ),
+    option(
+        "json-under-a-file",
+        "--ct-report-json",
+        "notes.txt/r.json",
+        message="Not a directory",
+        files=(("notes.txt", VICTIM_TEXT),),
+    ),
+    option("json-nul", "--ct-report-json", "r\0.json", message="contains a NUL character"),
+    option(
+        "json-and-plot-one-path",
+        "--ct-report-json",
+        "r.out",
+        "--ct-report-plot",
+        "./r.out",
+        message="is also the --ct-report-json path",
+        source="--ct-report-plot:",
+    ),
+    # --- ini keys --------------------------------------------------------------------------
+    ini("ini-batch-size-float", "ct_batch_size", "1.5", "positive integer"),
+    ini("ini-batch-size-5000-digits", "ct_batch_size", BIG_INT, "(5000 characters)"),
+    ini("ini-batch-size-max-zero", "ct_batch_size_max", "0", "positive integer"),
+    ini("ini-feature-nodes-negative", "ct_max_feature_nodes", "-1", "positive integer"),
+    ini("ini-config-missing", "ct_config", "missing.yaml", "No such file"),
+    ini("ini-capacity-negative", "ct_vram_capacity", "-1", "positive number of GiB"),
+    ini("ini-capacity-1e308", "ct_vram_capacity", "1e308", "at most 1024 GiB"),
+    ini("ini-leak-unit", "ct_leak_threshold", "12 parsecs", "a size such as 256MiB"),
+    ini("ini-leak-1e300GiB", "ct_leak_threshold", "1e300GiB", "at most 1024GiB"),
+    ini("ini-leak-1e400GiB", "ct_leak_threshold", "1e400GiB", "at most 1024GiB"),
+    ini("ini-leak-negative", "ct_leak_threshold", "-1MiB", "a size such as"),
+    ini("ini-oom-retry-word", "ct_oom_retry", "perhaps", "true or false"),
+    ini("ini-oom-retry-floor-zero", "ct_oom_retry_floor", "0", "positive integer"),
+    ini("ini-oom-retry-floor-huge", "ct_oom_retry_floor", OVER_COUNT, "at most 2147483647"),
+    ini("ini-cleanup-word", "ct_cleanup", "sometimes", "one of auto, always, never"),
+    ini("ini-gpu-binding-word", "ct_gpu_binding", "maybe", "one of auto, off"),
+    ini("ini-leases-word", "ct_leases", "perhaps", "true or false"),
+    ini("ini-default-vram-negative", "ct_default_vram_gib", "-1", "0 or more"),
+    ini("ini-default-vram-1e308", "ct_default_vram_gib", "1e308", "at most 1024 GiB"),
+    ini("ini-lease-timeout-zero", "ct_lease_timeout", "0", "positive number of seconds"),
+    ini("ini-lease-timeout-1e308", "ct_lease_timeout", "1e308", "at most 604800 seconds"),
+    ini("ini-auto-margin-one", "ct_auto_margin", "1", "from 0 to below 1"),
+    ini("ini-auto-margin-inf", "ct_auto_margin", "inf", "from 0 to below 1"),
+    ini("ini-prompt-tokens-5000-digits", "ct_estimate_prompt_tokens", BIG_INT, "characters)"),
+    ini("ini-alloc-conf-typo", "ct_alloc_conf", "expandable_segment:True", "did you mean"),
+    ini("ini-alloc-conf-lowercase-bool", "ct_alloc_conf", "expandable_segments:true", "True or"),
+    ini("ini-alloc-conf-no-value", "ct_alloc_conf", "max_split_size_mb", "needs a value"),
+    ini("ini-alloc-conf-small-split", "ct_alloc_conf", "max_split_size_mb:10", "at least 20"),
+    ini(
+        "ini-alloc-conf-gc-threshold",
+        "ct_alloc_conf",
+        "garbage_collection_threshold:1.5",
+        "between 0 and 1",
+    ),
+    ini("ini-alloc-conf-backend", "ct_alloc_conf", "backend:jemalloc", "cudaMallocAsync"),
+    toml_list("toml-list-cleanup", "ct_cleanup", "['x']"),
+    toml_list("toml-list-alloc-conf", "ct_alloc_conf", "['expandable_segments:True']"),
+    toml_list("toml-list-gpu-binding", "ct_gpu_binding", "['auto']"),
+    toml_list("toml-list-batch-size", "ct_batch_size", "[8, 16]"),
+    # --- environment variables ---------------------------------------------------------------
+    env("env-batch-size-word", "CT_BATCH_SIZE", "big", "got 'big'"),
+    env("env-batch-size-5000-digits", "CT_BATCH_SIZE", BIG_INT, "(5000 characters)"),
+    env("env-batch-size-max-negative", "CT_BATCH_SIZE_MAX", "-2", "positive integer"),
+    env("env-feature-nodes-float", "CT_MAX_FEATURE_NODES", "2.5", "positive integer"),
+    env("env-capacity-zero", "CT_VRAM_CAPACITY", "0", "positive number of GiB"),
+    env("env-capacity-1e308", "CT_VRAM_CAPACITY", "1e308", "at most 1024 GiB"),
+    env("env-config-missing", "CT_CONFIG", "missing.yaml", "No such file"),
+    env("env-config-fifo", "CT_CONFIG", "pipe", "not a regular file", prepare=_fifo),
+    env(
+        "env-fake-gpus-word",
+        "CT_FAKE_GPUS",
+        "H200=lots",
+        "not a number of GiB",
+        source="CT_FAKE_GPUS",
+    ),
+    env("env-fake-gpus-zero", "CT_FAKE_GPUS", "H200=0", "positive number", source="CT_FAKE_GPUS"),
+    env("env-fake-gpus-1e308", "CT_FAKE_GPUS", "H200=1e308", "at most 1024", source="CT_FAKE_GPUS"),
+    env("env-fake-gpus-no-name", "CT_FAKE_GPUS", "=80", "empty name", source="CT_FAKE_GPUS"),
+    # --- experiment YAML keys --------------------------------------------------------------
+    yaml("yaml-top-level-list", "- a\n- b\n", "the top level must be a mapping"),
+    yaml(
+        "yaml-unknown-key", "BATCH_SIZ: 3\n", "unknown key 'BATCH_SIZ' (did you mean BATCH_SIZE?)"
+    ),
+    yaml("yaml-malformed", "MODEL_NAME: [unclosed\n", "malformed YAML at line"),
+    yaml("yaml-python-tag", "PARAMS: !!python/object/apply:os.system ['true']\n", "malformed"),
+    yaml("yaml-two-documents", "BATCH_SIZE: 1\n---\nBATCH_SIZE: 2\n", "malformed YAML"),
+    yaml("yaml-duplicate-key", "BATCH_SIZE: 1\nBATCH_SIZE: 2\n", "duplicate key 'BATCH_SIZE'"),
+    yaml("yaml-model-family-list", "MODEL_FAMILY: [a]\n", "MODEL_FAMILY must be a non-empty"),
+    yaml("yaml-model-name-newline", 'MODEL_NAME: "a\\nb"\n', "MODEL_NAME must be one line"),
+    yaml("yaml-transcoder-set-empty", "TRANSCODER_SET: ''\n", "TRANSCODER_SET must be"),
+    yaml("yaml-backend", "BACKEND: tensorflow\n", "BACKEND must be one of nnsight"),
+    yaml("yaml-dtype", "DTYPE: fp64\n", "DTYPE must be one of float32"),
+    yaml("yaml-batch-size-bool", "BATCH_SIZE: true\n", "BATCH_SIZE must be a positive integer"),
+    yaml("yaml-batch-size-5000-digits", f"BATCH_SIZE: {BIG_INT}\n", "has 5000 digits"),
+    yaml("yaml-batch-size-10**400", f"BATCH_SIZE: {OVER_COUNT}\n", "at most 2147483647"),
+    yaml("yaml-batch-size-max-zero", "BATCH_SIZE_MAX: 0\n", "BATCH_SIZE_MAX must be"),
+    yaml("yaml-feature-nodes-float", "MAX_FEATURE_NODES: 2.5\n", "MAX_FEATURE_NODES must be"),
+    yaml("yaml-n-logits-negative", "MAX_N_LOGITS: -1\n", "MAX_N_LOGITS must be"),
+    yaml("yaml-logit-prob-over-one", "DESIRED_LOGIT_PROB: 1.5\n", "in (0, 1]"),
+    yaml("yaml-offload", "OFFLOAD: gpu\n", "OFFLOAD must be one of cpu, disk"),
+    yaml("yaml-lazy-encoder-word", "LAZY_ENCODER: sometimes\n", "LAZY_ENCODER must be true"),
+    yaml("yaml-lazy-decoder-number", "LAZY_DECODER: 2\n", "LAZY_DECODER must be true"),
+    yaml("yaml-verbose-word", "VERBOSE: loud\n", "VERBOSE must be true"),
+    yaml("yaml-vram-1e400-text", "VRAM_GIB: 1e400\n", "VRAM_GIB must be a positive number"),
+    yaml("yaml-vram-float-overflow", "VRAM_GIB: 1.0e+400\n", "beyond a float's range"),
+    yaml("yaml-vram-inf", "VRAM_GIB: .inf\n", "at most 1024 GiB"),
+    yaml("yaml-vram-nan", "VRAM_GIB: .nan\n", "positive number of GiB"),
+    yaml("yaml-vram-2000", "VRAM_GIB: 2000\n", "at most 1024 GiB"),
+    yaml("yaml-params-not-mapping", "PARAMS: 3\n", "PARAMS must be a mapping"),
+    yaml("yaml-params-5000-digits", f"PARAMS:\n  seed: {BIG_INT}\n", "line 2 has 5000 digits"),
+    yaml("yaml-params-20000-deep", f"PARAMS: {DEEP}\n", "nested deeper than 64 levels"),
+    yaml("yaml-params-billion-laughs", "PARAMS:\n" + BOMB, "more than 100000 values"),
+    yaml("yaml-params-recursive-alias", "PARAMS:\n  a: &a [1, *a]\n", "recursive alias"),
+    yaml("yaml-notebook-not-a-path", "NOTEBOOK: 3\n", "NOTEBOOK must be a notebook path"),
+    yaml("yaml-not-utf8", "BATCH_SIZE: \udcff\n", "not UTF-8 text"),
+    # --- markers: the test that carries one fails alone, at setup ---------------------------
+    marker("vram-inf", "vram(gib=float('inf'))", "at most 1024 GiB, got inf"),
+    marker("vram-nan", "vram(gib=float('nan'))", "positive number of GiB, got nan"),
+    marker("vram-10**400", "vram(gib=10**400)", "an integer of about 401 digits"),
+    marker("vram-zero", "vram(0)", "positive number of GiB, got 0"),
+    marker("vram-bool", "vram(True)", "got True"),
+    marker("vram-string", "vram('8')", "got '8'"),
+    marker("vram-missing", "vram()", "missing a required argument"),
+    marker("vram-unknown-keyword", "vram(gb=8)", "unknown keyword 'gb'"),
+    marker("ct-config-unknown-field", "ct_config(batch=8)", "unknown field 'batch'"),
+    marker("ct-config-batch-10**400", "ct_config(batch_size=10**400)", "at most 2147483647"),
+    marker("ct-config-batch-zero", "ct_config(batch_size=0)", "positive integer or 'auto'"),
+    marker("ct-config-vram-inf", "ct_config(vram_gib=float('inf'))", "at most 1024 GiB"),
+    marker("ct-config-dtype", "ct_config(dtype='fp64')", "must be one of float32"),
+    marker("ct-config-path-not-str", "ct_config(path=3)", "path must be a string, got 3"),
+    marker("ct-config-path-missing", "ct_config(path='nope.yaml')", "No such file"),
+    marker("ct-config-path-nul", "ct_config(path='a\\0b')", "not a valid path"),
+    marker(
+        "ct-config-path-5000-digits",
+        "ct_config(path='bad.yaml')",
+        "has 5000 digits",
+        files=(("bad.yaml", f"MAX_N_LOGITS: {BIG_INT}\n"),),
+    ),
+    marker(
+        "ct-config-path-deep",
+        "ct_config(path='bad.yaml')",
+        "nested deeper than 64",
+        files=(("bad.yaml", f"PARAMS: {DEEP}\n"),),
+    ),
+    marker(
+        "ct-config-path-bomb",
+        "ct_config(path='bad.yaml')",
+        "more than 100000 values",
+        files=(("bad.yaml", "PARAMS:\n" + BOMB),),
+    ),
+    # --- notebook metadata and NOTEBOOK configs (pytest --nbmake) --------------------------
+    notebook("nb-metadata-not-object", "[1]", "metadata 'ctresources' must be an object"),
+    notebook("nb-metadata-unknown-key", '{"vram": 8}', "unknown key(s) vram"),
+    notebook("nb-marks-not-list", '{"marks": "slow"}', "must be a list of mark names"),
+    notebook("nb-marks-bad-name", '{"marks": ["not a name"]}', "must be a list of mark names"),
+    notebook("nb-vram-negative", '{"vram_gib": -2}', "must be a positive number"),
+    notebook("nb-vram-string", '{"vram_gib": "20"}', "must be a positive number"),
+    notebook(
+        "nb-vram-1e400",
+        '{"vram_gib": 1e400}',
+        "at most 1024 GiB, got inf",
+        source="@pytest.mark.vram on bad.ipynb",
+    ),
+    notebook(
+        "nb-vram-2000",
+        '{"vram_gib": 2000}',
+        "at most 1024 GiB",
+        source="@pytest.mark.vram on bad.ipynb",
+    ),
+    notebook_config("nb-config-5000-digits", f"BATCH_SIZE: {BIG_INT}\n", "has 5000 digits"),
+    notebook_config("nb-config-deep", f"PARAMS: {DEEP}\n", "nested deeper than 64"),
+    notebook_config("nb-config-unknown-key", "BATCH: 3\n", "unknown key 'BATCH'"),
+    # --- ct-resources -----------------------------------------------------------------------
+    cli(
+        "cli-gpu-gib-1e308",
+        "estimate",
+        "--model",
+        "google/gemma-2-2b",
+        "--transcoders",
+        "gemma",
+        "--gpu-gib",
+        "1e308",
+        message="at most 1024",
+        source="argument --gpu-gib:",
+    ),
+    cli("cli-gpu-gib-inf", "estimate", "--gpu-gib", "inf", message="at most 1024"),
+    cli("cli-gpu-gib-nan", "estimate", "--gpu-gib", "nan", message="positive number of GiB"),
+    cli("cli-gpu-gib-zero", "estimate", "--gpu-gib", "0", message="positive number of GiB"),
+    cli("cli-gpu-gib-word", "estimate", "--gpu-gib", "big", message="got 'big'"),
+    cli("cli-prompt-tokens-zero", "estimate", "--prompt-tokens", "0", message="positive integer"),
+    cli("cli-prompt-tokens-float", "estimate", "--prompt-tokens", "1.5", message="positive"),
+    cli(
+        "cli-prompt-tokens-5000-digits",
+        "estimate",
+        "--prompt-tokens",
+        BIG_INT,
+        message="(5000 characters)",
+    ),
+    cli("cli-prompt-tokens-huge", "estimate", "--prompt-tokens", OVER_COUNT, message="at most"),
+    cli("cli-batch-size-zero", "estimate", "--batch-size", "0", message="positive integer"),
+    cli("cli-batch-size-word", "estimate", "--batch-size", "lots", message="got 'lots'"),
+    cli("cli-ceiling-huge", "estimate", "--ceiling", OVER_COUNT, message="at most 2147483647"),
+    cli("cli-feature-nodes-negative", "estimate", "--max-feature-nodes", "-4", message="positive"),
+    cli("cli-active-features-1e308", "estimate", "--active-features", "1e308", message="at most"),
+    cli("cli-active-features-zero", "estimate", "--active-features", "0", message="positive"),
+    cli("cli-dtype", "estimate", "--dtype", "fp64", message="must be one of float32"),
+    cli(
+        "cli-config-missing",
+        "estimate",
+        "--config",
+        "missing.yaml",
+        message="No such file",
+        source="ct-resources: error: missing.yaml",
+    ),
+    cli(
+        "cli-config-deep",
+        "estimate",
+        "--config",
+        "exp.yaml",
+        message="nested deeper than 64",
+        source="ct-resources: error: exp.yaml",
+        files=(("exp.yaml", f"PARAMS: {DEEP}\n"),),
+    ),
+    cli(
+        "cli-config-bomb",
+        "estimate",
+        "--config",
+        "exp.yaml",
+        message="more than 100000",
+        source="ct-resources: error: exp.yaml",
+        files=(("exp.yaml", "PARAMS:\n" + BOMB),),
+    ),
+    cli(
+        "cli-config-5000-digits",
+        "estimate",
+        "--config",
+        "exp.yaml",
+        message="5000 digits",
+        source="ct-resources: error: exp.yaml",
+        files=(("exp.yaml", f"BATCH_SIZE: {BIG_INT}\n"),),
+    ),
+    cli(
+        "cli-unknown-model",
+        "estimate",
+        "--model",
+        "nobody/none",
+        "--transcoders",
+        "gemma",
+        "--gpu-gib",
+        "24",
+        message="nobody/none",
+        source="ct-resources: error:",
+    ),
+    cli(
+        "cli-unknown-transcoders",
+        "estimate",
+        "--model",
+        "google/gemma-2-2b",
+        "--transcoders",
+        "nope/none",
+        "--gpu-gib",
+        "24",
+        message="unknown transcoder set 'nope/none'; known: gemma",
+        source="ct-resources: error:",
+    ),
+    cli("cli-table-active-features-nan", "table", "--active-features", "nan", message="positive"),
+    cli(
+        "cli-table-cards-1e308",
+        "table",
+        "--cards",
+        "24,1e308",
+        message="at most 1024",
+        source="ct-resources: error: bad list",
+    ),
+    cli(
+        "cli-table-cards-word",
+        "table",
+        "--cards",
+        "big",
+        message="positive number of GiB",
+        source="ct-resources: error: bad list",
+    ),
+    cli(
+        "cli-table-prompt-tokens",
+        "table",
+        "--prompt-tokens",
+        "32,0",
+        message="positive integer",
+        source="ct-resources: error: bad list",
+    ),
+    cli(
+        "cli-table-dtypes",
+        "table",
+        "--dtypes",
+        "bfloat16,fp64",
+        message="one of float32",
+        source="ct-resources: error: bad list",
+    ),
+    cli("cli-table-ceiling-zero", "table", "--ceiling", "0", message="positive integer"),
+    cli(
+        "cli-gpus-fake-gpus",
+        "gpus",
+        message="CT_FAKE_GPUS: entry 1",
+        source="ct-resources: error:",
+        env=(("CT_FAKE_GPUS", "H200=lots"),),
+    ),
+]
+
+
+def test_the_table_is_large_and_its_ids_distinct() -> None:
+    ids = [row.id for row in ROWS]
+    assert len(ids) == len(set(ids))
+    assert len(ROWS) >= 100
+
+
+class Reports:
+    """Collects the test reports of an in-process run (a plugin object)."""
+
+    def __init__(self) -> None:
+        self.reports: list[pytest.TestReport] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.reports.append(report)
+
+
+def _error_lines(text: str) -> list[str]:
+    """pytest's ``ERROR: ...`` usage lines and argparse's ``prog: error: ...`` lines (not
+    the ``ERROR: usage: ...`` synopsis argparse prints first)."""
+    return [
+        line
+        for line in text.splitlines()
+        if (line.startswith("ERROR:") and not line.startswith("ERROR: usage:"))
+        or ": error: " in line
+    ]
+
+
+def _assert_one_line(lines: list[str], row: Row, output: str) -> None:
+    assert "Traceback" not in output
+    assert "INTERNALERROR" not in output
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert row.source in line
+    assert fnmatch.fnmatchcase(line, f"*{row.message}*"), (row.message, line)
+    # The bad value is quoted short: 5000 digits, a 1 MiB file, a bomb never appear whole.
+    assert len(line) < 1000, len(line)
+
+
+def _setup_project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, row: Row) -> None:
+    root = os.geteuid() == 0
+    if row.as_root is True and not root:
+        pytest.skip("mknod of a character device needs root")
+    if row.as_root is False and root:
+        pytest.skip("aims at a system device, which root could destroy")
+    for name, text in row.files:
+        (pytester.path / name).write_text(text, errors="surrogateescape")
+    if row.ini is not None:
+        pytester.makeini(f"[pytest]\n{row.ini}\n")
+    if row.pyproject is not None:
+        pytester.makepyprojecttoml(row.pyproject)
+    for name, value in row.env:
+        monkeypatch.setenv(name, value)
+    if row.prepare is not None:
+        row.prepare(pytester.path)
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.kind == "usage"], ids=lambda r: r.id)
+def test_usage_error_is_one_line_naming_its_source(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, row: Row
+) -> None:
+    _setup_project(pytester, monkeypatch, row)
+    pytester.makepyfile(test_it=row.test)
+    result = pytester.runpytest(*row.args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    output = result.stdout.str() + result.stderr.str()
+    _assert_one_line(_error_lines(result.stderr.str()), row, output)
+    if row.check is not None:
+        row.check(pytester.path)
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.kind == "test"], ids=lambda r: r.id)
+def test_bad_input_fails_only_its_own_test(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, row: Row
+) -> None:
+    _setup_project(pytester, monkeypatch, row)
+    if row.nodeid == "test_bad":
+        pytester.makepyfile(test_bad=row.test)
+    pytester.makepyfile(test_good=GOOD_TEST)
+    recorder = Reports()
+    result = pytester.runpytest(*row.args, "-p", "no:cacheprovider", plugins=[recorder])
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    output = result.stdout.str() + result.stderr.str()
+    failed = [r for r in recorder.reports if r.failed]
+    assert len(failed) == 1, [r.nodeid for r in failed]
+    assert row.nodeid in failed[0].nodeid
+    assert failed[0].when == "setup"
+    assert [r.nodeid for r in recorder.reports if r.passed and r.when == "call"] == [
+        "test_good.py::test_good"
+    ]
+    _assert_one_line([line for line in failed[0].longreprtext.splitlines() if line], row, output)
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.kind == "cli"], ids=lambda r: r.id)
+def test_ct_resources_error_is_one_line(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    row: Row,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for name, text in row.files:
+        (tmp_path / name).write_text(text)
+    for name, value in row.env:
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exc:
+        cli_main(list(row.args))
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    _assert_one_line(_error_lines(err), row, out + err)
+
+
+@pytest.mark.parametrize("argv", [["gpus", "--json"], ["table"]], ids=["gpus", "table"])
+def test_ct_resources_into_a_closed_pipe_ends_quietly(argv: list[str]) -> None:
+    """`ct-resources ... | head`: the reader has gone before the output is written (a pipe
+    whose read end is closed, the deterministic form of `| head -c 0`)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        process = subprocess.run(
+            [sys.executable, "-m", "pytest_ctresources.cli", *argv],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "CT_FAKE_GPUS": "H200=139.8"},
+            timeout=300,
+        )
+    finally:
+        os.close(write_end)
+    assert process.returncode == 1
+    assert process.stderr == ""
+
+
+XDIST_ROWS = (
+    "yaml-params-billion-laughs",
+    "json-through-symlink",
+    "vram-inf",
+    "ct-config-path-deep",
+)
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.id in XDIST_ROWS], ids=lambda r: r.id)
+def test_under_xdist_too(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, row: Row
+) -> None:
+    """The controller refuses a bad setting before starting workers; a bad marker fails its
+    test in the worker that runs it, and the line reaches the controller's report."""
+    _setup_project(pytester, monkeypatch, row)
+    pytester.makepyfile(
+        test_good=GOOD_TEST, **({"test_bad": row.test} if row.kind == "test" else {})
+    )
+    result = pytester.runpytest_subprocess("-n", "2", *row.args)
+    output = result.stdout.str() + result.stderr.str()
+    if row.kind == "usage":
+        assert result.ret == pytest.ExitCode.USAGE_ERROR
+        _assert_one_line(_error_lines(result.stderr.str()), row, output)
+    else:
+        result.assert_outcomes(passed=1, errors=1)
+        lines = [line for line in result.stdout.lines if row.source in line and "ERROR" not in line]
+        _assert_one_line(lines, row, output)
+    if row.check is not None:
+        row.check(pytester.path)
+
+
+# --- ct_alloc_conf: what the check accepts is what torch accepts -------------------------
+
+GOOD_ALLOC_CONFS = [
+    "expandable_segments:True",
+    "expandable_segments:False,max_split_size_mb:128",
+    " expandable_segments : True , garbage_collection_threshold:0.6 ",
+    "roundup_power2_divisions:[256:1,512:2,>:4],expandable_segments:True",
+    "roundup_power2_divisions:4",
+    "backend:native",
+    "backend:cudaMallocAsync",
+    "pinned_num_register_threads:8,pinned_use_cuda_host_register:True",
+    "release_lock_on_cudamalloc:True,per_process_memory_fraction:0.5",
+    "expandable_segments:True,",
+    "",
+]
+
+
+@pytest.mark.parametrize("text", GOOD_ALLOC_CONFS)
+def test_alloc_conf_accepts_what_torch_accepts(text: str) -> None:
+    assert check_alloc_conf(text) == text
+
+
+def test_alloc_conf_check_agrees_with_torchs_own_parser_on_the_device_generic_options() -> None:
+    """torch's CPU build parses the device-generic options (its CUDA ones live in the CUDA
+    library): for those, the check must reject what torch rejects and accept what it takes."""
+    import torch
+
+    parse = torch._C._accelerator_setAllocatorSettings
+    cases = [
+        "expandable_segments:True",
+        "expandable_segments:true",
+        "max_split_size_mb:128",
+        "max_split_size_mb:10",
+        "max_split_size_mb:abc",
+        "garbage_collection_threshold:0.6",
+        "garbage_collection_threshold:1.5",
+        "roundup_power2_divisions:[256:1,512:2,>:4]",
+        "pinned_max_cached_size_mb:100",
+        "large_segment_size_mb:64",
+    ]
+    before = torch._C._accelerator_getAllocatorSettings()
+    try:
+        for text in cases:
+            try:
+                parse(text)
+                torch_ok = True
+            except (ValueError, RuntimeError):
+                torch_ok = False
+            try:
+                check_alloc_conf(text)
+                ours_ok = True
+            except ValueError:
+                ours_ok = False
+            assert ours_ok == torch_ok, text
+    finally:
+        parse(before)

@@ -1,0 +1,357 @@
+"""The report files never destroy anything (issue 14, section 4).
+
+What is refused at start-up is in the table of tests/test_bad_inputs.py. Here: what
+happens at session end when the target changed under the run or the disk fails, and
+SIGTERM, whose tests run pytest in a process (and a session) of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pytest_ctresources import report_files
+from pytest_ctresources import summary as summary_module
+from pytest_ctresources.report_files import PNG_MAGIC, SigtermReport
+from tests.fake_cuda import FAKE_CUDA_CONFTEST
+
+pytest_plugins = ["pytester"]
+
+GIB = 1 << 30
+VICTIM_TEXT = "precious\n"
+CUDA_TEST = """
+from conftest import FAKE
+
+def test_uses_cuda():
+    FAKE.alloc(1); FAKE.free(1)
+"""
+
+
+def _temporaries(directory: Path, *names: str) -> list[str]:
+    """The temporary files write_file leaves behind for ``names`` (none, it must)."""
+    prefixes = tuple(f".{name}." for name in names)
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith(prefixes))
+
+
+@pytest.fixture
+def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    monkeypatch.setenv("CT_FAKE_GPUS", "NVIDIA GeForce RTX 4090=23.6")
+    pytester.makeconftest(FAKE_CUDA_CONFTEST)
+    pytester.makepyfile(test_cuda=CUDA_TEST)
+    return pytester
+
+
+def test_a_report_replaces_the_previous_one_privately_and_leaves_no_temporary(
+    project: pytest.Pytester,
+) -> None:
+    for _ in range(2):  # the second run replaces the first run's report
+        # (In a process of its own: the fake CUDA stays patched into torch.cuda.)
+        project.runpytest_subprocess("--ct-report-json", "r.json", "--ct-report-plot", "p.png")
+        document = json.loads((project.path / "r.json").read_text())
+        assert [t["nodeid"] for t in document["tests"]] == ["test_cuda.py::test_uses_cuda"]
+        assert (project.path / "p.png").read_bytes().startswith(PNG_MAGIC)
+    for name in ("r.json", "p.png"):
+        assert stat.S_IMODE(os.stat(project.path / name).st_mode) == 0o600
+    assert _temporaries(project.path, "r.json", "p.png") == []
+
+
+PLANT = """
+import os, stat
+def test_plant():
+    os.remove("r.json")
+    {what}
+"""
+
+
+@pytest.mark.parametrize(
+    ("what", "kind"),
+    [
+        ("os.symlink('victim.txt', 'r.json')", stat.S_ISLNK),
+        ("os.mkfifo('r.json')", stat.S_ISFIFO),
+        ("os.mknod('r.json', stat.S_IFCHR | 0o600, os.makedev(1, 7))", stat.S_ISCHR),
+    ],
+    ids=["symlink", "fifo", "char-device"],
+)
+def test_what_is_planted_at_the_path_during_the_run_is_left_alone(
+    pytester: pytest.Pytester, what: str, kind: object
+) -> None:
+    if "mknod" in what and os.geteuid() != 0:
+        pytest.skip("mknod of a character device needs root")
+    (pytester.path / "victim.txt").write_text(VICTIM_TEXT)
+    (pytester.path / "r.json").write_text("")  # passes the start-up check: empty
+    pytester.makepyfile(test_plant=PLANT.format(what=what))
+    result = pytester.runpytest("--ct-report-json", "r.json")
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines(
+        [
+            "*ReportFileWarning: ctresources: --ct-report-json *r.json was not written: *r.json is "
+            "now a *; it is left alone; the file there, if any, is unchanged"
+        ]
+    )
+    assert kind(os.lstat(pytester.path / "r.json").st_mode)  # type: ignore[operator]
+    assert (pytester.path / "victim.txt").read_text() == VICTIM_TEXT
+    assert _temporaries(pytester.path, "r.json") == []
+
+
+REMOVE_DIRECTORY = """
+import shutil
+def test_removes_the_report_directory():
+    shutil.rmtree("out")
+def test_fails():
+    assert False
+"""
+
+
+def test_a_directory_removed_during_the_run_is_one_warning_and_changes_nothing(
+    pytester: pytest.Pytester,
+) -> None:
+    (pytester.path / "out").mkdir()
+    pytester.makepyfile(test_it=REMOVE_DIRECTORY)
+    result = pytester.runpytest(
+        "--ct-report-json", "out/r.json", "--ct-report-plot", "out/p.png", "--ct-report"
+    )
+    assert result.ret == pytest.ExitCode.TESTS_FAILED  # the failing test's, unchanged
+    result.assert_outcomes(passed=1, failed=1, warnings=2)
+    text = result.stdout.str()
+    for flag, name in (("--ct-report-json", "r.json"), ("--ct-report-plot", "p.png")):
+        lines = [
+            line
+            for line in result.stdout.lines
+            if f"ReportFileWarning: ctresources: {flag}" in line
+        ]
+        assert len(lines) == 1
+        assert f"{name} was not written: its directory " in lines[0]
+        assert lines[0].endswith("out no longer exists; the file there, if any, is unchanged")
+    assert "ctresources summary" in text  # the terminal summary is still printed
+    assert "Traceback" not in text and "INTERNALERROR" not in text
+
+
+FULL_DISK = """
+import resource
+def test_fills_the_disk():
+    # Files can no longer grow past 4 KiB: writes fail with EFBIG, as a full disk fails them
+    # with ENOSPC (Python ignores SIGXFSZ, so the write raises instead of the process dying).
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+"""
+
+
+def test_a_full_disk_keeps_the_old_report_and_leaves_no_png(pytester: pytest.Pytester) -> None:
+    previous = '{"schema": "pytest-ctresources-report", "from": "the previous run"}\n'
+    (pytester.path / "r.json").write_text(previous)
+    # The report carries the experiment's PARAMS: 64 KiB of them make it outgrow the limit.
+    pytester.makefile(".yaml", exp="PARAMS:\n  blob: " + "x" * 65536 + "\n")
+    pytester.makepyfile(test_it=FULL_DISK)
+    # stdout goes to a pipe: the limit binds files only. No cache, no bytecode (files too).
+    process = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:randomly",
+            "--ct-config",
+            "exp.yaml",
+            "--ct-report-json",
+            "r.json",
+            "--ct-report-plot",
+            "p.png",
+        ],
+        cwd=pytester.path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        timeout=300,
+    )
+    assert process.returncode == 0, process.stdout + process.stderr
+    warnings = [line for line in process.stdout.splitlines() if "ReportFileWarning" in line]
+    assert len(warnings) == 2
+    assert all("was not written: File too large; the file there" in line for line in warnings)
+    assert (pytester.path / "r.json").read_text() == previous
+    assert not (pytester.path / "p.png").exists()
+    assert _temporaries(pytester.path, "r.json", "p.png") == []
+    assert "1 passed, 2 warnings" in process.stdout
+
+
+def _record(index: int) -> summary_module.TestRecord:
+    return summary_module.TestRecord(
+        nodeid=f"test_many.py::test_{index}",
+        outcome="passed",
+        device=0,
+        gpu="H200",
+        date="2026-12-01",
+        memory_key="",
+        baseline_bytes=0,
+        peak_allocated_bytes=index * (GIB // 16),
+        peak_reserved_bytes=index * (GIB // 16),
+        after_bytes=0,
+        leaked_bytes=0,
+    )
+
+
+def test_a_plot_of_thousands_of_tests_draws_the_highest_peaks(tmp_path: Path) -> None:
+    # 0.45 inch a bar at 100 dpi: 1600 bars would pass matplotlib's 2**16-pixel limit.
+    summary = summary_module.RunSummary(records={str(i): _record(i) for i in range(1600)})
+    report_files.write_plot(tmp_path / "p.png", summary, 139.8, "H200")
+    assert (tmp_path / "p.png").read_bytes().startswith(PNG_MAGIC)
+
+
+# --- SIGTERM ------------------------------------------------------------------------------
+
+TERMINATED = """
+import os, signal, time
+from conftest import FAKE
+
+def test_1_uses_cuda():
+    FAKE.alloc(1); FAKE.free(1)
+
+def test_2_is_terminated():
+    # (Under xdist: a moment for the controller to take in test_1's report first.)
+    time.sleep({pause})
+    os.kill({target}, signal.SIGTERM)
+    time.sleep(30)
+
+def test_3_never_runs():
+    pass
+"""
+
+
+def _run_own_session(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """pytest in a new session (process group), as `timeout` or Slurm would run it: a
+    signal to the whole group then reaches its xdist workers but not this test run."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:randomly", *args],
+        cwd=path,
+        capture_output=True,
+        text=True,
+        start_new_session=True,
+        timeout=300,
+    )
+
+
+def test_sigterm_writes_the_json_report_then_ends_the_process_of_sigterm(
+    project: pytest.Pytester,
+) -> None:
+    project.makepyfile(test_cuda=TERMINATED.format(target="os.getpid()", pause=0))
+    process = _run_own_session(project.path, "--ct-report-json", "r.json")
+    assert process.returncode == -signal.SIGTERM, process.stdout + process.stderr
+    document = json.loads((project.path / "r.json").read_text())
+    assert document["interrupted"] is True
+    assert document["signal"] == "SIGTERM"
+    assert document["exitstatus"] is None
+    assert [t["nodeid"] for t in document["tests"]] == ["test_cuda.py::test_1_uses_cuda"]
+    assert _temporaries(project.path, "r.json") == []
+
+
+def test_sigterm_to_the_whole_group_under_xdist(project: pytest.Pytester) -> None:
+    # timeout(1) and Slurm signal the process group: the workers die at once, the
+    # controller writes the report from what they had sent.
+    project.makepyfile(test_cuda=TERMINATED.format(target="-os.getpgid(0)", pause=2))
+    process = _run_own_session(
+        project.path, "-n", "2", "--dist", "loadfile", "--ct-report-json", "r.json"
+    )
+    assert process.returncode == -signal.SIGTERM, process.stdout + process.stderr
+    document = json.loads((project.path / "r.json").read_text())
+    assert document["signal"] == "SIGTERM"
+    assert [t["nodeid"] for t in document["tests"]] == ["test_cuda.py::test_1_uses_cuda"]
+
+
+CHAINED = """
+import shutil, signal, sys
+
+def _theirs(signum, frame):
+    shutil.copy("r.json", "report-when-their-handler-ran.json")
+    sys.exit(7)
+
+signal.signal(signal.SIGTERM, _theirs)  # a conftest's own handler, installed before ours
+"""
+
+TERMINATES_ITSELF = """
+import os, signal
+
+def test_terminated():
+    os.kill(os.getpid(), signal.SIGTERM)
+
+def test_after():
+    pass
+"""
+
+
+def test_sigterm_chains_to_the_handler_that_was_there_before(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(CHAINED)
+    pytester.makepyfile(test_it=TERMINATES_ITSELF)
+    process = _run_own_session(pytester.path, "--ct-report-json", "r.json")
+    # Ours ran first (the report existed when theirs ran), then theirs: its sys.exit fails
+    # the test, the session goes on, and its end writes the report again, complete.
+    snapshot = json.loads((pytester.path / "report-when-their-handler-ran.json").read_text())
+    assert snapshot["signal"] == "SIGTERM"
+    assert process.returncode == pytest.ExitCode.TESTS_FAILED
+    assert json.loads((pytester.path / "r.json").read_text())["signal"] is None
+    assert "1 failed, 1 passed" in process.stdout
+
+
+def test_no_handler_without_a_json_report_and_the_previous_one_restored(
+    pytester: pytest.Pytester,
+) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    pytester.makepyfile(
+        test_it="""
+        import signal
+        def test_handler():
+            handler = signal.getsignal(signal.SIGTERM)
+            name = getattr(handler, "__qualname__", repr(handler))
+            print("HANDLER", name)
+        """
+    )
+    result = pytester.runpytest("-s")
+    result.stdout.fnmatch_lines(["*HANDLER *"])
+    assert "SigtermReport" not in result.stdout.str()
+    result = pytester.runpytest("-s", "--ct-report-json", "r.json")
+    result.stdout.fnmatch_lines(["*HANDLER SigtermReport._handle"])
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_an_ignored_sigterm_stays_ignored(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_it="""
+        import os, signal
+        def test_survives():
+            os.kill(os.getpid(), signal.SIGTERM)
+        """
+    )
+    process = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:randomly", "--ct-report-json", "r.json"],
+        cwd=pytester.path,
+        capture_output=True,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN),
+        timeout=300,
+    )
+    assert process.returncode == 0, process.stdout
+    assert json.loads((pytester.path / "r.json").read_text())["signal"] is None
+
+
+def test_a_sigterm_during_a_write_waits_for_the_file_to_be_whole() -> None:
+    events: list[str] = []
+    guard = SigtermReport(lambda: events.append("report"))
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: events.append("previous"))
+    try:
+        assert guard.install()
+        with guard.deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs here, and only notes the signal
+            events.append("write done")
+        assert events == ["write done", "report", "previous"]
+        assert signal.getsignal(signal.SIGTERM) is not guard._handle  # given back
+    finally:
+        guard.restore()
+        signal.signal(signal.SIGTERM, previous)
