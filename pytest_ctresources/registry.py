@@ -289,6 +289,17 @@ def _gemma_scope_2(name: str) -> TranscoderSetInfo | None:
     )
 
 
+def nearest(name: str, known: list[str], most: int = 5) -> str:
+    """`` (nearest: a, b)``: the known names closest to a name the registry lacks."""
+    import difflib
+
+    close = difflib.get_close_matches(name, known, n=most, cutoff=0.4)
+    if not close:  # a short name matches the end of a long one: "gemma-2-2b"
+        lowered = name.lower()
+        close = [k for k in known if lowered in k.lower()][:most]
+    return f" (nearest: {', '.join(close)})" if close else ""
+
+
 def known_models() -> list[str]:
     from pytest_ctresources import testing
 
@@ -317,8 +328,9 @@ def model_shape(name: str) -> ModelShape:
     if path.name == "config.json" or (path.is_dir() and (path / "config.json").is_file()):
         return model_from_config_json(path)
     raise UnknownShape(
-        f"unknown model {name!r}; known: {', '.join(known_models())} "
-        "(or give the path of a local config.json)"
+        f"unknown model {name!r}{nearest(name, known_models())}; "
+        f"{len(known_models())} are known (docs/registry-sources.md), or give the path of a "
+        "local config.json"
     )
 
 
@@ -352,7 +364,8 @@ def transcoder_info(name: str, model: str | None = None) -> TranscoderSetInfo:
             f"({', '.join(sorted(testing.BUNDLED_MODELS))}), not {model!r}"
         )
     raise UnknownShape(
-        f"unknown transcoder set {name!r}; known: {', '.join(known_transcoder_sets())}"
+        f"unknown transcoder set {name!r}{nearest(name, known_transcoder_sets())}; "
+        f"{len(known_transcoder_sets())} are known (docs/registry-sources.md)"
     )
 
 

@@ -581,7 +581,7 @@ ROWS: list[Row] = [
         "nope/none",
         "--gpu-gib",
         "24",
-        message="unknown transcoder set 'nope/none'; known: gemma",
+        message="unknown transcoder set 'nope/none'",
         source="ct-resources: error:",
     ),
     cli("cli-table-active-features-nan", "table", "--active-features", "nan", message="positive"),

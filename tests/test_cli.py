@@ -148,11 +148,11 @@ def test_config_sets_the_ceiling_and_logits(
     [
         (
             ["--model", "google/gemma-7", "--transcoders", "gemma"],
-            "unknown model 'google/gemma-7'; known: ",
+            "unknown model 'google/gemma-7' (nearest: google/gemma-2-27b, ",
         ),
         (
             ["--model", "google/gemma-2-2b", "--transcoders", "nope"],
-            "unknown transcoder set 'nope'; known: ",
+            "unknown transcoder set 'nope'",
         ),
         (["--model", "google/gemma-2-2b"], "name a model and a transcoder set"),
         (["--config", "missing.yaml"], "missing.yaml: cannot read experiment config"),

@@ -390,15 +390,20 @@ def test_bad_config_json(tmp_path: Path, text: str, message: str) -> None:
         registry.model_from_config_json(path)
 
 
-def test_unknown_names_list_the_known_ones() -> None:
+def test_unknown_names_get_the_nearest_known_ones() -> None:
     with pytest.raises(registry.UnknownShape) as model_error:
         registry.model_shape("google/gemma-7")
-    assert "google/gemma-2-2b" in str(model_error.value)
-    assert "ctresources/tiny-gemma-2" in str(model_error.value)
+    assert "(nearest: google/gemma-2-27b, " in str(model_error.value)
+    with pytest.raises(registry.UnknownShape) as typo:
+        registry.model_shape("ctresources/tiny-gema-2")
+    assert "(nearest: ctresources/tiny-gemma-2, " in str(typo.value)
     with pytest.raises(registry.UnknownShape) as set_error:
-        registry.transcoder_info("gemma-3")
-    assert "mntss/clt-gemma-2-2b-426k" in str(set_error.value)
-    assert "gemma" in str(set_error.value)
+        registry.transcoder_info("clt-gemma-2-2b")
+    assert "(nearest: mntss/clt-gemma-2-2b-426k, " in str(set_error.value)
+    with pytest.raises(registry.UnknownShape) as unknown:
+        registry.model_shape("nobody/none")
+    known = f"{len(registry.known_models())} are known"
+    assert "nearest" not in str(unknown.value) and known in str(unknown.value)
     with pytest.raises(registry.UnknownShape, match="fits only the bundled models"):
         registry.transcoder_info(testing.RANDOM_TRANSCODERS, "google/gemma-2-2b")
 
