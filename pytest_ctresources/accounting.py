@@ -103,8 +103,9 @@ def learned_need_with_retry(
         return need
     source = Source(
         "learned",
-        f"{need.source}; {least:.1f} GiB at the OOM retry's floor, batch {floor}, "
-        "estimated" if at_floor is not None else f"{need.source}; the OOM retry may need less",
+        f"{need.source}; {least:.1f} GiB at the OOM retry's floor, batch {floor}, estimated"
+        if at_floor is not None
+        else f"{need.source}; the OOM retry may need less",
     )
     # The most it may take, as for an estimate, is capped at the card: it will retry smaller.
     card = runtime.auto_budget().capacity_gib

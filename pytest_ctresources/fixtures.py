@@ -10,9 +10,16 @@ from pytest_ctresources.accounting import METER_KEY, SESSION_KEY, halving_summar
 from pytest_ctresources.config import CircuitTracerConfig
 from pytest_ctresources.markers import MarkerError
 from pytest_ctresources.model_load import ModelLoadError
+from pytest_ctresources.progress_line import LiveLine
+from pytest_ctresources.progress_line import enabled as progress_on
 from pytest_ctresources.runtime import runtime_of
 from pytest_ctresources.session import CtSession
-from pytest_ctresources.summary import ATTRIBUTIONS_PROPERTY, AUTO_PROPERTY, HALVINGS_PROPERTY
+from pytest_ctresources.summary import (
+    ATTRIBUTIONS_PROPERTY,
+    AUTO_PROPERTY,
+    HALVINGS_PROPERTY,
+    TIMINGS_PROPERTY,
+)
 
 
 @pytest.fixture
@@ -52,6 +59,13 @@ def ct_session(
         estimate_prompt_tokens=runtime.settings.estimate_prompt_tokens.value,
     )
     node.stash[SESSION_KEY] = session
+    after = runtime.settings.progress_after_s.value
+    live = (
+        LiveLine(request.config, after)
+        if after is not None and progress_on(request.config)
+        else None
+    )
+    session.progress = live
     cache = runtime.model_cache
     cache.current_test = node.nodeid
     try:
@@ -62,6 +76,9 @@ def ct_session(
         if session.calls:
             node.user_properties.append(
                 (ATTRIBUTIONS_PROPERTY, [call.kwargs["batch_size"] for call in session.calls])
+            )
+            node.user_properties.append(
+                (TIMINGS_PROPERTY, [c.timing.to_dict() for c in session.calls if c.timing])
             )
         if session.auto_choices:
             node.user_properties.append(

@@ -57,9 +57,7 @@ def nodeid_of(key: str) -> str:
     return key.split("|", 1)[0]
 
 
-def stale_keys(
-    keys: Iterable[str], collected: set[str], exists: Callable[[str], bool]
-) -> set[str]:
+def stale_keys(keys: Iterable[str], collected: set[str], exists: Callable[[str], bool]) -> set[str]:
     """The keys of tests that no longer exist: their file is gone, or their file was
     collected (``collected`` holds every node id collected, before any deselection) and
     the test was not in it."""

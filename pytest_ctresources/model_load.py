@@ -48,8 +48,7 @@ def cause_of(exc: BaseException) -> str:
     names = {type(link).__name__ for link in _chain(exc)}
     if "OfflineModeIsEnabled" in names:
         return (
-            "offline (HF_HUB_OFFLINE is set) and its files are not in the local Hugging Face "
-            "cache"
+            "offline (HF_HUB_OFFLINE is set) and its files are not in the local Hugging Face cache"
         )
     if "GatedRepoError" in names:
         return (

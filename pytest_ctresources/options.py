@@ -121,6 +121,19 @@ def fraction(text: str) -> float:
     return value
 
 
+def seconds_or_off(text: str) -> float | None:
+    """Parse a number of seconds that may be 0, or ``off`` (None)."""
+    if text.strip().lower() == "off":
+        return None
+    return _number(
+        text,
+        zero_ok=True,
+        most=MAX_SECONDS,
+        unit=" seconds (a week)",
+        message="must be a number of seconds, 0 or more, or off",
+    )
+
+
 def seconds(text: str) -> float:
     """Parse a positive number of seconds, at most ``MAX_SECONDS``."""
     return _number(
@@ -294,6 +307,12 @@ INI_ONLY: tuple[tuple[str, str, str], ...] = (
         "prompt length in tokens assumed by the VRAM estimate of a ct_session test with no "
         "declared need, made before its prompt is known (skip decisions and leases)",
         "32",
+    ),
+    (
+        "ct_progress_after",
+        "seconds an attribution runs before a live progress line shows its phase and backward "
+        "batches on the terminal (not under -q, -n or without a terminal); 'off' never",
+        "3",
     ),
     (
         "ct_alloc_conf",

@@ -169,6 +169,7 @@ def build_report(
         "auto_batch_sizes": summary.auto_choices,
         "vram_skips": summary.vram_skips,
         "resident_models": summary.resident_models,
+        "attribution_timings": summary.timings,
         "reruns": summary.reruns,
     }
 

@@ -31,6 +31,7 @@ from pytest_ctresources.model_load import (
     load_failure_message,
     repeated_failure_message,
 )
+from pytest_ctresources.progress import AttributionProbe, AttributionTiming, ProgressListener
 
 if TYPE_CHECKING:
     import torch
@@ -212,9 +213,11 @@ class ModelCache:
 
 @dataclass(frozen=True)
 class AttributionCall:
-    """The keyword arguments one ``attribute()`` call received."""
+    """The keyword arguments one ``attribute()`` call received, and how long its phases took
+    (of the attempt that succeeded, after any OOM halving)."""
 
     kwargs: dict[str, Any]
+    timing: AttributionTiming | None = None
 
 
 def _attribute_parameters() -> set[str]:
@@ -245,6 +248,7 @@ class CtSession:
         meter: VramMeter | None = None,
         auto_budget: Budget | None = None,
         estimate_prompt_tokens: int = 32,
+        progress: ProgressListener | None = None,
     ) -> None:
         self.cfg = cfg
         self.calls: list[AttributionCall] = []
@@ -252,6 +256,8 @@ class CtSession:
         self.auto_choices: list[AutoChoice] = []
         self.auto_budget = auto_budget
         self.estimate_prompt_tokens = estimate_prompt_tokens
+        #: Told as an attribution moves on (a phase starts, a backward batch ends).
+        self.progress = progress
         self.oom_retry = oom_retry
         self.oom_retry_floor = oom_retry_floor
         self._cache = cache if cache is not None else ModelCache()
@@ -343,9 +349,16 @@ class CtSession:
             try:
                 # auto's setup pass is the one attribute() starts with: it is not run twice;
                 # the call's measured peak corrects auto's later choices on this model.
+                probe = AttributionProbe(
+                    kwargs["batch_size"],
+                    kwargs["max_feature_nodes"],
+                    kwargs["max_n_logits"],
+                    self.progress,
+                )
                 with (
                     reused_setup(model, prompt, setup),
                     observed(model, choice, kwargs["batch_size"]) as seen,
+                    probe.watching(model),
                 ):
                     setup = None  # the first attempt only: a retry runs its own
                     graph = attribute(prompt, model, **kwargs)
@@ -361,7 +374,7 @@ class CtSession:
             else:
                 if seen.choice is not None:
                     self.auto_choices[-1] = seen.choice
-                self.calls.append(AttributionCall(dict(kwargs)))
+                self.calls.append(AttributionCall(dict(kwargs), probe.timing))
                 return graph
             cleanup_python_cuda()
 

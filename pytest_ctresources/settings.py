@@ -35,6 +35,7 @@ from pytest_ctresources.options import (
     non_negative_gib,
     positive_count,
     seconds,
+    seconds_or_off,
 )
 from pytest_ctresources.report_files import (
     JSON_FLAG,
@@ -79,6 +80,7 @@ class Settings:
     lease_timeout_s: Sourced[float]
     auto_margin: Sourced[float]
     estimate_prompt_tokens: Sourced[int]
+    progress_after_s: Sourced[float | None]
     report_forced: bool = False
     report_top: int = 10
     report_json: Path | None = None
@@ -225,6 +227,7 @@ def resolve_settings(
     timeout = _ini_or_default(ini, "ct_lease_timeout", inifile, seconds)
     margin = _ini_or_default(ini, "ct_auto_margin", inifile, fraction)
     prompt_tokens = _ini_or_default(ini, "ct_estimate_prompt_tokens", inifile, positive_count)
+    progress = _ini_or_default(ini, "ct_progress_after", inifile, seconds_or_off)
     report_json = _writable(options.get("ct_report_json"), JSON_FLAG, invocation_dir)
     report_plot = _writable(options.get("ct_report_plot"), PLOT_FLAG, invocation_dir)
     if report_plot is not None:
@@ -253,6 +256,7 @@ def resolve_settings(
         lease_timeout_s=timeout,  # type: ignore[arg-type]
         auto_margin=margin,  # type: ignore[arg-type]
         estimate_prompt_tokens=prompt_tokens,  # type: ignore[arg-type]
+        progress_after_s=progress,  # type: ignore[arg-type]
         report_forced=bool(options.get("ct_report")),
         report_top=int(options.get("ct_report_top") or 10),  # type: ignore[call-overload]
         report_json=report_json,

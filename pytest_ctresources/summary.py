@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 ATTRIBUTIONS_PROPERTY = "ct_attribution_batch_sizes"
 #: user_properties key of the batch sizes ``--ct-batch-size auto`` chose, with reasons.
 AUTO_PROPERTY = "ct_auto_batch_sizes"
+#: user_properties key of each attribution's phase times and backward batches.
+TIMINGS_PROPERTY = "ct_attribution_timings"
 #: user_properties key of the OOM halvings ct_session.attribute recovered from.
 HALVINGS_PROPERTY = "ct_oom_halvings"
 #: xdist ``workeroutput`` key of the learned needs a worker found stale at collection.
@@ -145,6 +147,7 @@ class RunSummary:
     placements: dict[str, Placement] = field(default_factory=dict)
     resident_models: list[dict[str, Any]] = field(default_factory=list)
     reruns: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     own_settings: dict[tuple[str, str, str], set[str]] = field(default_factory=dict)
     """(field, session-wide source, its value) -> the tests whose own marker overrode it."""
     _outcomes: dict[str, str] = field(default_factory=dict)
@@ -181,6 +184,8 @@ class RunSummary:
             return first  # superseded by the next attempt, which reports its own
         if isinstance(props.get(ATTRIBUTIONS_PROPERTY), list):
             self.attributions[nodeid] = list(props[ATTRIBUTIONS_PROPERTY])
+        if isinstance(props.get(TIMINGS_PROPERTY), list):
+            self.timings[nodeid] = list(props[TIMINGS_PROPERTY])
         if HALVINGS_PROPERTY in props:
             self.halvings[nodeid] = str(props[HALVINGS_PROPERTY])
         if isinstance(props.get(AUTO_PROPERTY), list):
@@ -256,6 +261,25 @@ class RunSummary:
             or self.own_settings
         )
 
+    def slowest_lines(self, top: int) -> list[str]:
+        """The slowest attributions, ``--durations`` style, with their phases and batches."""
+        calls = [(timing, nodeid) for nodeid, timings in self.timings.items() for timing in timings]
+        if not calls:
+            return []
+        calls.sort(key=lambda entry: -float(entry[0].get("total_s", 0.0)))
+        out = [f"slowest attributions (top {min(top, len(calls))} of {len(calls)}):"]
+        for timing, nodeid in calls[:top]:
+            total = timing.get("batches_total")
+            batches = f"{timing.get('batches_done', 0)}" + (f"/{total}" if total else "")
+            out.append(
+                f"  {float(timing.get('total_s', 0.0)):7.2f} s  {nodeid}: batch size "
+                f"{timing.get('batch_size')}, {batches} backward batches; setup "
+                f"{float(timing.get('setup_s', 0.0)):.2f} s, forward "
+                f"{float(timing.get('forward_s', 0.0)):.2f} s, backward "
+                f"{float(timing.get('backward_s', 0.0)):.2f} s"
+            )
+        return out
+
     def lines(self, settings_lines: list[str], gpu_lines: list[str]) -> list[str]:
         calls = sum(len(sizes) for sizes in self.attributions.values())
         sizes = sorted({size for values in self.attributions.values() for size in values})
@@ -282,6 +306,7 @@ class RunSummary:
                 f"reruns (another plugin ran failed attempts again): {sum(self.reruns.values())} "
                 f"of {len(self.reruns)} test(s); each is reported by its last attempt"
             )
+        out += self.slowest_lines(5)
         return out
 
     def resident_lines(self) -> list[str]:

@@ -1,0 +1,157 @@
+"""Progress of long attributions: phases and batches counted, a live line on a terminal
+(tested through a pseudo-terminal), the slowest attributions in the summary and the report."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from pytest_ctresources.progress import AttributionProbe, AttributionTiming
+from tests.conftest import TINY_YAML
+
+pytest_plugins = ["pytester"]
+
+
+class _Context:
+    def __init__(self) -> None:
+        self.activation_matrix = SimpleNamespace(_nnz=lambda: 100)
+
+    def compute_batch(self, **kwargs: Any) -> str:
+        return "rows"
+
+
+class _Model:
+    def setup_attribution(self, input_ids: Any) -> _Context:
+        return _Context()
+
+    def run_forward_pass(self, input_ids: Any, batch_size: int, ctx: Any) -> None:
+        pass
+
+
+class _Listener:
+    def __init__(self, seen: list[str]) -> None:
+        self.seen = seen
+
+    def update(self, timing: AttributionTiming) -> None:
+        self.seen.append(timing.phase)
+
+    def done(self) -> None:
+        self.seen.append("done")
+
+
+def _attribute(model: _Model) -> None:
+    """What circuit-tracer's attribute() does with the model, in order."""
+    ctx = model.setup_attribution("ids")
+    model.run_forward_pass("ids", 32, ctx)
+    for _ in range(1 + 4):  # the logits' batch, then the features' (100 rows, 32 a batch)
+        ctx.compute_batch(layers=None)
+
+
+def test_the_probe_counts_phases_and_batches_and_puts_the_model_back() -> None:
+    model = _Model()
+    seen: list[str] = []
+    probe = AttributionProbe(32, max_feature_nodes=None, max_n_logits=10, listener=_Listener(seen))
+    with probe.watching(model) as timing:
+        _attribute(model)
+    assert "setup_attribution" not in vars(model) and "run_forward_pass" not in vars(model)
+    assert (timing.batches_done, timing.batches_total) == (5, 1 + 4)
+    assert seen[0] == "setup" and "forward" in seen and seen[-2:] == ["backward", "done"]
+    assert timing.total_s >= timing.setup_s + timing.forward_s
+    assert set(timing.to_dict()) >= {"batch_size", "setup_s", "forward_s", "backward_s", "total_s"}
+
+
+def test_the_probe_keeps_a_callers_own_patch() -> None:
+    model = _Model()
+    mine = lambda input_ids: _Context()  # noqa: E731
+    model.setup_attribution = mine  # type: ignore[method-assign]
+    with AttributionProbe(8, 16, 10).watching(model):
+        _attribute(model)
+    assert vars(model)["setup_attribution"] is mine
+
+
+def test_a_timing_describes_where_it_is() -> None:
+    timing = AttributionTiming(64, phase="backward", setup_s=0.4, forward_s=2.1)
+    timing.batches_done, timing.batches_total = 7, 17
+    assert timing.describe().startswith("backward 7/17 batches of 64, ")
+    assert timing.describe().endswith("(setup 0.4, forward 2.1)")
+
+
+ATTRIBUTIONS = """
+def test_attribution(ct_session):
+    ct_session.attribute("the capital of france is")
+"""
+
+
+def _run_on_a_terminal(path: Path, *args: str) -> str:
+    """pytest in ``path`` with a pseudo-terminal as its stdout; what it wrote there."""
+    main, secondary = pty.openpty()
+    env = dict(os.environ, TERM="xterm", COLUMNS="160", PYTHONUNBUFFERED="1")
+    child = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        cwd=path,
+        stdin=subprocess.DEVNULL,
+        stdout=secondary,
+        stderr=secondary,
+        env=env,
+    )
+    os.close(secondary)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    child.wait(timeout=600)
+    os.close(main)
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+def test_the_live_line_shows_on_a_terminal_and_is_erased(pytester: pytest.Pytester) -> None:
+    pytester.makefile(".yaml", exp=TINY_YAML)
+    pytester.makeini("[pytest]\nct_progress_after = 0\n")
+    pytester.makepyfile(test_live=ATTRIBUTIONS)
+    out = _run_on_a_terminal(pytester.path, "--ct-config", "exp.yaml", "-v")
+    # After the test's own line, saved and restored cursor: the line is shown, then erased.
+    assert "test_live.py::test_attribution   \x1b7ctresources: setup pass, " in out
+    shown = out.index("\x1b7ctresources:")
+    assert "\x1b8\x1b[K" in out[shown:]
+    last = out.rindex("\x1b8\x1b[K")
+    assert "PASSED" in out[last:].split("\n", 1)[0]
+    quiet = _run_on_a_terminal(pytester.path, "--ct-config", "exp.yaml", "-q")
+    assert "ctresources: setup pass" not in quiet
+    piped = pytester.runpytest_subprocess("--ct-config", "exp.yaml", "-v")
+    assert "ctresources: setup pass" not in piped.stdout.str()
+
+
+def test_the_slowest_attributions_are_in_the_summary_and_the_report(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makefile(".yaml", exp=TINY_YAML)
+    pytester.makepyfile(
+        test_slow=ATTRIBUTIONS + ATTRIBUTIONS.replace("test_attribution", "test_two")
+    )
+    result = pytester.runpytest_subprocess(
+        "--ct-config", "exp.yaml", "-n", "2", "--ct-report-json", "report.json"
+    )
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "slowest attributions (top 2 of 2):",
+            "  * s  test_slow.py::test_*: batch size 128, */* backward batches; setup * s, forward * s, backward * s",
+        ]
+    )
+    timings = json.loads((pytester.path / "report.json").read_text())["attribution_timings"]
+    assert set(timings) == {"test_slow.py::test_attribution", "test_slow.py::test_two"}
+    (one,) = timings["test_slow.py::test_two"]
+    assert one["batch_size"] == 128 and one["batches_done"] >= 1
