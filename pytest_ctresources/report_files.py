@@ -269,7 +269,7 @@ def _reason(exc: BaseException, path: Path) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
-def _attempt(flag: str, path: Path, write: Callable[[], None]) -> None:
+def _attempt(flag: str, path: Path, write: Callable[[], None]) -> bool:
     try:
         write()
     except Exception as exc:  # a report that cannot be written never changes the outcome
@@ -280,23 +280,27 @@ def _attempt(flag: str, path: Path, write: Callable[[], None]) -> None:
             ),
             stacklevel=1,
         )
+        return False
+    return True
 
 
 def write_reports(
     reporter: SummaryReporter, exitstatus: int | None, signal_name: str | None = None
-) -> None:
+) -> list[tuple[str, Path]]:
     """Write the report files the run asked for; a failure is one :class:`ReportFileWarning`.
+    Returns what was written: (what, path) pairs.
 
     Called once by :meth:`SummaryReporter.finish` at session end, and by
     :class:`SigtermReport` (``signal_name``) when the run is terminated.
     """
     settings = reporter.runtime.settings
+    written: list[tuple[str, Path]] = []
     guard = reporter.config.stash.get(SIGTERM_KEY, None)
     with guard.deferred() if guard is not None else _nothing():
         capacity, note = reporter.capacity()
         if settings.report_json is not None:
             path = settings.report_json
-            _attempt(
+            if _attempt(
                 JSON_FLAG,
                 path,
                 lambda: write_json(
@@ -305,10 +309,15 @@ def write_reports(
                         reporter.summary, reporter.runtime, exitstatus, capacity, note, signal_name
                     ),
                 ),
-            )
+            ):
+                written.append(("JSON report", path))
         if settings.report_plot is not None:
             plot = settings.report_plot
-            _attempt(PLOT_FLAG, plot, lambda: write_plot(plot, reporter.summary, capacity, note))
+            if _attempt(
+                PLOT_FLAG, plot, lambda: write_plot(plot, reporter.summary, capacity, note)
+            ):
+                written.append(("VRAM plot", plot))
+    return written
 
 
 @contextmanager

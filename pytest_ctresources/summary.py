@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import datetime
 import re
+import textwrap
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -113,6 +115,20 @@ def _record_from(report: pytest.TestReport, outcome: str) -> TestRecord | None:
 
 def _float_or_none(value: object) -> float | None:
     return None if value is None else float(value)  # type: ignore[arg-type]
+
+
+def wrapped(line: str, width: int) -> list[str]:
+    """``line`` folded at the terminal's width, its continuation indented under it."""
+    if len(line) <= width or width < 40:
+        return [line]
+    indent = " " * (len(line) - len(line.lstrip()) + 4)
+    return textwrap.wrap(
+        line,
+        width=width,
+        subsequent_indent=indent,
+        break_long_words=False,
+        break_on_hyphens=False,
+    ) or [line]
 
 
 def session_value(source: str, value: str) -> str:
@@ -285,14 +301,16 @@ class RunSummary:
         sizes = sorted({size for values in self.attributions.values() for size in values})
         out = [line.removeprefix("ctresources: ") for line in settings_lines]
         out += gpu_lines
-        out.append(
-            f"attributions: {calls} in {len(self.attributions)} test(s)"
-            + (f", batch size(s) {', '.join(map(str, sizes))}" if sizes else "")
-        )
+        if calls:  # a count of nothing is left out
+            out.append(
+                f"attributions: {calls} in {len(self.attributions)} test(s)"
+                + (f", batch size(s) {', '.join(map(str, sizes))}" if sizes else "")
+            )
         out += [f"  {nodeid}: {text}" for nodeid, text in sorted(self.halvings.items())]
         for nodeid, choices in sorted(self.auto_choices.items()):
             out += [f"  {nodeid}: auto {text}" for text in choices]
-        out.append(f"skipped for VRAM: {len(self.vram_skips)} test(s)")
+        if self.vram_skips:
+            out.append(f"skipped for VRAM: {len(self.vram_skips)} test(s)")
         out += [f"  {nodeid}: {reason}" for nodeid, reason in sorted(self.vram_skips.items())]
         for (name, source, value), nodeids in sorted(self.own_settings.items()):
             out.append(
@@ -322,8 +340,10 @@ class RunSummary:
             )
         return out
 
-    def vram_lines(self, top: int, capacity_gib: float | None, capacity_note: str) -> list[str]:
-        """The VRAM table: the top tests by peak, then every flag."""
+    def vram_lines(
+        self, top: int, capacity_gib: float | None, capacity_note: str
+    ) -> tuple[list[str], list[str]]:
+        """The VRAM table (the top tests by peak), and the lines of every flag."""
         ranked = sorted(self.records.values(), key=lambda r: -r.peak_reserved_bytes)
         out = [
             f"VRAM per test ({capacity_note}); {len(ranked)} test(s) used CUDA"
@@ -351,12 +371,12 @@ class RunSummary:
                 f"{allocated:>7.2f} GiB {reserved:>6.2f} GiB {declared:>22} {headroom:>5} GiB "
                 f"{record.leaked_bytes / GIB:>5.2f} GiB  {record.nodeid}"
             )
-        for record in ranked:
-            out += [
-                f"{flag.split(':', 1)[0]} {record.nodeid}:{flag.split(':', 1)[1]}"
-                for flag in record.flags
-            ]
-        return out
+        flags = [
+            f"{flag.split(':', 1)[0]} {record.nodeid}:{flag.split(':', 1)[1]}"
+            for record in ranked
+            for flag in record.flags
+        ]
+        return out, flags
 
 
 class SummaryReporter:
@@ -375,6 +395,8 @@ class SummaryReporter:
         self.stale_learned: set[str] = set()
         #: How many learned needs ``--ct-forget`` cleared (None: not asked).
         self.forgotten: int | None = None
+        #: The report files written at the end: (what, path).
+        self.written: list[tuple[str, Path]] = []
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: object) -> None:
@@ -444,7 +466,7 @@ class SummaryReporter:
             return
         from pytest_ctresources import report_files
 
-        report_files.write_reports(self, exitstatus, signal_name)
+        self.written = report_files.write_reports(self, exitstatus, signal_name)
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         settings = self.runtime.settings
@@ -453,14 +475,38 @@ class SummaryReporter:
                 f"ctresources: --ct-forget cleared {self.forgotten} learned VRAM need(s)"
             )
         show_vram = bool(self.summary.records) or settings.report_forced
-        if self.summary.is_empty() and not show_vram:
+        if self.summary.is_empty() and not show_vram and not self.written:
             return
         self.summary.flag(settings.leak_threshold_bytes.value)
         terminalreporter.section("ctresources summary")
-        gpu_lines = self.runtime.gpu_facts(may_import_torch=False).summary_lines()
-        for line in self.summary.lines(settings.header_lines(), gpu_lines):
-            terminalreporter.write_line(line)
+        width = terminalreporter.config.get_terminal_writer().fullwidth
+        # Under -v the header has said the settings and the GPU already.
+        described = not self.verbose
+        settings_lines = settings.header_lines() if described else []
+        gpu_lines = (
+            self.runtime.gpu_facts(may_import_torch=False).summary_lines() if described else []
+        )
+        table: list[str] = []
+        flags: list[str] = []
         if show_vram:
             capacity, note = self.capacity()
-            for line in self.summary.vram_lines(settings.report_top, capacity, note):
+            table, flags = self.summary.vram_lines(settings.report_top, capacity, note)
+        here = self.config.invocation_params.dir
+        written = [
+            f"wrote the {what}: {path.relative_to(here) if path.is_relative_to(here) else path}"
+            for what, path in self.written
+        ]
+        for line in self.summary.lines(settings_lines, gpu_lines):
+            self._write_folded(terminalreporter, line, width)
+        for index, line in enumerate(table):  # the rows' columns line up: never folded
+            if index == 0:
+                self._write_folded(terminalreporter, line, width)
+            else:
                 terminalreporter.write_line(line)
+        for line in [*flags, *written]:
+            self._write_folded(terminalreporter, line, width)
+
+    @staticmethod
+    def _write_folded(terminalreporter: pytest.TerminalReporter, line: str, width: int) -> None:
+        for part in wrapped(line, width):
+            terminalreporter.write_line(part)

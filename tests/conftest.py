@@ -65,6 +65,9 @@ def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pyte
     it runs: their tests often depend on their order. (Pytester clears PYTEST_ADDOPTS when it
     starts, hence an override.) The coexistence tests turn it back on where they want it."""
     monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:randomly")
+    # The summary folds its lines at the terminal's width; tests match whole lines, so their
+    # projects get a wide terminal (tests of the folding set their own).
+    monkeypatch.setenv("COLUMNS", "300")
     return pytester
 
 

@@ -533,3 +533,27 @@ def test_learned_needs_of_tests_that_no_longer_exist_are_pruned(
         "test_a.py::test_new",
         "test_b.py::test_deselected",
     ]
+
+
+def test_the_summary_a_reader_can_scan(
+    project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Folded at the terminal's width; under -v the settings are said once (in the header);
+    # counts of nothing are left out; the files it wrote are named.
+    monkeypatch.setenv("COLUMNS", "80")
+    result = project.runpytest_subprocess("-v", "--ct-report-json", "r.json")
+    out = result.stdout.str()
+    summary = out.split("ctresources summary")[1]
+    assert out.count("cleanup=auto (default)") == 1 and "cleanup=auto" not in summary
+    assert "attributions: 0" not in summary and "skipped for VRAM: 0" not in summary
+    result.stdout.fnmatch_lines(
+        [
+            "UNDER-DECLARED test_suite.py::test_under_declared: peak 3.50 GiB reserved >",
+            "    declared 2.0 GiB (@pytest.mark.vram on test_suite.py::test_under_declared);",
+            "    write @pytest.mark.vram(gib=4)",
+            "wrote the JSON report: r.json",
+        ]
+    )
+    lines = summary.splitlines()[1:]
+    folded = [line for line in lines if not line.startswith(("=", " peak", "   "))]
+    assert all(len(line) <= 80 for line in folded)
