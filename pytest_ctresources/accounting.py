@@ -81,7 +81,11 @@ def begin(item: pytest.Item, runtime: Runtime) -> str | None:
     if need is None:
         return None
     return skip_reason(
-        need.gib, need.source, runtime.test_gpu(), runtime.settings.vram_capacity_gib
+        need.gib,
+        need.source,
+        runtime.test_gpu(),
+        runtime.settings.vram_capacity_gib,
+        runs_on_cpu=session,
     )
 
 
@@ -147,7 +151,11 @@ def estimated_need(cfg: CircuitTracerConfig, runtime: Runtime) -> markers.VramNe
 
     ceiling = budget.capacity_gib
     most_gib = gib(most) if ceiling is None else min(gib(most), ceiling)
-    what = f"{cfg.model_name}, {cfg.dtype}, batch {least_batch}{why}, {tokens} prompt tokens"
+    most_text = "" if most_batch == least_batch else f", {most_gib:.1f} GiB at batch {most_batch}"
+    what = (
+        f"{cfg.model_name}, {cfg.dtype}, batch {least_batch}{why}{most_text}, {tokens} prompt "
+        "tokens"
+    )
     return markers.VramNeed(gib(least), Source.estimate(what), most_gib=most_gib)
 
 
@@ -157,18 +165,39 @@ def allocated_beyond_baseline(item: pytest.Item) -> Callable[[], int | None]:
     return meter.allocated_beyond_baseline if meter is not None else lambda: None
 
 
-def end(item: pytest.Item, runtime: Runtime) -> None:
-    """After teardown and cleanup: record the figures, warn about a leak."""
+def own_figures(item: pytest.Item, runtime: Runtime, *, finished: bool) -> VramFigures | None:
+    """The test's figures as its own: a notebook's from its kernel; else the meter's, with a
+    resident model the test did not use (another test's, still on the card) left out of the
+    peaks, and what it made resident (or freed) left out of its leak."""
     figures = item.stash.get(KERNEL_FIGURES_KEY, None)
+    if figures is not None:
+        return figures
+    meter = item.stash.get(METER_KEY, None)
+    figures = meter.figures(finished=finished) if meter is not None else None
+    if figures is None:
+        return None
     resident_then, resident_bytes_then = item.stash.get(RESIDENT_KEY, (None, 0))
     resident_now = runtime.model_cache.resident
-    if figures is None:
-        meter = item.stash.get(METER_KEY, None)
-        figures = meter.figures(finished=True) if meter is not None else None
-        if figures is not None:
-            # The models the test made resident (or freed) are not its leak.
-            growth = runtime.resident_bytes() - resident_bytes_then
-            figures = dataclasses.replace(figures, resident_bytes=growth)
+    if finished:
+        growth = runtime.resident_bytes() - resident_bytes_then
+        figures = dataclasses.replace(figures, resident_bytes=growth)
+    cfg = item.stash.get(CONFIG_KEY, None)
+    reused = (
+        cfg is not None
+        and "ct_session" in getattr(item, "fixturenames", ())
+        and resident_then is not None
+        and runtime.model_cache.resident_for(cfg) is resident_then
+    )
+    if resident_then is not None and resident_now is resident_then and not reused:
+        figures = figures.without_others_resident(resident_then.bytes)
+    return figures
+
+
+def end(item: pytest.Item, runtime: Runtime) -> None:
+    """After teardown and cleanup: record the figures, warn about a leak."""
+    resident_then, _bytes_then = item.stash.get(RESIDENT_KEY, (None, 0))
+    resident_now = runtime.model_cache.resident
+    figures = own_figures(item, runtime, finished=True)
     if figures is None:
         return
     item.stash[FIGURES_KEY] = figures
@@ -183,6 +212,7 @@ def end(item: pytest.Item, runtime: Runtime) -> None:
         ("ct_after_bytes", figures.after_bytes),
         ("ct_leaked_bytes", figures.leaked_bytes),
         ("ct_resident_bytes", figures.resident_bytes),
+        ("ct_others_resident_bytes", figures.others_resident_bytes),
         ("ct_memory_key", item.stash.get(MEMORY_KEY, item.nodeid)),
         ("ct_date", datetime.date.today().isoformat()),
     ]
@@ -274,10 +304,7 @@ class StrictChecks:
         return []
 
     def call_problems(self, item: pytest.Item) -> list[str]:
-        figures = item.stash.get(KERNEL_FIGURES_KEY, None)  # a notebook's, from its kernel
-        meter = item.stash.get(METER_KEY, None)
-        if figures is None and meter is not None:
-            figures = meter.figures()
+        figures = own_figures(item, self.runtime, finished=False)
         need = item.stash.get(NEED_KEY, None)
         problems = []
         if (

@@ -349,9 +349,12 @@ def _host_choice(
     budget: Budget,
     ceiling: int,
     active_features: int | None,
+    *,
+    loaded: bool = True,
 ) -> AutoChoice:
     """Without CUDA: the largest batch whose call fits the host's available memory less the
-    margin (the loaded model is already out of what is available)."""
+    margin (a ``loaded`` model is already out of what is available; else its weights and
+    transcoders count too)."""
     tokens = workload.prompt_tokens
     where = "the model is not on a CUDA GPU"
     available = host_available()
@@ -370,7 +373,7 @@ def _host_choice(
         workload,
         room,
         ceiling=ceiling,
-        resident_bytes=0,
+        resident_bytes=0 if loaded else None,
         counted=lambda prediction: prediction.peak_allocated_bytes,
     )
     if found is None:
@@ -554,15 +557,17 @@ def _same_tokens(a: Any, b: Any) -> bool:
 
 
 def choose_from_config(
-    cfg: CircuitTracerConfig, budget: Budget, prompt_tokens: int
+    cfg: CircuitTracerConfig, budget: Budget, prompt_tokens: int, *, host: bool = False
 ) -> AutoChoice | None:
-    """auto's choice before any model is loaded (a notebook's kernel will load it): from the
+    """auto's choice before any model is loaded (a notebook's kernel will load it, or a
+    ``ct_session`` test asks ``ct_session.batch_size`` before its first call): from the
     registry's shapes, ``prompt_tokens`` and the transcoder set's active features per layer
     and token (its L0, or the documented default). None when the registry does not know the
-    model or its transcoder set. Without a GPU it takes the ceiling: nothing is loaded yet to
-    say what the kernel will hold (``ct_session``'s own auto fits the host's memory)."""
+    model or its transcoder set. Without a GPU: with ``host``, the host's available memory
+    (weights included) as ``ct_session``'s own auto fits it; else the ceiling (a notebook's
+    kernel is another process, whose memory nothing here can say)."""
     ceiling = cfg.batch_size_max
-    if budget.capacity_gib is None:
+    if budget.capacity_gib is None and not host:
         return AutoChoice(
             ceiling, prompt_tokens, None, None, f"{budget.describe()}: the ceiling {ceiling}"
         )
@@ -572,6 +577,11 @@ def choose_from_config(
         return None
     per_layer = registry.default_active_per_layer_token(cfg)
     workload = registry.workload_of(cfg, prompt_tokens, per_layer, 1)
+    if budget.capacity_gib is None:
+        active = workload.active_features(model_shape.n_layers)
+        return _host_choice(
+            model_shape, transcoders, workload, budget, ceiling, active, loaded=False
+        )
     assumed = (
         f"estimated before the kernel starts for {prompt_tokens} prompt tokens "
         f"(ct_estimate_prompt_tokens) and {per_layer:g} active features per layer and "

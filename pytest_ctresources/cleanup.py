@@ -29,28 +29,30 @@ def cuda_initialised() -> bool:
     return bool(callable(is_initialized) and is_initialized())
 
 
-def collect_everything() -> int:
+def collect_everything(*, refreeze: bool = True) -> int:
     """A full garbage collection that also reaches objects ``gc.freeze()`` set aside (the
     between-test cleanup freezes long-lived objects; garbage among them is only found this
-    way). Returns what ``gc.collect()`` returns."""
+    way), freezing the survivors again unless ``refreeze`` is false. Returns what
+    ``gc.collect()`` returns."""
     frozen = gc.get_freeze_count()
     if frozen:
         gc.unfreeze()
     try:
         return gc.collect()
     finally:
-        if frozen:
+        if frozen and refreeze:
             gc.freeze()
 
 
-def cleanup_python_cuda() -> None:
+def cleanup_python_cuda(*, refreeze: bool = True) -> None:
     """A full ``gc.collect()`` and then ``torch.cuda.empty_cache()``, in that order.
 
     The collection comes first because the cache can only return blocks whose tensors are
     gone, and tensors caught in reference cycles are gone only after a collection. Safe to
-    call anywhere: without torch or without CUDA it only collects.
+    call anywhere: without torch or without CUDA it only collects. (``refreeze``: see
+    :func:`collect_everything`.)
     """
-    collect_everything()
+    collect_everything(refreeze=refreeze)
     if cuda_initialised():
         sys.modules["torch"].cuda.empty_cache()
 

@@ -112,7 +112,10 @@ class BetweenTests:
 
     def begin(self, item: pytest.Item, resident_bytes: int) -> None:
         """Before the test's setup: note what is open and resident already."""
-        item.stash[START_KEY] = TestStart(open_figure_numbers(), resident_bytes)
+        open_now = open_figure_numbers()
+        # A wider-scoped figure closed since frees its number for a test's own figure.
+        self._wider_figures &= open_now
+        item.stash[START_KEY] = TestStart(open_now, resident_bytes)
 
     def finish(
         self,
@@ -158,6 +161,8 @@ class BetweenTests:
     def _collect(
         self, policy: CleanupPolicy, still_held: Callable[[], bool], *, needs_full: bool
     ) -> None:
+        if self._froze and gc.get_freeze_count() == 0:
+            self._froze = False  # unfrozen since (a watcher thread freeing an idle model)
         if policy.freeze and not self._froze and not needs_full:
             # The first collection of a run would walk everything torch, transformers and
             # nnsight imported (0.13-0.3 s); the young generations hold what the test just

@@ -264,7 +264,7 @@ def load_experiment_yaml(path: str | os.PathLike[str]) -> ExperimentFile:
         absolute = str(resolved.resolve())
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
         reason = exc.strerror if isinstance(exc, OSError) else "not a valid path"
-        where = str(path) if str(path).isprintable() else shown(str(path))
+        where = str(path) if str(path).isprintable() and len(str(path)) <= 200 else shown(str(path))
         raise ConfigError(f"{where}: cannot read experiment config: {reason}") from None
     return _load(str(path), absolute, stat_result.st_mtime_ns)
 

@@ -228,13 +228,13 @@ def parse_fake_gpus(text: str) -> list[tuple[str, float]]:
         name = name.strip() if sep else "Fake GPU"
         if not name:
             raise ValueError(
-                f"{FAKE_GPUS_ENV}: entry {position} {raw!r} has an empty name; {_FAKE_FORMAT}"
+                f"{FAKE_GPUS_ENV}: entry {position} {shown(raw)} has an empty name; {_FAKE_FORMAT}"
             )
         try:
             gib = float(number)
         except ValueError:
             raise ValueError(
-                f"{FAKE_GPUS_ENV}: entry {position} {raw!r}: {number.strip()!r} is not a "
+                f"{FAKE_GPUS_ENV}: entry {position} {shown(raw)}: {shown(number.strip())} is not a "
                 f"number of GiB; {_FAKE_FORMAT}"
             ) from None
         if not math.isfinite(gib) or gib <= 0 or gib > MAX_GIB:
@@ -262,12 +262,13 @@ def parse_fake_used(text: str, capacities: Sequence[float] = ()) -> list[float]:
             gib = math.nan
         if not math.isfinite(gib) or gib < 0:
             raise ValueError(
-                f"{FAKE_GPUS_USED_ENV}: entry {position} {raw!r} is not a number of GiB >= 0; "
+                f"{FAKE_GPUS_USED_ENV}: entry {position} {shown(raw)} is not a number of GiB >= 0; "
                 "expected GiB in use per fake GPU separated by ';', e.g. '6;0.5'"
             )
         if position <= len(capacities) and gib > capacities[position - 1]:
             raise ValueError(
-                f"{FAKE_GPUS_USED_ENV}: entry {position} {raw!r} exceeds fake GPU {position - 1}'s "
+                f"{FAKE_GPUS_USED_ENV}: entry {position} {shown(raw)} exceeds fake GPU "
+                f"{position - 1}'s "
                 f"{capacities[position - 1]:g} GiB ({FAKE_GPUS_ENV})"
             )
         used.append(gib)
@@ -310,7 +311,7 @@ def _tokenize_visible_devices(value: str) -> tuple[list[str], str | None]:
         if kind is not None:
             if not entry.startswith(kind):
                 return tokens, (
-                    f"{VISIBLE_DEVICES_ENV} entry {raw!r} is not a {kind} UUID like the first "
+                    f"{VISIBLE_DEVICES_ENV} entry {shown(raw)} is not a {kind} UUID like the first "
                     "entry, so CUDA ignores it and everything after it"
                 )
             tokens.append(entry)
@@ -318,12 +319,12 @@ def _tokenize_visible_devices(value: str) -> tuple[list[str], str | None]:
         number = _strtoul(entry)
         if number is None:
             return tokens, (
-                f"{VISIBLE_DEVICES_ENV} entry {raw!r} is not a device index (the first entry "
+                f"{VISIBLE_DEVICES_ENV} entry {shown(raw)} is not a device index (the first entry "
                 "made this a list of indices), so CUDA ignores it and everything after it"
             )
         if number < 0:
             return tokens, (
-                f"{VISIBLE_DEVICES_ENV} entry {raw!r} is negative, "
+                f"{VISIBLE_DEVICES_ENV} entry {shown(raw)} is negative, "
                 "so CUDA ignores it and everything after it"
             )
         tokens.append(str(number))
@@ -415,7 +416,7 @@ def _select(physicals: Sequence[_Physical], value: str | None) -> _Selection:
                     target = (int(token), None)
             if target is None:
                 cut = (
-                    f"{VISIBLE_DEVICES_ENV} entry {token!r} matches no single GPU "
+                    f"{VISIBLE_DEVICES_ENV} entry {shown(token)} matches no single GPU "
                     f"(of {len(physicals)}), so CUDA ignores it and everything after it"
                 )
                 break
@@ -427,7 +428,7 @@ def _select(physicals: Sequence[_Physical], value: str | None) -> _Selection:
                     [],
                     [
                         f"{VISIBLE_DEVICES_ENV}={value} names the same device twice "
-                        f"({token!r}); CUDA then sees no device at all"
+                        f"({shown(token)}); CUDA then sees no device at all"
                     ],
                     caveats,
                     used_indices,

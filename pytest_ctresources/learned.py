@@ -57,11 +57,17 @@ def nodeid_of(key: str) -> str:
     return key.split("|", 1)[0]
 
 
-def stale_keys(keys: Iterable[str], collected: set[str], exists: Callable[[str], bool]) -> set[str]:
+def stale_keys(
+    keys: Iterable[str],
+    collected: set[str],
+    exists: Callable[[str], bool],
+    narrowed: frozenset[str] = frozenset(),
+) -> set[str]:
     """The keys of tests that no longer exist: their file is gone, or their file was
-    collected (``collected`` holds every node id collected, before any deselection) and
-    the test was not in it."""
-    files = {nodeid.split("::", 1)[0] for nodeid in collected}
+    collected whole (``collected`` holds every node id collected, before any deselection;
+    ``narrowed`` the files the command line named tests of, ``file.py::test_x``, whose other
+    tests were not collected) and the test was not in it."""
+    files = {nodeid.split("::", 1)[0] for nodeid in collected} - narrowed
     stale = set()
     for key in keys:
         nodeid = nodeid_of(key)
@@ -126,3 +132,54 @@ class LearnedNeeds:
         self._needs = {}
         self.save()
         return count
+
+
+class StaleLearnedNeeds:
+    """Finds the learned needs of tests that no longer exist, from what collection found:
+    every test of every collected module or class (its collect report lists them all, before
+    node-id selection or ``-k`` deselect any), so selecting tests never forgets the others.
+
+    A file named with tests (``file.py::test_x``) is not collected whole (pytest then reports
+    only the chosen tests): its other tests are kept. Registered where tests are collected
+    (the only process, or each xdist worker) when there are learned needs; ``report``
+    receives the stale keys at the end of collection."""
+
+    name = "ctresources-stale-learned"
+
+    def __init__(
+        self,
+        learned: LearnedNeeds,
+        exists: Callable[[str], bool],
+        report: Callable[[set[str]], None],
+        narrowed: frozenset[str] = frozenset(),
+    ) -> None:
+        self._learned = learned
+        self._exists = exists
+        self._report = report
+        self._narrowed = narrowed
+        self._seen: set[str] = set()
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.passed:
+            self._seen.update(
+                node.nodeid for node in report.result if isinstance(node, pytest.Item)
+            )
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self._seen.update(item.nodeid for item in session.items)
+        self._report(stale_keys(self._learned.keys(), self._seen, self._exists, self._narrowed))
+
+
+def narrowed_files(config: pytest.Config) -> frozenset[str]:
+    """The files (as node ids name them) whose tests the command line picked by node id."""
+    root = config.rootpath
+    out = set()
+    for arg in config.args:
+        if "::" not in arg:
+            continue
+        path = (config.invocation_params.dir / arg.split("::", 1)[0]).resolve()
+        try:
+            out.add(path.relative_to(root).as_posix())
+        except ValueError:  # outside the rootdir: node ids name it otherwise; never pruned
+            continue
+    return frozenset(out)

@@ -258,6 +258,7 @@ class GpuLeases:
             return
         from pytest_ctresources.ledger import LeaseTimeout
 
+        gib = min(gib, most_grantable_gib(ledger.budget_gib, ledger.card_gib))
         timeout = settings.lease_timeout_s.value
         lease = None
         grace = 0.0
@@ -494,3 +495,15 @@ def _check_ledger_dir() -> None:
         ensure_root()
     except LedgerDirError as exc:
         raise pytest.UsageError(str(exc)) from None
+
+
+def most_grantable_gib(budget_gib: float, card_gib: float | None) -> float:
+    """The largest lease that can ever be granted: a card's used memory (which the grant
+    counts) always holds this process's own CUDA context, so a lease of the whole card would
+    wait for ever; a need that large (an estimate capped at the card, a declaration of all
+    of it) leases what is left beside the context. Under a ``--ct-vram-capacity`` below the
+    card less the context, the budget itself."""
+    from pytest_ctresources.estimate import CALIBRATION
+
+    card = card_gib if card_gib is not None else budget_gib
+    return min(budget_gib, card - CALIBRATION.context_bytes / (1 << 30))

@@ -605,11 +605,13 @@ class VramLedger:
         return None
 
     def _room_on_card(self, need: int) -> bool:
-        """Whether the card's used memory leaves room for ``need`` more units."""
+        """Whether the card's used memory leaves room for ``need`` more units. What this
+        process's allocator caches but has not allocated is left out: the test the lease is
+        for reuses it (NVML counts it as used)."""
         self._last_used = used = self.used_bytes() if self.used_bytes is not None else None
         if used is None:
             return True
-        return units_for(used / GIB) + need <= self.card_units
+        return units_for(max(0, used - own_cached_bytes()) / GIB) + need <= self.card_units
 
     def _want_idle_caches(self, need: int) -> None:
         """Hold ``WANTED`` (once) if idle resident models elsewhere would make room."""
@@ -627,6 +629,21 @@ class VramLedger:
                     resident += 1
             if resident and free + resident >= need:
                 handle.try_lock(WANTED)
+
+
+def own_cached_bytes() -> int:
+    """CUDA memory this process's caching allocator holds unallocated on its device (0 when
+    torch has not initialised CUDA here); never imports torch."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    try:
+        if cuda is None or not cuda.is_initialized():
+            return 0
+        return max(0, int(cuda.memory_reserved()) - int(cuda.memory_allocated()))
+    except (AttributeError, RuntimeError):  # a stand-in torch, a lost device
+        return 0
 
 
 # --------------------------------------------------------------------------- seats

@@ -7,7 +7,7 @@ allocator statistics only when torch is loaded and CUDA is initialised.
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from pytest_ctresources.cleanup import cuda_initialised
@@ -27,6 +27,9 @@ class VramFigures:
     resident_bytes: int = 0
     """What the models kept loaded between tests (``ct_session``'s cache) grew by during the
     test: a model it loaded counts here, one it evicted negatively. Resident, not leaked."""
+    others_resident_bytes: int = 0
+    """A resident model that was on the card when the test started, stayed, and that the test
+    did not use (another test's): left out of the peaks, which are the test's own."""
 
     @property
     def leaked_bytes(self) -> int:
@@ -35,6 +38,17 @@ class VramFigures:
         if self.after_bytes is None:
             return 0
         return max(0, self.after_bytes - self.baseline_bytes - self.resident_bytes)
+
+    def without_others_resident(self, others: int) -> VramFigures:
+        """These figures with a resident model the test did not use left out of its peaks."""
+        if others <= 0:
+            return self
+        return replace(
+            self,
+            peak_allocated_bytes=max(0, self.peak_allocated_bytes - others),
+            peak_reserved_bytes=max(0, self.peak_reserved_bytes - others),
+            others_resident_bytes=others,
+        )
 
     @property
     def peak_allocated_gib(self) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterator
 
-from pytest_ctresources.config import CircuitTracerConfig
+from pytest_ctresources.config import CircuitTracerConfig, shown
 
 
 class ModelLoadError(RuntimeError):
@@ -43,6 +43,30 @@ def did_you_mean_model(name: str) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+#: Exceptions (by class name, anywhere in the chain) that say the model cannot be loaded by
+#: trying again in this run: the files are not reachable or not there.
+_PERMANENT = frozenset(
+    {
+        "OfflineModeIsEnabled",
+        "GatedRepoError",
+        "RepositoryNotFoundError",
+        "RevisionNotFoundError",
+        "EntryNotFoundError",
+        "LocalEntryNotFoundError",
+        "ConfigError",
+    }
+)
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """Whether a load failure will fail again for the next test of the same model (offline,
+    not found, gated, not configured); an out-of-memory error, or anything else, may not."""
+    names = {type(link).__name__ for link in _chain(exc)}
+    if "OutOfMemoryError" in names:
+        return False
+    return bool(names & _PERMANENT) or isinstance(exc, ValueError)
+
+
 def cause_of(exc: BaseException) -> str:
     """What went wrong, from the exception chain: offline, not found, gated, or the error."""
     names = {type(link).__name__ for link in _chain(exc)}
@@ -68,7 +92,7 @@ def load_failure_message(cfg: CircuitTracerConfig, exc: BaseException) -> str:
     """The first failure's one line: the model, where it was configured, and why."""
     name = cfg.model_name or "(no MODEL_NAME)"
     return (
-        f"cannot load model {name!r} with transcoders {cfg.transcoder_set!r} "
+        f"cannot load model {shown(name)} with transcoders {shown(cfg.transcoder_set)} "
         f"({cfg.source_of('model_name')}): {cause_of(exc)}{did_you_mean_model(name)}"
     )
 

@@ -23,7 +23,7 @@ from pytest_ctresources.allocator import ALLOC_KEY, AllocConf
 from pytest_ctresources.binding import Binding, bind_worker, is_worker, open_seats, plan_line
 from pytest_ctresources.cleanup_between_tests import BetweenTests
 from pytest_ctresources.fixtures import OneLineModelFailures, ct_config, ct_session
-from pytest_ctresources.learned import stale_keys
+from pytest_ctresources.learned import StaleLearnedNeeds, narrowed_files
 from pytest_ctresources.options import DEFAULT_ALLOC_CONF, add_options, binding_mode
 from pytest_ctresources.runtime import RUNTIME_KEY, runtime_of, start_runtime
 from pytest_ctresources.summary import (
@@ -89,6 +89,16 @@ def pytest_configure(config: pytest.Config) -> None:
     runtime = start_runtime(config, config.stash.get(_ALLOC_KEY, None), binding)
     config.stash[RUNTIME_KEY] = runtime
     config.pluginmanager.register(OneLineModelFailures(), OneLineModelFailures.name)
+    if runtime.learned():
+        config.pluginmanager.register(
+            StaleLearnedNeeds(
+                runtime.learned(),
+                lambda file: (config.rootpath / file).exists(),
+                lambda stale: _report_stale(config, stale),
+                narrowed_files(config),
+            ),
+            StaleLearnedNeeds.name,
+        )
     if runtime.settings.cleanup.value != "never":
         runtime.cleaner = BetweenTests(runtime.settings.cleanup.value)
         config.pluginmanager.register(runtime.cleaner, BetweenTests.name)
@@ -112,16 +122,7 @@ def pytest_configure(config: pytest.Config) -> None:
         )
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Before any deselection (-k, -m): every collected test still counts as existing.
-    runtime = runtime_of(config)
-    learned = runtime.learned()
-    if not learned:
-        return
-    stale = stale_keys(
-        learned.keys(), {item.nodeid for item in items}, lambda f: (config.rootpath / f).exists()
-    )
+def _report_stale(config: pytest.Config, stale: set[str]) -> None:
     if hasattr(config, "workerinput"):  # an xdist worker: the controller prunes
         config.workeroutput[STALE_LEARNED_OUTPUT] = sorted(stale)  # type: ignore[attr-defined]
         return

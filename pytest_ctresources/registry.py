@@ -17,7 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final
 
-from pytest_ctresources.config import AUTO, CircuitTracerConfig
+from pytest_ctresources.config import AUTO, CircuitTracerConfig, shown
 from pytest_ctresources.estimate import (
     DEFAULT_ACTIVE_PER_LAYER_TOKEN,
     Estimate,
@@ -328,7 +328,7 @@ def model_shape(name: str) -> ModelShape:
     if path.name == "config.json" or (path.is_dir() and (path / "config.json").is_file()):
         return model_from_config_json(path)
     raise UnknownShape(
-        f"unknown model {name!r}{nearest(name, known_models())}; "
+        f"unknown model {shown(name)}{nearest(name, known_models())}; "
         f"{len(known_models())} are known (docs/registry-sources.md), or give the path of a "
         "local config.json"
     )
@@ -360,11 +360,11 @@ def transcoder_info(name: str, model: str | None = None) -> TranscoderSetInfo:
         return found
     if name in testing.BUNDLED_TRANSCODER_SETS:
         raise UnknownShape(
-            f"transcoder set {name!r} fits only the bundled models "
+            f"transcoder set {shown(name)} fits only the bundled models "
             f"({', '.join(sorted(testing.BUNDLED_MODELS))}), not {model!r}"
         )
     raise UnknownShape(
-        f"unknown transcoder set {name!r}{nearest(name, known_transcoder_sets())}; "
+        f"unknown transcoder set {shown(name)}{nearest(name, known_transcoder_sets())}; "
         f"{len(known_transcoder_sets())} are known (docs/registry-sources.md)"
     )
 

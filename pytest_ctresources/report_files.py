@@ -27,6 +27,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_ctresources.config import shown
 from pytest_ctresources.exceptions import ReportFileWarning
 from pytest_ctresources.measure import GIB
 
@@ -81,7 +82,7 @@ def check_target(value: str, flag: str, invocation_dir: Path) -> Path:
     """The path a report of ``flag`` goes to, checked at start-up rather than after an hour
     of tests. Raises :class:`TargetError` for a path the plugin will not write."""
     if "\0" in value:
-        raise TargetError(f"{value!r} is not a valid path (it contains a NUL character)")
+        raise TargetError(f"{shown(value)} is not a valid path (it contains a NUL character)")
     path = invocation_dir / value
     try:
         mode = os.lstat(path).st_mode

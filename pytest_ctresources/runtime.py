@@ -50,15 +50,27 @@ class Runtime:
         if self._gpu_facts is not None:
             return self._gpu_facts
         if may_import_torch or "torch" in sys.modules:
-            self._gpu_facts = detect_gpus()
-            return self._gpu_facts
+            self._detected(detect_gpus())
+            return self.gpu_facts()
         facts = detect_gpus(torch_fallback=False)
         if facts.gpus:
-            self._gpu_facts = facts
+            self._detected(facts)
             return facts
         return dataclasses.replace(
             facts, detail=f"{facts.detail}; torch not asked, since no test imported it"
         )
+
+    def _detected(self, facts: GpuFacts) -> None:
+        """Keep the facts, and clamp ``--ct-vram-capacity`` to the card they found (at
+        start-up when NVML answers; else when a test first needs the GPU)."""
+        self._gpu_facts = facts
+        capacity = self.settings.vram_capacity_gib
+        if capacity is None:
+            return
+        clamped = clamped_capacity(capacity, facts.gpu(0))
+        if clamped is not capacity:
+            self.settings = dataclasses.replace(self.settings, vram_capacity_gib=clamped)
+            self.capacity_cap = CapacityCap(clamped.value)
 
     def learned(self) -> LearnedNeeds:
         """VRAM needs measured by earlier runs (pytest's cache), loaded on first use."""
@@ -101,9 +113,11 @@ class Runtime:
             return budget
         need = item.stash.get(NEED_KEY, None)
         total = budget.capacity_gib or 0.0
-        if need is not None and need.source.kind != "estimate" and need.gib < total:
+        # The most a need allows (a learned need kept for the OOM retry decides its skip at
+        # the retry's floor, but may take its learned peak).
+        if need is not None and need.source.kind != "estimate" and need.lease_gib < total:
             budget = Budget(
-                need.gib, str(need.source), margin, emulated=budget.emulated, shared=True
+                need.lease_gib, str(need.source), margin, emulated=budget.emulated, shared=True
             )
         lease = item.stash.get(LEASE_KEY, None)
         if lease is not None and lease.gib < (budget.capacity_gib or 0.0):
@@ -164,8 +178,12 @@ def clamped_capacity(capacity: Sourced[float], gpu: GpuInfo | None) -> Sourced[f
 
 
 def runs_no_tests(config: pytest.Config) -> bool:
-    """Whether this is a pytest-xdist controller (its workers run the tests)."""
-    return not hasattr(config, "workerinput") and bool(config.getoption("numprocesses", None))
+    """Whether this is a pytest-xdist controller (its workers run the tests), by xdist's own
+    test: it distributes (``dist`` other than ``no``) to some execution environments (``tx``:
+    ``-n`` fills them in, ``--tx`` names them)."""
+    if hasattr(config, "workerinput"):
+        return False
+    return config.getoption("dist", "no") != "no" and bool(config.getoption("tx", None))
 
 
 RUNTIME_KEY = pytest.StashKey[Runtime]()
@@ -210,9 +228,9 @@ def start_runtime(
     )
     capacity = settings.vram_capacity_gib
     if capacity is not None:
-        capacity = clamped_capacity(capacity, runtime.gpu_facts(may_import_torch=False).gpu(0))
-        runtime.settings = settings = dataclasses.replace(settings, vram_capacity_gib=capacity)
         runtime.capacity_cap = CapacityCap(capacity.value)
+        runtime.gpu_facts(may_import_torch=False)  # clamps the capacity if NVML sees the card
+        settings = runtime.settings
     if binding is not None:
         runtime.worker_gpu = start_worker_gpu(binding)
     if runtime.capacity_cap is not None and not runs_no_tests(config):

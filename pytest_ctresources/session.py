@@ -28,6 +28,7 @@ from pytest_ctresources.config import (
 from pytest_ctresources.measure import VramFigures, VramMeter
 from pytest_ctresources.model_load import (
     ModelLoadError,
+    is_permanent,
     load_failure_message,
     repeated_failure_message,
 )
@@ -140,6 +141,8 @@ class ModelCache:
             try:
                 model = build_model(cfg, device)
             except Exception as exc:
+                if not is_permanent(exc):  # an OOM, say: the next test may load it
+                    raise
                 message = load_failure_message(cfg, exc)
                 self._failures[key] = (message, self.current_test)
                 raise ModelLoadError(message) from None
@@ -189,13 +192,17 @@ class ModelCache:
                 self._users -= 1
 
     def evict_if_idle(self) -> ResidentModel | None:
-        """Free the model if no test is using it; returns what was freed, if anything."""
+        """Free the model if no test is using it; returns what was freed, if anything.
+
+        For a watcher thread: the main thread may be running a test that does not use the
+        model, so the collection that frees it leaves the collector unfrozen (freezing now
+        would set that test's live objects aside; the between-test cleanup freezes again)."""
         with self._lock:
             if self._users:
                 return None
-            return self.evict()
+            return self.evict(refreeze=False)
 
-    def evict(self) -> ResidentModel | None:
+    def evict(self, *, refreeze: bool = True) -> ResidentModel | None:
         """Drop the resident model and return its memory; returns what was freed."""
         with self._lock:
             if self._model is None:
@@ -204,7 +211,7 @@ class ModelCache:
             self._model = None
             self._key = None
             self._resident = None
-            cleanup_python_cuda()
+            cleanup_python_cuda(refreeze=refreeze)
         if resident is not None:
             for observer in list(self.observers):
                 observer.model_freed(resident)
@@ -281,7 +288,7 @@ class CtSession:
         from pytest_ctresources.autobatch import choose_from_config
 
         budget = self.auto_budget or _visible_gpu_budget()
-        choice = choose_from_config(self.cfg, budget, self.estimate_prompt_tokens)
+        choice = choose_from_config(self.cfg, budget, self.estimate_prompt_tokens, host=True)
         return choice.batch_size if choice is not None else self.cfg.batch_size_max
 
     def vram(self) -> VramFigures | None:

@@ -72,6 +72,8 @@ class TestRecord:
     oom_halvings: str | None = None
     resident_bytes: int = 0
     """What the models kept loaded between tests grew by during the test (not a leak)."""
+    others_resident_bytes: int = 0
+    """Another test's resident model, left out of this test's peaks."""
     reruns: int = 0
     """How many failed attempts another plugin (pytest-rerunfailures) ran again."""
     flags: list[str] = field(default_factory=list)
@@ -110,6 +112,7 @@ def _record_from(report: pytest.TestReport, outcome: str) -> TestRecord | None:
         need_most_gib=_float_or_none(props.get("ct_need_most_gib")),
         oom_halvings=props.get(HALVINGS_PROPERTY),
         resident_bytes=int(props.get("ct_resident_bytes", 0)),
+        others_resident_bytes=int(props.get("ct_others_resident_bytes", 0)),
     )
 
 
@@ -196,6 +199,9 @@ class RunSummary:
                 self.vram_skips[nodeid] = reason
         if report.when != "teardown" or not report.user_properties:
             return first  # the common case: a test that used neither CUDA nor ct_session
+        if isinstance(props.get(RESIDENT_PROPERTY), dict):
+            # Even from an attempt run again: the next one reuses the model it loaded.
+            self.resident_models.append(dict(props[RESIDENT_PROPERTY]))
         if nodeid in self._rerun_attempt:
             return first  # superseded by the next attempt, which reports its own
         if isinstance(props.get(ATTRIBUTIONS_PROPERTY), list):
@@ -206,8 +212,6 @@ class RunSummary:
             self.halvings[nodeid] = str(props[HALVINGS_PROPERTY])
         if isinstance(props.get(AUTO_PROPERTY), list):
             self.auto_choices[nodeid] = list(map(str, props[AUTO_PROPERTY]))
-        if isinstance(props.get(RESIDENT_PROPERTY), dict):
-            self.resident_models.append(dict(props[RESIDENT_PROPERTY]))
         outcome = self._outcomes.get(nodeid, "passed")
         record = _record_from(report, outcome)
         if record is not None:
@@ -229,7 +233,7 @@ class RunSummary:
                 if most is not None and peak > most * GIB:
                     flags.append(
                         f"ESTIMATE LOW: peak {peak / GIB:.2f} GiB reserved > {most:.1f} GiB, the "
-                        f"most {record.need_source}; write "
+                        f"most it may take ({record.need_source}); write "
                         f"{suggested_marker(peak, record.nodeid)}"
                     )
             elif most is not None and peak > most * GIB:

@@ -401,6 +401,13 @@ def test_reuses_it(ct_session):
     ct_session.load_model(device="cuda")
     FAKE.alloc(2); FAKE.free(2)
 
+@pytest.mark.vram(gib=1)
+def test_small_beside_the_model():
+    FAKE.alloc(0.5); FAKE.free(0.5)
+
+def test_small_unmarked_beside_the_model():
+    FAKE.alloc(0.5); FAKE.free(0.5)
+
 LEAKED = []
 def test_really_leaks(ct_session):
     ct_session.load_model(device="cuda")
@@ -416,8 +423,9 @@ def test_the_resident_model_is_no_leak_and_strict_still_fails_a_real_one(
     pytester.makefile(".yaml", exp=TINY_YAML)
     pytester.makepyfile(test_resident=RESIDENT_SUITE)
     result = pytester.runpytest_subprocess("--ct-config", "exp.yaml", "--ct-strict")
-    # test_really_leaks passes its call and errors at teardown: pytest counts both.
-    result.assert_outcomes(passed=3, errors=1, warnings=1)
+    # test_really_leaks passes its call and errors at teardown: pytest counts both. The small
+    # tests beside the model are measured without it: no UNDER-DECLARED, no UNMARKED.
+    result.assert_outcomes(passed=5, errors=1, warnings=1)
     out = result.stdout.str()
     result.stdout.fnmatch_lines(
         [
@@ -429,6 +437,7 @@ def test_the_resident_model_is_no_leak_and_strict_still_fails_a_real_one(
     )
     assert "LEAK test_resident.py::test_loads_the_model" not in out
     assert "CtLeakWarning: test_resident.py::test_loads_the_model" not in out
+    assert "UNDER-DECLARED" not in out and "UNMARKED test_resident.py::test_small" not in out
 
 
 def test_no_need_is_learned_from_a_test_that_passed_only_after_halving() -> None:
@@ -509,6 +518,10 @@ def test_a_learned_need_never_skips_what_the_oom_retry_could_pass(
             "*test_learned.py:*: needs 13.0 GiB VRAM (measured 13.0 GiB on Card, ????-??-??); GPU 0 (Card) has 10.0 GiB"
         ]
     )
+    # Without a GPU, ct_session runs the model on the CPU: a learned need skips nothing.
+    monkeypatch.setenv("CT_FAKE_GPUS", "")
+    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml", "--ct-no-oom-retry")
+    result.assert_outcomes(passed=2)
 
 
 def test_learned_needs_of_tests_that_no_longer_exist_are_pruned(
@@ -533,6 +546,9 @@ def test_learned_needs_of_tests_that_no_longer_exist_are_pruned(
         "test_a.py::test_new",
         "test_b.py::test_deselected",
     ]
+    # Selecting one test by node id is no reason to forget its neighbours.
+    pytester.runpytest_subprocess("test_a.py::test_kept").assert_outcomes(passed=1)
+    assert "test_a.py::test_new" in json.loads(cache.read_text())
 
 
 def test_the_summary_a_reader_can_scan(

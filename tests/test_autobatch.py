@@ -472,8 +472,8 @@ def test_estimated_need_skips_on_a_small_gpu(
     result.stdout.fnmatch_lines(
         [
             f"SKIPPED ?1? test_est.py:*: needs {gib:.1f} GiB VRAM (estimated for "
-            "google/gemma-2-2b, bfloat16, batch 1 (the OOM retry's floor), 32 prompt tokens); "
-            "GPU 0 (Small GPU) has 8.0 GiB",
+            "google/gemma-2-2b, bfloat16, batch 1 (the OOM retry's floor), * GiB at batch *, 32 "
+            "prompt tokens); GPU 0 (Small GPU) has 8.0 GiB",
         ]
     )
 
@@ -626,7 +626,7 @@ def test_estimate_low_compares_with_the_most_the_estimate_allows() -> None:
     summary.flag(leak_threshold=1 << 30)
     assert summary.records["within"].flags == []
     (flag,) = summary.records["over"].flags
-    assert flag.startswith("ESTIMATE LOW: peak 25.00 GiB reserved > 20.0 GiB, the most estimated")
+    assert flag.startswith("ESTIMATE LOW: peak 25.00 GiB reserved > 20.0 GiB, the most it may take (estimated")
 
 
 def test_auto_runs_the_setup_pass_once_and_attributes_the_same(
@@ -705,3 +705,24 @@ def test_a_share_of_a_card_fits_the_reserved_peak() -> None:
     assert in_share[1] < on_card[1]  # the reserved envelope is above the allocated peak
     assert autobatch.counted_for_fit(in_share[2], share) == autobatch.counted(in_share[2], share)
     assert autobatch.counted_for_fit(on_card[2], card) < autobatch.counted(on_card[2], card)
+
+
+def test_the_batch_size_before_an_auto_call_fits_the_host_without_a_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pytest_ctresources import autobatch
+    from pytest_ctresources.config import CircuitTracerConfig
+    from pytest_ctresources.session import CtSession
+    from pytest_ctresources.sources import Source
+
+    monkeypatch.setattr(autobatch, "host_available", lambda: (20 << 30, "test"))
+    cfg = CircuitTracerConfig.defaults().layered(
+        {"model_name": "google/gemma-2-2b", "transcoder_set": "gemma", "batch_size": "auto"},
+        Source.default(),
+    )
+    before = CtSession(cfg, auto_budget=autobatch.Budget(None, "no CUDA GPU", 0.05)).batch_size
+    # gemma-2-2b in float32 at 512 would take about 60 GiB: not the ceiling on a 20 GiB host.
+    assert 1 <= before < 512
+    more = autobatch.Budget(None, "no CUDA GPU", 0.05)
+    monkeypatch.setattr(autobatch, "host_available", lambda: (200 << 30, "test"))
+    assert CtSession(cfg, auto_budget=more).batch_size > before

@@ -73,6 +73,22 @@ def test_only_the_figures_a_test_opened_are_closed(pytester: pytest.Pytester) ->
     )
 
 
+def test_a_figure_number_a_closed_module_figure_had_is_the_tests_own(
+    pytester: pytest.Pytester,
+) -> None:
+    # matplotlib reuses the number of a closed figure: once the module fixture's figure is
+    # gone, figure 1 in another module is that test's own, and closed after it.
+    head = 'import matplotlib\nmatplotlib.use("Agg")\nimport matplotlib.pyplot as plt\nimport pytest\n'
+    pytester.makepyfile(
+        test_a=head
+        + "@pytest.fixture(scope='module')\ndef board():\n    f = plt.figure()\n    yield f\n"
+        "    plt.close(f)\n\ndef test_uses(board):\n    assert board.number == 1\n",
+        test_b=head + "def test_opens():\n    assert plt.figure().number == 1\n\n"
+        "def test_after():\n    assert plt.get_fignums() == []\n",
+    )
+    pytester.runpytest().assert_outcomes(passed=3)
+
+
 def test_cleanup_never_leaves_figures(pytester: pytest.Pytester) -> None:
     pytester.makeini("[pytest]\nct_cleanup = never\n")
     pytester.makepyfile(test_figs=FIGURE_TESTS)

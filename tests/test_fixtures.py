@@ -173,3 +173,36 @@ def test_the_batch_size_is_a_number_before_and_after_an_auto_call(
         """
     )
     pytester.runpytest_subprocess("--ct-config", "exp.yaml").assert_outcomes(passed=2)
+
+
+LOAD_OOM = """
+import torch
+import pytest_ctresources.session as session_module
+
+CALLS = []
+
+def build(cfg, device):
+    CALLS.append(device)
+    if len(CALLS) == 1:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory while loading the model")
+    return object()
+
+session_module.build_model = build
+
+def test_first(ct_session):
+    ct_session.load_model()
+
+def test_second(ct_session):
+    ct_session.load_model()
+"""
+
+
+def test_an_out_of_memory_load_is_not_remembered_as_a_load_failure(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makefile(".yaml", exp=TINY_YAML)
+    pytester.makepyfile(test_oom_load=LOAD_OOM)
+    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml")
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(["*OutOfMemoryError: CUDA out of memory while loading the model"])
+    assert "not retried" not in result.stdout.str()
