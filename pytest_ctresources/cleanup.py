@@ -29,11 +29,18 @@ def cuda_initialised() -> bool:
     return bool(callable(is_initialized) and is_initialized())
 
 
+#: How many times :func:`collect_everything` unfroze and left it so: a freezer (the
+#: between-test cleanup) compares it with what it saw when it froze. (``gc.get_freeze_count()``
+#: walks the frozen objects: 28 ms over torch's heap, too slow to ask after every test.)
+unfrozen_and_left = 0
+
+
 def collect_everything(*, refreeze: bool = True) -> int:
     """A full garbage collection that also reaches objects ``gc.freeze()`` set aside (the
     between-test cleanup freezes long-lived objects; garbage among them is only found this
     way), freezing the survivors again unless ``refreeze`` is false. Returns what
     ``gc.collect()`` returns."""
+    global unfrozen_and_left
     frozen = gc.get_freeze_count()
     if frozen:
         gc.unfreeze()
@@ -42,6 +49,8 @@ def collect_everything(*, refreeze: bool = True) -> int:
     finally:
         if frozen and refreeze:
             gc.freeze()
+        elif frozen:
+            unfrozen_and_left += 1
 
 
 def cleanup_python_cuda(*, refreeze: bool = True) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from pytest_ctresources import cleanup
 from pytest_ctresources.cleanup import (
     close_figures,
     collect_everything,
@@ -94,6 +95,7 @@ class BetweenTests:
         self.mode = mode
         self._wider_figures: set[int] = set()
         self._froze = False
+        self._unfrozen_seen = 0
         # Unfreezing at the end gives back the collector's usual view only if nothing else
         # froze objects before the run (a server that freezes before forking, say).
         self._unfreeze_at_close = gc.get_freeze_count() == 0
@@ -161,7 +163,7 @@ class BetweenTests:
     def _collect(
         self, policy: CleanupPolicy, still_held: Callable[[], bool], *, needs_full: bool
     ) -> None:
-        if self._froze and gc.get_freeze_count() == 0:
+        if self._froze and cleanup.unfrozen_and_left != self._unfrozen_seen:
             self._froze = False  # unfrozen since (a watcher thread freeing an idle model)
         if policy.freeze and not self._froze and not needs_full:
             # The first collection of a run would walk everything torch, transformers and
@@ -171,6 +173,7 @@ class BetweenTests:
             gc.collect(1)
             gc.freeze()
             self._froze = True
+            self._unfrozen_seen = cleanup.unfrozen_and_left
             return
         began = time.perf_counter()
         gc.collect()
@@ -182,6 +185,7 @@ class BetweenTests:
         if policy.freeze and took > policy.freeze_after_s:
             gc.freeze()
             self._froze = True
+            self._unfrozen_seen = cleanup.unfrozen_and_left
 
     def _empty_cache(self, policy: CleanupPolicy) -> None:
         cuda = sys.modules["torch"].cuda
