@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from pytest_ctresources.summary import RunSummary, SummaryReporter
 
 SCHEMA = "pytest-ctresources-report"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 JSON_FLAG = "--ct-report-json"
 PLOT_FLAG = "--ct-report-plot"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -107,7 +107,7 @@ def test_json_report(project: pytest.Pytester) -> None:
     )
     document = json.loads((project.path / "out" / "report.json").read_text())
     assert document["schema"] == "pytest-ctresources-report"
-    assert document["schema_version"] == 1
+    assert document["schema_version"] == 2
     assert document["interrupted"] is False
     assert document["gpus"]["gpus"][0]["name"] == "NVIDIA GeForce RTX 4090"
     assert document["settings"]["config"]["batch_size"] == {
