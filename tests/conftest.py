@@ -6,6 +6,7 @@ must not see a GPU unless a test presents fake ones through ``CT_FAKE_GPUS``.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -13,11 +14,28 @@ from pathlib import Path
 
 import pytest
 
+# huggingface_hub reads HF_HUB_OFFLINE once, when imported (below): nothing in this suite may
+# reach the hub, in-process runs included.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 # In-process pytester runs restore sys.modules afterwards, so a C-extension package first
 # imported inside one (torch, when a run uses --ct-vram-capacity or a test imports it) would be
 # imported a second time by the next run and crash ("SystemError: bad call flags"). Importing
-# it once here keeps it in the snapshot.
+# it once here keeps it in the snapshot; likewise the stack the tiny models use, so that
+# projects running an attribution run in-process (fast) rather than in a subprocess that
+# imports it all again.
+import circuit_tracer
+import circuit_tracer.attribution.attribute
+import circuit_tracer.replacement_model.replacement_model_nnsight  # noqa: F401
+import nnsight  # noqa: F401
 import torch  # noqa: F401
+import transformers
+import transformers.models.gemma2.modeling_gemma2
+import transformers.models.gemma3.modeling_gemma3
+import transformers.models.llama.modeling_llama
+import transformers.models.qwen3.modeling_qwen3  # noqa: F401
+
+import pytest_ctresources.testing  # noqa: F401
 
 CT_ENV_VARS = (
     "CT_BATCH_SIZE",

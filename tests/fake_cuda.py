@@ -1,7 +1,7 @@
 """A stand-in for torch.cuda's allocator statistics, for CPU tests of the VRAM accounting.
 
-Installed into a pytester project as its conftest: it replaces the torch.cuda functions the
-plugin reads (is_initialized, memory_allocated, max_memory_*, reset_peak_memory_stats,
+Installed into a pytester project as its conftest (and undone when that run ends, so the
+project can run in-process): it replaces the torch.cuda functions the plugin reads (is_initialized, memory_allocated, max_memory_*, reset_peak_memory_stats,
 memory_stats, current_device, empty_cache) with a small bookkeeping model. Tests then call
 ``conftest.FAKE.alloc(gib)`` / ``free(gib)`` where real code would allocate tensors. It
 presents figures, not a GPU: skip decisions still come from CT_FAKE_GPUS.
@@ -52,4 +52,9 @@ for name, value in {
     "empty_cache": FAKE.empty_cache,
 }.items():
     _patch.setattr(torch.cuda, name, value)
+
+
+def pytest_unconfigure(config):
+    # An in-process pytester run shares torch with the suite that runs it: give it back.
+    _patch.undo()
 """

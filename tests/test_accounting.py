@@ -50,7 +50,7 @@ def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytes
 
 
 def test_report_table_and_flags(project: pytest.Pytester) -> None:
-    result = project.runpytest_subprocess("-p", "no:randomly")
+    result = project.runpytest("-p", "no:randomly")
     result.assert_outcomes(passed=6, warnings=1)
     result.stdout.fnmatch_lines(
         [
@@ -70,7 +70,7 @@ def test_report_table_and_flags(project: pytest.Pytester) -> None:
 
 
 def test_leak_warning_names_test_amount_and_holders(project: pytest.Pytester) -> None:
-    result = project.runpytest_subprocess("-p", "no:randomly")
+    result = project.runpytest("-p", "no:randomly")
     result.stdout.fnmatch_lines(
         [
             "*CtLeakWarning: test_suite.py::test_leaks left 0.50 GiB of CUDA memory allocated after "
@@ -83,13 +83,13 @@ def test_leak_warning_names_test_amount_and_holders(project: pytest.Pytester) ->
 
 def test_leak_threshold_ini(project: pytest.Pytester) -> None:
     project.makeini("[pytest]\nct_leak_threshold = 1GiB\n")
-    result = project.runpytest_subprocess("-p", "no:randomly")
+    result = project.runpytest("-p", "no:randomly")
     result.assert_outcomes(passed=6)
     assert "CtLeakWarning" not in result.stdout.str()
 
 
 def test_strict_fails_under_declared_and_leaks(project: pytest.Pytester) -> None:
-    result = project.runpytest_subprocess("-p", "no:randomly", "--ct-strict")
+    result = project.runpytest("-p", "no:randomly", "--ct-strict")
     # test_leaks passes its call and errors at teardown: pytest counts both.
     result.assert_outcomes(passed=5, failed=1, errors=1, warnings=1)
     result.stdout.fnmatch_lines(
@@ -102,7 +102,7 @@ def test_strict_fails_under_declared_and_leaks(project: pytest.Pytester) -> None
 
 def test_json_report(project: pytest.Pytester) -> None:
     (project.path / "out").mkdir()
-    project.runpytest_subprocess(
+    project.runpytest(
         "-p", "no:randomly", "--ct-report-json", "out/report.json", "--ct-batch-size", "64"
     )
     document = json.loads((project.path / "out" / "report.json").read_text())
@@ -131,6 +131,7 @@ def test_json_report(project: pytest.Pytester) -> None:
 
 def test_json_written_when_interrupted(project: pytest.Pytester) -> None:
     project.makepyfile(test_zz_interrupt="def test_ctrl_c():\n    raise KeyboardInterrupt\n")
+    # In a subprocess: in-process, the KeyboardInterrupt would stop this suite too.
     result = project.runpytest_subprocess("-p", "no:randomly", "--ct-report-json", "r.json")
     assert result.ret == pytest.ExitCode.INTERRUPTED
     document = json.loads((project.path / "r.json").read_text())
@@ -139,7 +140,7 @@ def test_json_written_when_interrupted(project: pytest.Pytester) -> None:
 
 
 def test_junitxml_properties(project: pytest.Pytester) -> None:
-    project.runpytest_subprocess("-p", "no:randomly", "--junitxml", "junit.xml")
+    project.runpytest("-p", "no:randomly", "--junitxml", "junit.xml")
     root = ET.parse(project.path / "junit.xml").getroot()
     case = next(c for c in root.iter("testcase") if c.get("name") == "test_declared_ok")
     properties = {p.get("name"): p.get("value") for p in case.iter("property")}
@@ -149,19 +150,19 @@ def test_junitxml_properties(project: pytest.Pytester) -> None:
 
 
 def test_plot(project: pytest.Pytester) -> None:
-    project.runpytest_subprocess("-p", "no:randomly", "--ct-report-plot", "peaks.png")
+    project.runpytest("-p", "no:randomly", "--ct-report-plot", "peaks.png")
     assert (project.path / "peaks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_report_forced_without_cuda(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("def test_a(): pass")
-    result = pytester.runpytest_subprocess("--ct-report")
+    result = pytester.runpytest("--ct-report")
     result.stdout.fnmatch_lines(["*ctresources summary*", "VRAM per test (*); 0 test(s) used CUDA"])
     assert "ctresources summary" not in pytester.runpytest().stdout.str()
 
 
 def test_report_top(project: pytest.Pytester) -> None:
-    result = project.runpytest_subprocess("-p", "no:randomly", "--ct-report-top", "1")
+    result = project.runpytest("-p", "no:randomly", "--ct-report-top", "1")
     text = result.stdout.str()
     assert "top 1 by peak reserved" in text
     assert "  test_suite.py::test_declared_ok" not in text
@@ -170,16 +171,16 @@ def test_report_top(project: pytest.Pytester) -> None:
 def test_learned_need_skips_next_run_and_forget_clears_it(
     project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    project.runpytest_subprocess("-p", "no:randomly").assert_outcomes(passed=6, warnings=1)
+    project.runpytest("-p", "no:randomly").assert_outcomes(passed=6, warnings=1)
     monkeypatch.setenv("CT_FAKE_GPUS", "Small card=1.0")
-    result = project.runpytest_subprocess("-p", "no:randomly", "-rs", "-k", "unmarked_big")
+    result = project.runpytest("-p", "no:randomly", "-rs", "-k", "unmarked_big")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(
         [
             "*needs 1.5 GiB VRAM (measured 1.5 GiB on NVIDIA GeForce RTX 4090, ????-??-??); GPU 0 (Small card) has 1.0 GiB"
         ]
     )
-    result = project.runpytest_subprocess(
+    result = project.runpytest(
         "-p", "no:randomly", "-rs", "-k", "unmarked_big", "--ct-forget"
     )
     result.assert_outcomes(passed=1)
@@ -187,7 +188,7 @@ def test_learned_need_skips_next_run_and_forget_clears_it(
 
 
 def test_merged_report_under_xdist(project: pytest.Pytester) -> None:
-    result = project.runpytest_subprocess("-n", "2", "--ct-report-json", "r.json")
+    result = project.runpytest("-n", "2", "--ct-report-json", "r.json")
     result.assert_outcomes(passed=6, warnings=1)
     result.stdout.fnmatch_lines(["VRAM per test (*); 5 test(s) used CUDA*"])
     assert len(json.loads((project.path / "r.json").read_text())["tests"]) == 5
@@ -209,7 +210,7 @@ def test_oom_is_explained(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("CT_FAKE_GPUS", "NVIDIA H200=139.8")
     pytester.makefile(".yaml", exp=TINY_YAML)
     pytester.makepyfile(test_o=OOM_TEST)
-    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml", "--ct-vram-capacity", "24")
+    result = pytester.runpytest("--ct-config", "exp.yaml", "--ct-vram-capacity", "24")
     result.assert_outcomes(failed=1, passed=1)
     result.stdout.fnmatch_lines(
         [
@@ -253,7 +254,7 @@ def retry_project(pytester: pytest.Pytester) -> None:
 
 def test_oom_retry_halves_and_reports(pytester: pytest.Pytester) -> None:
     retry_project(pytester)
-    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml")
+    result = pytester.runpytest("--ct-config", "exp.yaml")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(
         [
@@ -264,24 +265,24 @@ def test_oom_retry_halves_and_reports(pytester: pytest.Pytester) -> None:
 
 def test_oom_retry_can_be_turned_off(pytester: pytest.Pytester) -> None:
     retry_project(pytester)
-    pytester.runpytest_subprocess("--ct-config", "exp.yaml", "--ct-no-oom-retry").assert_outcomes(
+    pytester.runpytest("--ct-config", "exp.yaml", "--ct-no-oom-retry").assert_outcomes(
         failed=1
     )
     pytester.makeini("[pytest]\nct_oom_retry = false\n")
-    pytester.runpytest_subprocess("--ct-config", "exp.yaml").assert_outcomes(failed=1)
+    pytester.runpytest("--ct-config", "exp.yaml").assert_outcomes(failed=1)
 
 
 def test_oom_retry_floor(pytester: pytest.Pytester) -> None:
     retry_project(pytester)
     pytester.makeini("[pytest]\nct_oom_retry_floor = 64\n")
-    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml")
+    result = pytester.runpytest("--ct-config", "exp.yaml")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*CUDA out of memory at batch 64*"])
 
 
 def test_strict_fails_a_test_that_passed_only_after_halving(pytester: pytest.Pytester) -> None:
     retry_project(pytester)
-    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml", "--ct-strict")
+    result = pytester.runpytest("--ct-config", "exp.yaml", "--ct-strict")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         ["*--ct-strict: passed only after halving the batch size: OOM at batch 128, passed at 32*"]
@@ -338,7 +339,7 @@ def test_bad_report_settings(
 ) -> None:
     pytester.makeini(f"[pytest]\n{ini}\n")
     pytester.makepyfile("def test_a(): pass")
-    result = pytester.runpytest_subprocess(*args)
+    result = pytester.runpytest(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([line])
     assert "Traceback" not in result.stderr.str()
@@ -353,7 +354,7 @@ def pytest_runtest_logreport(report):
         raise RuntimeError("a broken plugin")
 """
     )
-    result = project.runpytest_subprocess("-p", "no:randomly", "--ct-report-json", "r.json")
+    result = project.runpytest("-p", "no:randomly", "--ct-report-json", "r.json")
     assert result.ret == pytest.ExitCode.INTERNAL_ERROR
     document = json.loads((project.path / "r.json").read_text())
     assert document["exitstatus"] == int(pytest.ExitCode.INTERNAL_ERROR)
@@ -378,7 +379,7 @@ def test_a_test_reads_its_own_figures_through_ct_session(
             FAKE.free(1)
         """
     )
-    pytester.runpytest_subprocess().assert_outcomes(passed=1)
+    pytester.runpytest().assert_outcomes(passed=1)
 
 
 # ct_session's cache holds a "model" whose build takes 9 GiB of (fake) CUDA memory: it stays
@@ -392,7 +393,10 @@ def build(cfg, device):
     FAKE.alloc(9)
     return object()
 
-session_module.build_model = build
+@pytest.fixture(autouse=True)
+def stand_in_builder(monkeypatch):
+    # Through monkeypatch: the project may run in-process, sharing the plugin's modules.
+    monkeypatch.setattr(session_module, "build_model", build)
 
 def test_loads_the_model(ct_session):
     ct_session.load_model(device="cuda")
@@ -422,7 +426,7 @@ def test_the_resident_model_is_no_leak_and_strict_still_fails_a_real_one(
     pytester.makeconftest(FAKE_CUDA_CONFTEST)
     pytester.makefile(".yaml", exp=TINY_YAML)
     pytester.makepyfile(test_resident=RESIDENT_SUITE)
-    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml", "--ct-strict")
+    result = pytester.runpytest("--ct-config", "exp.yaml", "--ct-strict")
     # test_really_leaks passes its call and errors at teardown: pytest counts both. The small
     # tests beside the model are measured without it: no UNDER-DECLARED, no UNMARKED.
     result.assert_outcomes(passed=5, errors=1, warnings=1)
@@ -504,14 +508,14 @@ def test_a_learned_need_never_skips_what_the_oom_retry_could_pass(
     pytester.makefile(".yaml", exp=TINY_YAML)
     pytester.makepyfile(test_learned=LEARNED_SESSION)
     monkeypatch.setenv("CT_FAKE_GPUS", "Card=24")
-    pytester.runpytest_subprocess("--ct-config", "exp.yaml").assert_outcomes(passed=2)
+    pytester.runpytest("--ct-config", "exp.yaml").assert_outcomes(passed=2)
     needs = json.loads((pytester.path / ".pytest_cache/v/ctresources/learned-needs").read_text())
     assert [key.split("|")[0] for key in needs] == ["test_learned.py::test_attribution"]
     monkeypatch.setenv("CT_FAKE_GPUS", "Card=10")
     # 13 GiB at batch 128 does not fit 10, but the OOM retry may pass at a smaller batch.
-    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml", "-rs")
+    result = pytester.runpytest("--ct-config", "exp.yaml", "-rs")
     result.assert_outcomes(passed=2)
-    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml", "-rs", "--ct-no-oom-retry")
+    result = pytester.runpytest("--ct-config", "exp.yaml", "-rs", "--ct-no-oom-retry")
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines(
         [
@@ -520,7 +524,7 @@ def test_a_learned_need_never_skips_what_the_oom_retry_could_pass(
     )
     # Without a GPU, ct_session runs the model on the CPU: a learned need skips nothing.
     monkeypatch.setenv("CT_FAKE_GPUS", "")
-    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml", "--ct-no-oom-retry")
+    result = pytester.runpytest("--ct-config", "exp.yaml", "--ct-no-oom-retry")
     result.assert_outcomes(passed=2)
 
 
@@ -534,12 +538,12 @@ def test_learned_needs_of_tests_that_no_longer_exist_are_pruned(
         test_a=uses.format("kept") + "\n" + uses.format("renamed").split("\n", 2)[2]
     )
     pytester.makepyfile(test_b=uses.format("deselected"), test_gone=uses.format("gone"))
-    pytester.runpytest_subprocess().assert_outcomes(passed=4)
+    pytester.runpytest().assert_outcomes(passed=4)
     cache = pytester.path / ".pytest_cache/v/ctresources/learned-needs"
     assert len(json.loads(cache.read_text())) == 4
     (pytester.path / "test_gone.py").unlink()
     pytester.makepyfile(test_a=uses.format("kept") + "\n" + uses.format("new").split("\n", 2)[2])
-    result = pytester.runpytest_subprocess("-k", "not deselected", "-n", "2")
+    result = pytester.runpytest("-k", "not deselected", "-n", "2")
     result.assert_outcomes(passed=2)
     assert sorted(json.loads(cache.read_text())) == [
         "test_a.py::test_kept",
@@ -547,7 +551,7 @@ def test_learned_needs_of_tests_that_no_longer_exist_are_pruned(
         "test_b.py::test_deselected",
     ]
     # Selecting one test by node id is no reason to forget its neighbours.
-    pytester.runpytest_subprocess("test_a.py::test_kept").assert_outcomes(passed=1)
+    pytester.runpytest("test_a.py::test_kept").assert_outcomes(passed=1)
     assert "test_a.py::test_new" in json.loads(cache.read_text())
 
 
@@ -557,7 +561,7 @@ def test_the_summary_a_reader_can_scan(
     # Folded at the terminal's width; under -v the settings are said once (in the header);
     # counts of nothing are left out; the files it wrote are named.
     monkeypatch.setenv("COLUMNS", "80")
-    result = project.runpytest_subprocess("-v", "--ct-report-json", "r.json")
+    result = project.runpytest("-v", "--ct-report-json", "r.json")
     out = result.stdout.str()
     summary = out.split("ctresources summary")[1]
     assert out.count("cleanup=auto (default)") == 1 and "cleanup=auto" not in summary

@@ -1,8 +1,9 @@
 """--ct-batch-size auto and estimated needs, end to end through pytester (CPU).
 
-Projects that run attributions run in a subprocess (torch cannot be imported twice in one
-process). On CPU the model is not on a GPU, so auto takes the ceiling; the choice on a GPU is tested
-with the CUDA branch's inputs stubbed here, and for real in tests/gpu (the H200).
+Projects that run attributions run in-process (tests/conftest.py imports the stack they use
+once, so no run imports it again). On CPU the model is not on a GPU, so auto fits the host's
+memory; the choice on a GPU is tested with the CUDA branch's inputs stubbed here, and for real
+in tests/gpu (the H200).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def project(pytester: pytest.Pytester) -> pytest.Pytester:
 def test_option_auto_on_cpu_fits_the_host_memory(project: pytest.Pytester) -> None:
     """Without CUDA the model runs on the CPU: auto fits the host's available memory (the
     tiny model's call fits it at the ceiling) and says so."""
-    result = project.runpytest_subprocess(
+    result = project.runpytest(
         "--ct-config",
         "exp.yaml",
         "--ct-batch-size",
@@ -92,7 +93,7 @@ def test_auto_from_yaml_ini_and_env(
         monkeypatch.setenv("CT_BATCH_SIZE", "auto")
         monkeypatch.setenv("CT_BATCH_SIZE_MAX", "24")
     project.makefile(".yaml", exp=yaml)
-    result = project.runpytest_subprocess("--ct-config", "exp.yaml", "-s")
+    result = project.runpytest("--ct-config", "exp.yaml", "-s")
     result.assert_outcomes(passed=1)
     # The ceiling 24; 40 feature rows take two passes, as at 20.
     result.stdout.fnmatch_lines(["*CHOICE 20", "attributions: 1 in 1 test(s), batch size(s) 20"])
@@ -129,7 +130,7 @@ def test_bad_values_are_usage_errors(
     if ini:
         pytester.makefile(".ini", pytest=f"[pytest]\n{ini}\n")
     pytester.makepyfile("def test_x(): pass")
-    result = pytester.runpytest_subprocess(*args)
+    result = pytester.runpytest(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
 
@@ -465,7 +466,7 @@ def test_estimated_need_skips_on_a_small_gpu(
     default), the estimate at the retry's floor (batch 1)."""
     monkeypatch.setenv("CT_FAKE_GPUS", "Small GPU=8")
     pytester.makepyfile(test_est=ESTIMATED)
-    result = pytester.runpytest_subprocess("-rs", "-p", "no:randomly")
+    result = pytester.runpytest("-rs", "-p", "no:randomly")
     result.assert_outcomes(passed=3, skipped=1)
     gib = _estimated_gib(32)
     assert gib > 8
@@ -484,8 +485,8 @@ def test_without_the_oom_retry_the_configured_batch_decides(
     monkeypatch.setenv("CT_FAKE_GPUS", "Small GPU=16")
     pytester.makepyfile(test_est=ESTIMATED)
     # With the retry, batch 1 fits 16 GiB: the test runs (and would halve after an OOM).
-    pytester.runpytest_subprocess("-p", "no:randomly").assert_outcomes(passed=4)
-    result = pytester.runpytest_subprocess("-rs", "-p", "no:randomly", "--ct-no-oom-retry")
+    pytester.runpytest("-p", "no:randomly").assert_outcomes(passed=4)
+    result = pytester.runpytest("-rs", "-p", "no:randomly", "--ct-no-oom-retry")
     result.assert_outcomes(passed=3, skipped=1)
     gib = _estimated_gib(32, batch_size=256)
     assert gib > 16
@@ -503,7 +504,7 @@ def test_estimate_uses_the_ini_prompt_length(
     monkeypatch.setenv("CT_FAKE_GPUS", "Small GPU=8")
     pytester.makefile(".ini", pytest="[pytest]\nct_estimate_prompt_tokens = 8\n")
     pytester.makepyfile(test_est=ESTIMATED)
-    result = pytester.runpytest_subprocess("-rs", "-p", "no:randomly")
+    result = pytester.runpytest("-rs", "-p", "no:randomly")
     gib = _estimated_gib(8)
     assert gib > 8
     result.stdout.fnmatch_lines(
@@ -516,11 +517,11 @@ def test_estimated_need_runs_on_a_big_gpu_and_without_one(
 ) -> None:
     pytester.makepyfile(test_est=ESTIMATED)
     monkeypatch.setenv("CT_FAKE_GPUS", "Big GPU=139.8")
-    pytester.runpytest_subprocess().assert_outcomes(passed=4)
+    pytester.runpytest().assert_outcomes(passed=4)
     # No GPU: ct_session runs the model on the CPU, so an estimate never skips (a declared
     # need still does).
     monkeypatch.setenv("CT_FAKE_GPUS", "")
-    result = pytester.runpytest_subprocess("-rs")
+    result = pytester.runpytest("-rs")
     result.assert_outcomes(passed=3, skipped=1)
     result.stdout.fnmatch_lines(["SKIPPED * needs 1.0 GiB VRAM; no CUDA GPU detected"])
 
@@ -548,7 +549,7 @@ def test_a_declared_need_bounds_auto(
 ) -> None:
     monkeypatch.setenv("CT_FAKE_GPUS", "Big GPU=80")
     pytester.makepyfile(test_budget=BUDGETS)
-    result = pytester.runpytest_subprocess("-s", "-p", "no:randomly")
+    result = pytester.runpytest("-s", "-p", "no:randomly")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(
         [
@@ -566,7 +567,7 @@ def test_under_xdist_auto_fills_its_lease_only(
     at the card) and may fill that lease, not the card."""
     monkeypatch.setenv("CT_FAKE_GPUS", "Shared GPU=60")
     pytester.makepyfile(test_budget=BUDGETS)
-    result = pytester.runpytest_subprocess(
+    result = pytester.runpytest(
         "-n", "2", "-p", "no:randomly", "--junitxml=j.xml", "-rA"
     )
     result.assert_outcomes(passed=2)

@@ -125,7 +125,7 @@ def test_failed_test_traceback_does_not_keep_its_tensors(
 ) -> None:
     pytester.makeini(f"[pytest]\nct_cleanup = {mode}\n")
     pytester.makepyfile(test_frames=FAILED_TEST_FRAMES)
-    result = pytester.runpytest_subprocess()
+    result = pytester.runpytest()
     result.assert_outcomes(failed=1, passed=1 if released else 0, errors=0 if released else 1)
 
 
@@ -162,7 +162,7 @@ def test_a_failure_never_finalises_a_suspended_fixture(
 ) -> None:
     pytester.makeini(f"[pytest]\nct_cleanup = {mode}\n")
     pytester.makepyfile(test_fixture=SUSPENDED_FIXTURE)
-    pytester.runpytest_subprocess().assert_outcomes(failed=1, passed=1)
+    pytester.runpytest().assert_outcomes(failed=1, passed=1)
 
 
 # Stands for a tensor on the GPU caught in a reference cycle: only a collection frees it. The
@@ -209,7 +209,7 @@ def test_a_cycle_holding_cuda_memory_is_freed_before_the_next_setup(
     pytester.makeconftest(FAKE_CUDA_CONFTEST)
     pytester.makeini(f"[pytest]\nct_cleanup = {mode}\n")
     pytester.makepyfile(test_cycle=GARBAGE_CYCLE)
-    result = pytester.runpytest_subprocess("-W", "ignore::pytest_ctresources.exceptions.CtLeakWarning")
+    result = pytester.runpytest("-W", "ignore::pytest_ctresources.exceptions.CtLeakWarning")
     result.assert_outcomes(passed=2 if freed else 1, errors=0 if freed else 1)
 
 

@@ -99,10 +99,18 @@ COMBINATIONS = {
 }
 
 
-def _outcomes(pytester: pytest.Pytester, args: list[str]) -> tuple[int, dict[str, int]]:
+#: Plugins that must run in a process of their own: pytest-cov traces the whole process, and
+#: pytest-timeout arms SIGALRM in it.
+OWN_PROCESS = {"cov", "timeout"}
+
+
+def _outcomes(
+    pytester: pytest.Pytester, args: list[str], plugin: str
+) -> tuple[int, dict[str, int]]:
     for leftover in ("flaky.count", "teardowns.log"):
         (pytester.path / leftover).unlink(missing_ok=True)
-    result = pytester.runpytest_subprocess(*args)
+    run = pytester.runpytest_subprocess if plugin in OWN_PROCESS else pytester.runpytest
+    result = run(*args)
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
     return int(result.ret), result.parseoutcomes()
 
@@ -116,8 +124,8 @@ def test_same_outcomes_with_the_plugin_on_and_off(
         monkeypatch.delenv("PYTEST_ADDOPTS")  # the suite's pytester turns randomly off
     pytester.makepyfile(test_suite=SUITE)
     args = [*COMBINATIONS[plugin], *workers]
-    on = _outcomes(pytester, args)
-    off = _outcomes(pytester, [*args, "-p", "no:ctresources"])
+    on = _outcomes(pytester, args, plugin)
+    off = _outcomes(pytester, [*args, "-p", "no:ctresources"], plugin)
     assert on == off
     expected = {"failed", "passed", "skipped", "xfailed"}
     assert expected <= set(on[1])
@@ -141,7 +149,9 @@ def test_reruns_are_counted_and_the_final_attempt_recorded(pytester: pytest.Pyte
     result = pytester.runpytest("--reruns", "2", "--ct-report-json", "report.json")
     assert result.parseoutcomes() == {"passed": 1, "rerun": 1}
     result.stdout.fnmatch_lines(
-        ["reruns (another plugin ran failed attempts again): 1 of 1 test(s); each is reported by its last attempt"]
+        [
+            "reruns (another plugin ran failed attempts again): 1 of 1 test(s); each is reported by its last attempt"
+        ]
     )
     import json
 

@@ -57,7 +57,7 @@ def test_overrides_are_checked(ct_session):
 def test_ct_session_runs_real_attribution(pytester: pytest.Pytester) -> None:
     pytester.makefile(".yaml", exp=TINY_YAML)
     pytester.makepyfile(test_attr=ATTRIBUTION_TESTS)
-    result = pytester.runpytest_subprocess("-s", "--ct-config", "exp.yaml", "--ct-batch-size", "16")
+    result = pytester.runpytest("-s", "--ct-config", "exp.yaml", "--ct-batch-size", "16")
     result.assert_outcomes(passed=4)
     result.stdout.fnmatch_lines(["*FEATURES * BATCH 16 SOURCE --ct-batch-size*"])
 
@@ -73,7 +73,7 @@ def test_max_feature_nodes_from_yaml_limits_the_graph(pytester: pytest.Pytester)
             assert len(graph.selected_features) == 7
         """
     )
-    pytester.runpytest_subprocess("--ct-config", "exp.yaml").assert_outcomes(passed=1)
+    pytester.runpytest("--ct-config", "exp.yaml").assert_outcomes(passed=1)
 
 
 def test_load_model_without_a_model_is_a_clear_failure(pytester: pytest.Pytester) -> None:
@@ -126,7 +126,7 @@ def test_a_model_that_fails_to_load_fails_once_in_one_line(pytester: pytest.Pyte
     # HF_HUB_OFFLINE=1 (tests/conftest.py): the hub is not asked, the cache has nothing.
     pytester.makefile(".yaml", exp="MODEL_NAME: google/gemma-2-2b\nTRANSCODER_SET: gemma\n")
     pytester.makepyfile(test_load=LOAD_FAILURES)
-    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml")
+    result = pytester.runpytest("--ct-config", "exp.yaml")
     result.assert_outcomes(failed=3, errors=1)
     first = (
         "cannot load model 'google/gemma-2-2b' with transcoders 'gemma' (MODEL_NAME in "
@@ -172,10 +172,11 @@ def test_the_batch_size_is_a_number_before_and_after_an_auto_call(
             assert ct_session.batch_size == 128
         """
     )
-    pytester.runpytest_subprocess("--ct-config", "exp.yaml").assert_outcomes(passed=2)
+    pytester.runpytest("--ct-config", "exp.yaml").assert_outcomes(passed=2)
 
 
 LOAD_OOM = """
+import pytest
 import torch
 import pytest_ctresources.session as session_module
 
@@ -187,7 +188,10 @@ def build(cfg, device):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory while loading the model")
     return object()
 
-session_module.build_model = build
+@pytest.fixture(autouse=True)
+def stand_in_builder(monkeypatch):
+    # Through monkeypatch: the project may run in-process, sharing the plugin's modules.
+    monkeypatch.setattr(session_module, "build_model", build)
 
 def test_first(ct_session):
     ct_session.load_model()
@@ -202,7 +206,7 @@ def test_an_out_of_memory_load_is_not_remembered_as_a_load_failure(
 ) -> None:
     pytester.makefile(".yaml", exp=TINY_YAML)
     pytester.makepyfile(test_oom_load=LOAD_OOM)
-    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml")
+    result = pytester.runpytest("--ct-config", "exp.yaml")
     result.assert_outcomes(failed=1, passed=1)
     result.stdout.fnmatch_lines(["*OutOfMemoryError: CUDA out of memory while loading the model"])
     assert "not retried" not in result.stdout.str()

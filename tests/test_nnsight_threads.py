@@ -262,7 +262,7 @@ def test_cleanup_after_a_test_frees_threads_even_when_it_passed(
     pytester: pytest.Pytester, cleanup: str
 ) -> None:
     pytester.makepyfile(test_caught=CAUGHT_OOM_PROJECT)
-    result = pytester.runpytest_subprocess("-p", "no:randomly", "-o", f"ct_cleanup={cleanup}")
+    result = pytester.runpytest("-p", "no:randomly", "-o", f"ct_cleanup={cleanup}")
     if cleanup == "auto":
         result.assert_outcomes(passed=2)
     else:  # without the plugin's cleanup the thread stays: the run above is not vacuous

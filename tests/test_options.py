@@ -139,7 +139,7 @@ def test_bad_options_are_usage_errors(
     pytester: pytest.Pytester, args: list[str], line: str
 ) -> None:
     pytester.makepyfile("def test_a(): pass")
-    result = pytester.runpytest_subprocess(*args)
+    result = pytester.runpytest(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([line])
     assert "Traceback" not in result.stderr.str() + result.stdout.str()
@@ -199,7 +199,7 @@ def test_bad_env_and_ini_are_usage_errors(
         monkeypatch.setenv(name, value)
     pytester.makeini(f"[pytest]\n{ini}\n")
     pytester.makepyfile("def test_a(): pass")
-    result = pytester.runpytest_subprocess()
+    result = pytester.runpytest()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([line])
     assert "Traceback" not in result.stderr.str()
@@ -220,7 +220,7 @@ def test_bad_yaml_is_a_usage_error_naming_the_file_and_key(
 ) -> None:
     pytester.makefile(".yaml", exp=yaml_text)
     pytester.makepyfile("def test_a(): pass")
-    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml")
+    result = pytester.runpytest("--ct-config", "exp.yaml")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: --ct-config: exp.yaml: {message}"])
     assert "Traceback" not in result.stderr.str()
@@ -240,7 +240,7 @@ def test_unreadable_yaml(pytester: pytest.Pytester, make: str, message: str) -> 
     else:
         (pytester.path / "exp.yaml").write_bytes(b"BATCH_SIZE: \xff\xfe\n")
     pytester.makepyfile("def test_a(): pass")
-    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml")
+    result = pytester.runpytest("--ct-config", "exp.yaml")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: --ct-config: exp.yaml: {message}"])
 
