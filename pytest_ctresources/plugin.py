@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 from collections.abc import Generator
 
 import pytest
@@ -23,8 +25,9 @@ from pytest_ctresources.allocator import AllocConf
 from pytest_ctresources.binding import Binding, bind_worker, is_worker, open_seats, plan_line
 from pytest_ctresources.cleanup import cleanup_after_test
 from pytest_ctresources.fixtures import ct_config, ct_session
+from pytest_ctresources.gpus import GpuFacts, detect_gpus
 from pytest_ctresources.options import DEFAULT_ALLOC_CONF, add_options, binding_mode
-from pytest_ctresources.runtime import RUNTIME_KEY, runtime_of, start_runtime
+from pytest_ctresources.runtime import RUNTIME_KEY, Runtime, runtime_of, start_runtime
 from pytest_ctresources.summary import FIGURES_PROPERTY, SummaryReporter
 
 __all__ = ["ct_config", "ct_session"]
@@ -107,19 +110,33 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     if config.get_verbosity() < 1:
         return None
     runtime = runtime_of(config)
+    facts = _header_gpu_facts(runtime)
     lines = [
         *runtime.settings.header_lines(),
-        *(f"ctresources: {line}" for line in runtime.gpu_facts().summary_lines()),
+        *(f"ctresources: {line}" for line in facts.summary_lines()),
     ]
     workers = config.getoption("numprocesses", None)
     most = config.getoption("maxprocesses", None)
     if isinstance(workers, int) and isinstance(most, int):
         workers = min(workers, most)
     if runtime.settings.gpu_binding.value == "auto" and isinstance(workers, int):
-        plan = plan_line(runtime.gpu_facts(), workers)
+        plan = plan_line(facts, workers)
         if plan is not None:
             lines.append(f"ctresources: {plan}")
     return lines
+
+
+def _header_gpu_facts(runtime: Runtime) -> GpuFacts:
+    # Where NVML is unusable, finding GPUs means importing torch (1-3 s); `-v` must not. A
+    # first import of torch inside an in-process pytester run is also undone when that run
+    # restores sys.modules, and the next run's import corrupts the process (nbmake's own
+    # suite, whose inner runs use -vvv, segfaulted so). Decisions still use the full facts.
+    if "torch" in sys.modules:
+        return runtime.gpu_facts()
+    facts = detect_gpus(torch_fallback=False)
+    if facts.source == "none":
+        facts = dataclasses.replace(facts, detail=f"{facts.detail}; torch not imported for -v")
+    return facts
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -11,16 +11,18 @@ pytest_plugins = ["pytester"]
 HEAVY = ("torch", "matplotlib", "circuit_tracer", "nnsight", "nbformat", "pynvml", "yaml")
 
 
-@pytest.mark.parametrize("as_worker", [False, True])
+@pytest.mark.parametrize(("as_worker", "verbose"), [(False, False), (True, False), (False, True)])
 def test_a_run_that_does_not_use_the_plugin_imports_nothing_heavy(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, as_worker: bool
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, as_worker: bool, verbose: bool
 ) -> None:
     heavy = HEAVY
-    if as_worker:
-        # In an xdist worker the plugin asks NVML for the host's GPUs to bind one (pynvml is
-        # light), never torch. (A pytest started inside a worker inherits its environment.)
-        monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    if as_worker or verbose:
+        # In an xdist worker the plugin asks NVML for the host's GPUs to bind one, and -v
+        # asks it for the header (pynvml is light), never torch. (A pytest started inside a
+        # worker inherits its environment.)
         heavy = tuple(name for name in HEAVY if name != "pynvml")
+    if as_worker:
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
     pytester.makeconftest(
         f"""
         import sys
@@ -30,7 +32,9 @@ def test_a_run_that_does_not_use_the_plugin_imports_nothing_heavy(
         """
     )
     pytester.makepyfile("def test_a(): pass")
-    result = pytester.runpytest_subprocess("-s", "-p", "no:nbmake", "-p", "no:randomly")
+    result = pytester.runpytest_subprocess(
+        "-s", "-p", "no:nbmake", "-p", "no:randomly", *(["-v"] if verbose else [])
+    )
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*HEAVY::END*"])
 
