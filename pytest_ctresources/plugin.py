@@ -91,7 +91,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.pluginmanager.hasplugin("nbmake") and config.getoption("nbmake", False):
         from pytest_ctresources.notebooks import NotebookSupport
 
-        config.pluginmanager.register(NotebookSupport(), NotebookSupport.name)
+        config.pluginmanager.register(NotebookSupport(config), NotebookSupport.name)
     if runtime.worker_gpu is not None and runtime.worker_gpu.ledger is not None:
         config.pluginmanager.register(leases.LeaseHooks(runtime), leases.LeaseHooks.name)
     if runtime.settings.strict:
