@@ -88,7 +88,9 @@ def pytest_configure(config: pytest.Config) -> None:
         if runtime.settings.forget:
             runtime.learned().forget()
         config.pluginmanager.register(SummaryReporter(runtime, config), SummaryReporter.name)
-    if config.pluginmanager.hasplugin("nbmake") and config.getoption("nbmake", False):
+    # --nbmake exists only where nbmake is loaded, under whatever name: "nbmake" from its
+    # entry point, "nbmake.pytest_plugin" from -p or PYTEST_PLUGINS.
+    if config.getoption("nbmake", False):
         from pytest_ctresources.notebooks import NotebookSupport
 
         config.pluginmanager.register(NotebookSupport(config), NotebookSupport.name)

@@ -384,6 +384,19 @@ def test_a_planted_symlink_is_never_written_through(pytester: pytest.Pytester) -
     assert link.is_symlink() and link.resolve() == victim  # left as it was
 
 
+def test_nbmake_loaded_by_module_name(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # -p or PYTEST_PLUGINS register nbmake as "nbmake.pytest_plugin", not "nbmake".
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    write(pytester.path / "nb.ipynb", notebook("assert BATCH_SIZE == 3"))
+    result = pytester.runpytest_subprocess(
+        "-p", "nbmake.pytest_plugin", "-p", "pytest_ctresources.plugin",
+        "--nbmake", "--ct-batch-size", "3",
+    )
+    result.assert_outcomes(passed=1)
+
+
 def test_relative_ct_config_reaches_the_kernel(pytester: pytest.Pytester) -> None:
     (pytester.path / "configs").mkdir()
     (pytester.path / "configs" / "exp.yaml").write_text("BATCH_SIZE: 4\n")
