@@ -224,6 +224,21 @@ def test_bad_metadata(metadata: dict, message: str) -> None:  # type: ignore[typ
         notebook_metadata(notebook(metadata=metadata), "nb.ipynb")
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["/usr/bin/python3", "-m", "ipykernel_launcher", "-f", "{connection_file}"], True),
+        (["/envs/x/bin/python", "-m", "ipykernel", "-f", "{connection_file}"], True),
+        (["R", "--slave", "-e", "IRkernel::main()", "--args", "{connection_file}"], False),
+        (["xpython", "-f", "{connection_file}"], False),
+    ],
+)
+def test_only_ipykernel_kernels_get_the_start_up_file(argv: list[str], expected: bool) -> None:
+    from pytest_ctresources.kernels import is_ipython_kernel
+
+    assert is_ipython_kernel(argv) is expected
+
+
 def test_ct_notebook_configs_lists_files_folders_and_globs(pytester: pytest.Pytester) -> None:
     from pytest_ctresources.notebooks import NotebookConfigs
 
@@ -467,6 +482,10 @@ def test_one_item_per_experiment_config_that_is_ours(pytester: pytest.Pytester) 
     )
     result = pytester.runpytest_subprocess("--nbmake", "configs", "-k", "small")
     result.assert_outcomes(passed=1, deselected=1)
+    # Under xdist each worker reads the ini key and collects the same items.
+    pytester.runpytest_subprocess("--nbmake", "configs", "pipeline", "-n", "2").assert_outcomes(
+        passed=2
+    )
     # Named on the command line, a YAML file is taken to be ours (as pytest collects a test
     # file named there whatever python_files says), and checked as ours.
     result = pytester.runpytest_subprocess("--nbmake", "pipeline/job.yaml")
