@@ -41,7 +41,9 @@ def test_a_smaller_graph_for_one_experiment(ct_session: CtSession) -> None:
 def test_attribution_does_not_depend_on_batch_size(ct_session: CtSession) -> None:
     prompt = prompts()[0]
     big = ct_session.attribute(prompt)
-    small = ct_session.attribute(prompt, batch_size=max(1, ct_session.cfg.batch_size // 4))
+    # ct_session.batch_size is the batch size the last call ran with, a number even under
+    # --ct-batch-size auto (where ct_session.cfg.batch_size is the string "auto").
+    small = ct_session.attribute(prompt, batch_size=max(1, ct_session.batch_size // 4))
     assert small.selected_features.tolist() == big.selected_features.tolist()
     assert (small.adjacency_matrix - big.adjacency_matrix).abs().max().item() < 1e-3
 

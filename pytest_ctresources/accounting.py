@@ -6,10 +6,12 @@ to the controller (and to junit XML) as ``ct_*`` ``user_properties`` of the tear
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
+import os
 import warnings
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import pytest
 
@@ -21,7 +23,7 @@ from pytest_ctresources.exceptions import CtLeakWarning
 from pytest_ctresources.learned import memory_key
 from pytest_ctresources.measure import GIB, VramFigures, VramMeter
 from pytest_ctresources.runtime import CONFIG_KEY, Runtime
-from pytest_ctresources.session import CtSession
+from pytest_ctresources.session import CtSession, ResidentModel
 from pytest_ctresources.sources import Source
 from pytest_ctresources.vram import skip_reason
 
@@ -30,6 +32,8 @@ NEED_KEY = pytest.StashKey["markers.VramNeed | None"]()
 MEMORY_KEY = pytest.StashKey[str]()
 FIGURES_KEY = pytest.StashKey[VramFigures]()
 SESSION_KEY = pytest.StashKey[CtSession]()
+#: The resident model (ct_session's cache) when the test started, and its CUDA bytes.
+RESIDENT_KEY = pytest.StashKey["tuple[ResidentModel | None, int]"]()
 #: Figures measured outside the pytest process (a notebook's kernel), used instead of the meter's.
 KERNEL_FIGURES_KEY = pytest.StashKey[VramFigures]()
 
@@ -54,18 +58,24 @@ def begin(item: pytest.Item, runtime: Runtime) -> str | None:
     meter = VramMeter()
     meter.start()
     item.stash[METER_KEY] = meter
+    item.stash[RESIDENT_KEY] = (runtime.model_cache.resident, runtime.resident_bytes())
     cfg = item.stash.get(CONFIG_KEY, None)  # set at collection for notebook items
     if cfg is None and CONFIG_FIXTURES.intersection(getattr(item, "fixturenames", ())):
         cfg = runtime.config_for(item)
-    item.stash[MEMORY_KEY] = key = memory_key(item.nodeid, cfg)
+    capacity = runtime.settings.vram_capacity_gib
+    key = memory_key(item.nodeid, cfg, capacity.value if capacity is not None else None)
+    item.stash[MEMORY_KEY] = key
     need = markers.vram_need(item)
     if need is None and cfg is not None and cfg.vram_gib is not None:
         need = markers.VramNeed(cfg.vram_gib, cfg.source_of("vram_gib"))
+    session = cfg is not None and "ct_session" in getattr(item, "fixturenames", ())
     if need is None and key and runtime.learned():
         learned = runtime.learned().get(key)
         if learned is not None:
             need = markers.VramNeed(learned.gib, learned.source)
-    if need is None and cfg is not None and "ct_session" in getattr(item, "fixturenames", ()):
+            if session and cfg is not None:
+                need = learned_need_with_retry(need, cfg, runtime)
+    if need is None and session and cfg is not None:
         need = estimated_need(cfg, runtime)
     item.stash[NEED_KEY] = need
     if need is None:
@@ -73,6 +83,30 @@ def begin(item: pytest.Item, runtime: Runtime) -> str | None:
     return skip_reason(
         need.gib, need.source, runtime.test_gpu(), runtime.settings.vram_capacity_gib
     )
+
+
+def learned_need_with_retry(
+    need: markers.VramNeed, cfg: CircuitTracerConfig, runtime: Runtime
+) -> markers.VramNeed:
+    """A learned peak is what the test took at its batch size; with ct_session's OOM retry
+    it may still pass at a smaller one. So the skip is decided, as for an estimate, at the
+    retry's floor: the least the estimate says it needs there (never skipped on the learned
+    peak alone when the estimator does not know the model), while the learned peak stays
+    the most it may take (its lease, the UNDER-DECLARED check)."""
+    settings = runtime.settings
+    floor = settings.oom_retry_floor.value
+    if not settings.oom_retry.value or cfg.batch_size == AUTO or int(cfg.batch_size) <= floor:
+        return need
+    at_floor = estimated_need(cfg, runtime)
+    least = min(need.gib, at_floor.gib) if at_floor is not None else 0.0
+    if least >= need.gib:
+        return need
+    source = Source(
+        "learned",
+        f"{need.source}; {least:.1f} GiB at the OOM retry's floor, batch {floor}, "
+        "estimated" if at_floor is not None else f"{need.source}; the OOM retry may need less",
+    )
+    return markers.VramNeed(least, source, most_gib=need.gib)
 
 
 def estimated_need(cfg: CircuitTracerConfig, runtime: Runtime) -> markers.VramNeed | None:
@@ -114,12 +148,24 @@ def estimated_need(cfg: CircuitTracerConfig, runtime: Runtime) -> markers.VramNe
     return markers.VramNeed(gib(least), Source.estimate(what), most_gib=most_gib)
 
 
+def allocated_beyond_baseline(item: pytest.Item) -> Callable[[], int | None]:
+    """What the cleanup asks to decide whether garbage holds CUDA memory: the test's meter."""
+    meter = item.stash.get(METER_KEY, None)
+    return meter.allocated_beyond_baseline if meter is not None else lambda: None
+
+
 def end(item: pytest.Item, runtime: Runtime) -> None:
     """After teardown and cleanup: record the figures, warn about a leak."""
     figures = item.stash.get(KERNEL_FIGURES_KEY, None)
+    resident_then, resident_bytes_then = item.stash.get(RESIDENT_KEY, (None, 0))
+    resident_now = runtime.model_cache.resident
     if figures is None:
         meter = item.stash.get(METER_KEY, None)
         figures = meter.figures(finished=True) if meter is not None else None
+        if figures is not None:
+            # The models the test made resident (or freed) are not its leak.
+            growth = runtime.resident_bytes() - resident_bytes_then
+            figures = dataclasses.replace(figures, resident_bytes=growth)
     if figures is None:
         return
     item.stash[FIGURES_KEY] = figures
@@ -133,6 +179,7 @@ def end(item: pytest.Item, runtime: Runtime) -> None:
         ("ct_peak_reserved_bytes", figures.peak_reserved_bytes),
         ("ct_after_bytes", figures.after_bytes),
         ("ct_leaked_bytes", figures.leaked_bytes),
+        ("ct_resident_bytes", figures.resident_bytes),
         ("ct_memory_key", item.stash.get(MEMORY_KEY, item.nodeid)),
         ("ct_date", datetime.date.today().isoformat()),
     ]
@@ -143,18 +190,35 @@ def end(item: pytest.Item, runtime: Runtime) -> None:
             ("ct_need_kind", need.source.kind),
             ("ct_need_most_gib", need.lease_gib),
         ]
+    if resident_now is not None and resident_now is not resident_then:
+        properties.append((RESIDENT_PROPERTY, resident_record(resident_now, figures.device)))
     item.user_properties.extend(properties)
     threshold = runtime.settings.leak_threshold_bytes.value
     if figures.leaked_bytes > threshold:
         warnings.warn(CtLeakWarning(leak_message(item.nodeid, figures, threshold)), stacklevel=1)
 
 
+#: user_properties key of the model a test loaded into ct_session's cache (kept resident).
+RESIDENT_PROPERTY = "ct_resident_model"
+
+
+def resident_record(resident: ResidentModel, device: int) -> dict[str, object]:
+    """What the report says of a resident model: which, how big, where, loaded by whom."""
+    return {
+        "model": resident.label,
+        "bytes": resident.bytes,
+        "device": device,
+        "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+        "loaded_by": resident.loaded_by,
+    }
+
+
 def leak_message(nodeid: str, figures: VramFigures, threshold: int) -> str:
     return (
         f"{nodeid} left {figures.leaked_bytes / GIB:.2f} GiB of CUDA memory allocated after "
         f"teardown and cleanup (threshold {threshold / GIB:.2f} GiB, ct_leak_threshold); "
-        "usual holders: a module-level or global reference, a wider-scoped fixture, a cached "
-        "model"
+        "usual holders: a module-level or global reference, a wider-scoped fixture, a cache "
+        "of the test's own (models ct_session keeps loaded are counted apart, as resident)"
     )
 
 
@@ -217,11 +281,11 @@ class StrictChecks:
             figures is not None
             and need is not None
             and need.source.kind != "estimate"  # an estimate is not a declaration
-            and figures.peak_reserved_gib > need.gib
+            and figures.peak_reserved_gib > need.lease_gib
         ):
             problems.append(
                 f"UNDER-DECLARED: peak {figures.peak_reserved_gib:.2f} GiB reserved exceeds the "
-                f"declared {need.gib:.1f} GiB ({need.source}); write "
+                f"declared {need.lease_gib:.1f} GiB ({need.source}); write "
                 f"{suggested_marker(figures.peak_reserved_bytes, item.nodeid)}"
             )
         session = item.stash.get(SESSION_KEY, None)

@@ -1,5 +1,7 @@
-"""Where cleanup happens: between tests, and in the public helpers usable outside pytest.
+"""Cleanup helpers, usable outside pytest: garbage collection with the CUDA cache, figures,
+failed tests' frames, and a scope that frees what a block left on the GPU.
 
+What runs between tests, and when, is :mod:`pytest_ctresources.cleanup_between_tests`.
 Nothing here imports torch or matplotlib to clean up: a library that the test never loaded
 has nothing to clean, so we look in ``sys.modules``.
 """
@@ -7,14 +9,12 @@ has nothing to clean, so we look in ``sys.modules``.
 from __future__ import annotations
 
 import gc
+import inspect
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
-
-from pytest_ctresources.nnsight_threads import release_quietly
 
 if TYPE_CHECKING:
     import torch
@@ -29,16 +29,38 @@ def cuda_initialised() -> bool:
     return bool(callable(is_initialized) and is_initialized())
 
 
+def collect_everything() -> int:
+    """A full garbage collection that also reaches objects ``gc.freeze()`` set aside (the
+    between-test cleanup freezes long-lived objects; garbage among them is only found this
+    way). Returns what ``gc.collect()`` returns."""
+    frozen = gc.get_freeze_count()
+    if frozen:
+        gc.unfreeze()
+    try:
+        return gc.collect()
+    finally:
+        if frozen:
+            gc.freeze()
+
+
 def cleanup_python_cuda() -> None:
-    """``gc.collect()`` and then ``torch.cuda.empty_cache()``, in that order.
+    """A full ``gc.collect()`` and then ``torch.cuda.empty_cache()``, in that order.
 
     The collection comes first because the cache can only return blocks whose tensors are
     gone, and tensors caught in reference cycles are gone only after a collection. Safe to
     call anywhere: without torch or without CUDA it only collects.
     """
-    gc.collect()
+    collect_everything()
     if cuda_initialised():
         sys.modules["torch"].cuda.empty_cache()
+
+
+def open_figure_numbers() -> frozenset[int]:
+    """The numbers of matplotlib's open pyplot figures; empty when pyplot is not loaded."""
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is None:
+        return frozenset()
+    return frozenset(pyplot.get_fignums())
 
 
 def close_open_figures() -> int:
@@ -52,6 +74,17 @@ def close_open_figures() -> int:
     return count
 
 
+def close_figures(numbers: Iterable[int]) -> int:
+    """Close the pyplot figures numbered ``numbers`` that are still open; return how many."""
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    closed = 0
+    for number in sorted(numbers):
+        if pyplot is not None and pyplot.fignum_exists(number):
+            pyplot.close(number)
+            closed += 1
+    return closed
+
+
 def _tracebacks_of(exc: BaseException | None) -> Iterator[TracebackType]:
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
@@ -62,7 +95,8 @@ def _tracebacks_of(exc: BaseException | None) -> Iterator[TracebackType]:
 
 
 def clear_exception_frames(exc: BaseException) -> None:
-    """Drop the locals of every frame held by ``exc`` and the exceptions it chains to."""
+    """Drop the locals of every finished frame held by ``exc`` and the exceptions it chains
+    to (never a suspended generator's: see :func:`clear_frames`)."""
     for tb in _tracebacks_of(exc):
         clear_frames(tb)
 
@@ -71,9 +105,10 @@ def release_failed_test_frames() -> bool:
     """Clear the local variables of the frames of the last failed test's traceback.
 
     pytest keeps the failure in ``sys.last_value``/``sys.last_traceback`` for post-mortem
-    debugging (``--pdb`` has already run by the time teardown ends). Those frames hold the
-    test's locals, so its tensors would stay on the GPU into the next test. The traceback
-    itself survives; only its frames' locals go.
+    debugging (``--pdb`` has already run by the time teardown ends) until the *call* of the
+    next test. Those frames hold the test's locals, so its tensors would stay on the GPU into
+    the next test's setup. The traceback itself survives; only its finished frames' locals
+    go. Returns whether there was a failure to release.
     """
     tracebacks = list(_tracebacks_of(getattr(sys, "last_value", None)))
     last_tb = getattr(sys, "last_traceback", None)
@@ -84,53 +119,33 @@ def release_failed_test_frames() -> bool:
     return bool(tracebacks)
 
 
+#: Code flags of frames that must never be cleared: clearing a suspended generator's frame
+#: finalises the generator (on Python 3.11 ``frame.clear()`` closes it), which would run a
+#: yield fixture's teardown in the middle of its scope. A finished generator's frame has no
+#: locals left to free, so nothing is lost by skipping them all.
+_GENERATOR_FLAGS = (
+    inspect.CO_GENERATOR
+    | inspect.CO_COROUTINE
+    | inspect.CO_ASYNC_GENERATOR
+    | inspect.CO_ITERABLE_COROUTINE
+)
+
+
 def clear_frames(tb: TracebackType | None) -> None:
-    """Drop the local variables of every finished frame of traceback ``tb``."""
+    """Drop the local variables of every finished, non-generator frame of traceback ``tb``."""
     # traceback.clear_frames() is not enough before Python 3.13: frame.clear() drops the fast
     # locals, but a dict snapshot of them that pytest's traceback formatting made through
     # frame.f_locals keeps every local alive until the next f_locals read re-syncs it.
     while tb is not None:
         frame = tb.tb_frame
-        try:
-            frame.clear()
-        except RuntimeError:  # a frame still executing (not a finished test's)
-            pass
-        else:
-            frame.f_locals  # noqa: B018  (the read empties the stale snapshot)
+        if not frame.f_code.co_flags & _GENERATOR_FLAGS:
+            try:
+                frame.clear()
+            except RuntimeError:  # a frame still executing (not a finished test's)
+                pass
+            else:
+                frame.f_locals  # noqa: B018  (the read empties the stale snapshot)
         tb = tb.tb_next
-
-
-@dataclass(frozen=True)
-class CleanupResult:
-    """What the between-test cleanup did."""
-
-    figures_closed: int = 0
-    collected: bool = False
-    cuda_cache_emptied: bool = False
-
-
-def cleanup_after_test(mode: str) -> CleanupResult:
-    """The cleanup run after each test's teardown, per ``ct_cleanup`` mode.
-
-    ``auto``: close open figures; when torch is loaded, release the frames of a failed test;
-    free nnsight threads an aborted trace left blocked (:mod:`pytest_ctresources.nnsight_threads`);
-    when CUDA was initialised, ``gc.collect()`` then ``torch.cuda.empty_cache()``.
-    ``always``: the same, and ``gc.collect()`` even when CUDA was not used. ``never``: nothing.
-    """
-    if mode == "never":
-        return CleanupResult()
-    figures = close_open_figures()
-    if "torch" in sys.modules or mode == "always":
-        release_failed_test_frames()
-    # A trace an exception aborted (in the test, a fixture, or caught by the test itself)
-    # can leave nnsight threads blocked with its tensors; a no-op unless nnsight is loaded.
-    release_quietly()
-    cuda = cuda_initialised()
-    if cuda or mode == "always":
-        cleanup_python_cuda()
-    return CleanupResult(
-        figures_closed=figures, collected=cuda or mode == "always", cuda_cache_emptied=cuda
-    )
 
 
 class CleanScope:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import pytest
 
 from pytest_ctresources.accounting import METER_KEY, SESSION_KEY, halving_summary
 from pytest_ctresources.config import CircuitTracerConfig
 from pytest_ctresources.markers import MarkerError
+from pytest_ctresources.model_load import ModelLoadError
 from pytest_ctresources.runtime import runtime_of
 from pytest_ctresources.session import CtSession
 from pytest_ctresources.summary import ATTRIBUTIONS_PROPERTY, AUTO_PROPERTY, HALVINGS_PROPERTY
@@ -18,9 +19,9 @@ from pytest_ctresources.summary import ATTRIBUTIONS_PROPERTY, AUTO_PROPERTY, HAL
 def ct_config(request: pytest.FixtureRequest) -> CircuitTracerConfig:
     """The resolved :class:`~pytest_ctresources.CircuitTracerConfig` of this test.
 
-    Layers, lowest to highest: defaults < ini < experiment YAML < ``ct_config`` marker <
-    ``CT_*`` environment < ``--ct-*`` options. ``ct_config.source_of("batch_size")`` says
-    where a value came from.
+    Layers, lowest to highest: defaults < ini < experiment YAML (``--ct-config``) < ``CT_*``
+    environment < ``--ct-*`` options < the test's own ``ct_config`` marker (its ``path=`` YAML,
+    then its fields). ``ct_config.source_of("batch_size")`` says where a value came from.
     """
     try:
         return runtime_of(request.config).config_for(request.node)
@@ -48,6 +49,7 @@ def ct_session(
         oom_retry_floor=runtime.settings.oom_retry_floor.value,
         meter=node.stash.get(METER_KEY, None),
         auto_budget=runtime.auto_budget(node),
+        estimate_prompt_tokens=runtime.settings.estimate_prompt_tokens.value,
     )
     node.stash[SESSION_KEY] = session
     cache = runtime.model_cache
@@ -68,3 +70,28 @@ def ct_session(
         if session.halvings:
             node.user_properties.append((HALVINGS_PROPERTY, halving_summary(session)))
         session.close()
+
+
+class OneLineModelFailures:
+    """A model ``ct_session`` cannot load fails its test with one line (the model, its config
+    source, the cause), not the hub's chained tracebacks, whether the test body or a fixture
+    asked for it (:class:`~pytest_ctresources.model_load.ModelLoadError`)."""
+
+    name = "ctresources-model-load"
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+        return (yield from _one_line())
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
+        return (yield from _one_line())
+
+
+def _one_line() -> Generator[None, None, None]:
+    try:
+        return (yield)
+    except ModelLoadError as exc:
+        message = str(exc)
+    # Outside the except block: no "During handling of the above exception" either.
+    pytest.fail(message, pytrace=False)

@@ -8,7 +8,7 @@ one. The controller writes; every process (xdist workers too) reads.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,18 +33,44 @@ MEMORY_FIELDS = (
 )
 
 
-def memory_key(nodeid: str, cfg: CircuitTracerConfig | None) -> str:
-    """The cache key of a test's need: its node id, plus its memory-relevant config.
+def memory_key(
+    nodeid: str, cfg: CircuitTracerConfig | None, capacity_gib: float | None = None
+) -> str:
+    """The cache key of a test's need: its node id, plus its memory-relevant config, plus the
+    ``--ct-vram-capacity`` it ran under (a capped allocator gives its cache back before it
+    fails, so a peak measured under a cap is that cap's, not the card's).
 
     Empty (nothing learned, nothing looked up) for ``batch_size: auto``: its peak follows
     the card it ran on, so a peak measured on one card is no need on another.
     """
+    capped = f"|capacity={capacity_gib:g}GiB" if capacity_gib is not None else ""
     if cfg is None:
-        return nodeid
+        return nodeid + capped
     if cfg.batch_size == AUTO:
         return ""
     values = {name: getattr(cfg, name) for name in MEMORY_FIELDS}
-    return f"{nodeid}|{json.dumps(values, sort_keys=True)}"
+    return f"{nodeid}|{json.dumps(values, sort_keys=True)}{capped}"
+
+
+def nodeid_of(key: str) -> str:
+    """The test a key belongs to."""
+    return key.split("|", 1)[0]
+
+
+def stale_keys(
+    keys: Iterable[str], collected: set[str], exists: Callable[[str], bool]
+) -> set[str]:
+    """The keys of tests that no longer exist: their file is gone, or their file was
+    collected (``collected`` holds every node id collected, before any deselection) and
+    the test was not in it."""
+    files = {nodeid.split("::", 1)[0] for nodeid in collected}
+    stale = set()
+    for key in keys:
+        nodeid = nodeid_of(key)
+        file = nodeid.split("::", 1)[0]
+        if (file in files and nodeid not in collected) or not exists(file):
+            stale.add(key)
+    return stale
 
 
 @dataclass(frozen=True)
@@ -88,6 +114,17 @@ class LearnedNeeds:
         if self._cache is not None:
             self._cache.set(CACHE_KEY, self._needs)
 
-    def forget(self) -> None:
+    def keys(self) -> list[str]:
+        return list(self._needs)
+
+    def prune(self, keys: Iterable[str]) -> None:
+        """Drop the needs of ``keys`` (tests that no longer exist)."""
+        for key in keys:
+            self._needs.pop(key, None)
+
+    def forget(self) -> int:
+        """Clear every learned need; returns how many there were."""
+        count = len(self._needs)
         self._needs = {}
         self.save()
+        return count

@@ -24,13 +24,17 @@ class VramFigures:
     peak_allocated_bytes: int
     peak_reserved_bytes: int
     after_bytes: int | None = None  # allocated after teardown and cleanup; None while running
+    resident_bytes: int = 0
+    """What the models kept loaded between tests (``ct_session``'s cache) grew by during the
+    test: a model it loaded counts here, one it evicted negatively. Resident, not leaked."""
 
     @property
     def leaked_bytes(self) -> int:
-        """Allocated after teardown and cleanup, beyond the baseline (0 while running)."""
+        """Allocated after teardown and cleanup, beyond the baseline and the models the test
+        made resident (0 while running)."""
         if self.after_bytes is None:
             return 0
-        return max(0, self.after_bytes - self.baseline_bytes)
+        return max(0, self.after_bytes - self.baseline_bytes - self.resident_bytes)
 
     @property
     def peak_allocated_gib(self) -> float:
@@ -66,6 +70,18 @@ class VramMeter:
         except (AttributeError, RuntimeError):
             return
         self._device = device
+
+    @property
+    def baseline_bytes(self) -> int:
+        """Allocated when the test started (0 when CUDA was initialised during it)."""
+        return self._baseline
+
+    def allocated_beyond_baseline(self) -> int | None:
+        """CUDA memory allocated now beyond the baseline; None when the test used no CUDA."""
+        figures = self.figures(finished=True)
+        if figures is None or figures.after_bytes is None:
+            return None
+        return figures.after_bytes - figures.baseline_bytes
 
     def figures(self, *, finished: bool = False) -> VramFigures | None:
         """The figures so far, or None when the test has not used CUDA.

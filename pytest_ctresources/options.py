@@ -133,8 +133,9 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "ct_batch_size",
         "CT_BATCH_SIZE",
         "N|auto",
-        "batch size of circuit-tracer attribution for every test (overrides YAML and "
-        "markers); 'auto' lets ct_session choose the largest whose estimated peak fits the GPU",
+        "batch size of circuit-tracer attribution for every test (overrides the YAML; a "
+        "test's own ct_config marker overrides it); 'auto' lets ct_session choose the largest "
+        "whose estimated peak fits the GPU",
         _field_parser("batch_size"),
         field="batch_size",
     ),

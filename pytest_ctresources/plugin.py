@@ -13,9 +13,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import sys
 from collections.abc import Generator
 
 import pytest
@@ -23,12 +21,17 @@ import pytest
 from pytest_ctresources import accounting, leases, markers
 from pytest_ctresources.allocator import AllocConf
 from pytest_ctresources.binding import Binding, bind_worker, is_worker, open_seats, plan_line
-from pytest_ctresources.cleanup import cleanup_after_test
-from pytest_ctresources.fixtures import ct_config, ct_session
-from pytest_ctresources.gpus import GpuFacts, detect_gpus
+from pytest_ctresources.cleanup_between_tests import BetweenTests
+from pytest_ctresources.fixtures import OneLineModelFailures, ct_config, ct_session
+from pytest_ctresources.learned import stale_keys
 from pytest_ctresources.options import DEFAULT_ALLOC_CONF, add_options, binding_mode
-from pytest_ctresources.runtime import RUNTIME_KEY, Runtime, runtime_of, start_runtime
-from pytest_ctresources.summary import FIGURES_PROPERTY, SummaryReporter
+from pytest_ctresources.runtime import RUNTIME_KEY, runtime_of, start_runtime
+from pytest_ctresources.summary import (
+    FIGURES_PROPERTY,
+    PROPERTY_PREFIX,
+    STALE_LEARNED_OUTPUT,
+    SummaryReporter,
+)
 
 __all__ = ["ct_config", "ct_session"]
 
@@ -84,10 +87,15 @@ def pytest_configure(config: pytest.Config) -> None:
         binding = None
     runtime = start_runtime(config, config.stash.get(_ALLOC_KEY, None), binding)
     config.stash[RUNTIME_KEY] = runtime
+    config.pluginmanager.register(OneLineModelFailures(), OneLineModelFailures.name)
+    if runtime.settings.cleanup.value != "never":
+        runtime.cleaner = BetweenTests(runtime.settings.cleanup.value)
+        config.pluginmanager.register(runtime.cleaner, BetweenTests.name)
     if not hasattr(config, "workerinput"):  # xdist workers report to the controller instead
+        reporter = SummaryReporter(runtime, config)
         if runtime.settings.forget:
-            runtime.learned().forget()
-        config.pluginmanager.register(SummaryReporter(runtime, config), SummaryReporter.name)
+            reporter.forgotten = runtime.learned().forget()
+        config.pluginmanager.register(reporter, SummaryReporter.name)
     # --nbmake exists only where nbmake is loaded, under whatever name: "nbmake" from its
     # entry point, "nbmake.pytest_plugin" from -p or PYTEST_PLUGINS.
     if config.getoption("nbmake", False):
@@ -102,43 +110,52 @@ def pytest_configure(config: pytest.Config) -> None:
         )
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Before any deselection (-k, -m): every collected test still counts as existing.
+    runtime = runtime_of(config)
+    learned = runtime.learned()
+    if not learned:
+        return
+    stale = stale_keys(
+        learned.keys(), {item.nodeid for item in items}, lambda f: (config.rootpath / f).exists()
+    )
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller prunes
+        config.workeroutput[STALE_LEARNED_OUTPUT] = sorted(stale)  # type: ignore[attr-defined]
+        return
+    reporter = config.pluginmanager.get_plugin(SummaryReporter.name)
+    if reporter is not None:
+        reporter.stale_learned.update(stale)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     runtime = config.stash.get(RUNTIME_KEY, None)
     if runtime is not None:
         runtime.model_cache.evict()
+        if runtime.cleaner is not None:
+            runtime.cleaner.close()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str] | None:
     if config.get_verbosity() < 1:
         return None
     runtime = runtime_of(config)
-    facts = _header_gpu_facts(runtime)
     lines = [
         *runtime.settings.header_lines(),
-        *(f"ctresources: {line}" for line in facts.summary_lines()),
+        *(
+            f"ctresources: {line}"
+            for line in runtime.gpu_facts(may_import_torch=False).summary_lines()
+        ),
     ]
     workers = config.getoption("numprocesses", None)
     most = config.getoption("maxprocesses", None)
     if isinstance(workers, int) and isinstance(most, int):
         workers = min(workers, most)
     if runtime.settings.gpu_binding.value == "auto" and isinstance(workers, int):
-        plan = plan_line(facts, workers)
+        plan = plan_line(runtime.gpu_facts(may_import_torch=False), workers)
         if plan is not None:
             lines.append(f"ctresources: {plan}")
     return lines
-
-
-def _header_gpu_facts(runtime: Runtime) -> GpuFacts:
-    # Where NVML is unusable, finding GPUs means importing torch (1-3 s); `-v` must not. A
-    # first import of torch inside an in-process pytester run is also undone when that run
-    # restores sys.modules, and the next run's import corrupts the process (nbmake's own
-    # suite, whose inner runs use -vvv, segfaulted so). Decisions still use the full facts.
-    if "torch" in sys.modules:
-        return runtime.gpu_facts()
-    facts = detect_gpus(torch_fallback=False)
-    if facts.source == "none":
-        facts = dataclasses.replace(facts, detail=f"{facts.detail}; torch not imported for -v")
-    return facts
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -146,6 +163,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     runtime = runtime_of(item.config)
     if runtime.capacity_cap is not None:
         runtime.capacity_cap.arm()
+    # A rerun (pytest-rerunfailures) runs the same item again: its earlier attempt's figures
+    # must not travel with this one's reports.
+    item.user_properties[:] = [p for p in item.user_properties if not _ours(p)]
+    if runtime.cleaner is not None:
+        runtime.cleaner.begin(item, runtime.resident_bytes())
     try:
         reason = accounting.begin(item, runtime)
     except markers.MarkerError as exc:
@@ -160,6 +182,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     pytest.fail(failure, pytrace=False)
 
 
+def _ours(prop: tuple[str, object]) -> bool:
+    return isinstance(prop[0], str) and prop[0].startswith(PROPERTY_PREFIX)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
     try:
@@ -167,10 +193,13 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
     finally:
         runtime = runtime_of(item.config)
         try:
-            result = cleanup_after_test(runtime.settings.cleanup.value)
-            if result.figures_closed:
-                # Reported through the teardown report: output written here would be captured.
-                item.user_properties.append((FIGURES_PROPERTY, result.figures_closed))
+            if runtime.cleaner is not None:
+                closed = runtime.cleaner.finish(
+                    item, accounting.allocated_beyond_baseline(item), runtime.resident_bytes()
+                )
+                if closed:
+                    # Reported through the teardown report: output written here is captured.
+                    item.user_properties.append((FIGURES_PROPERTY, closed))
             accounting.end(item, runtime)
         finally:
             leases.give_back(item, runtime)  # whatever raised (-W error::CtLeakWarning, ...)

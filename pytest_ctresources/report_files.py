@@ -35,7 +35,7 @@ def build_report(
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "exitstatus": exitstatus,
         "interrupted": exitstatus == 2,
-        "gpus": runtime.gpu_facts().to_dict(),
+        "gpus": runtime.gpu_facts(may_import_torch=False).to_dict(),
         "capacity": {
             "gib": capacity_gib,
             "description": capacity_note,
@@ -66,6 +66,8 @@ def build_report(
         "attributions": summary.attributions,
         "auto_batch_sizes": summary.auto_choices,
         "vram_skips": summary.vram_skips,
+        "resident_models": summary.resident_models,
+        "reruns": summary.reruns,
     }
 
 

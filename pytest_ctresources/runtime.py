@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 from dataclasses import dataclass, field
 
 import pytest
@@ -11,7 +13,8 @@ from pytest_ctresources.allocator import ALLOC_CONF_ENV, AllocConf, CapacityCap
 from pytest_ctresources.autobatch import Budget
 from pytest_ctresources.binding import Binding, testrun_id
 from pytest_ctresources.cleanup import cleanup_python_cuda, cuda_initialised
-from pytest_ctresources.config import CircuitTracerConfig
+from pytest_ctresources.cleanup_between_tests import BetweenTests
+from pytest_ctresources.config import FIELDS, CircuitTracerConfig
 from pytest_ctresources.exceptions import AllocConfIneffectiveWarning
 from pytest_ctresources.gpus import FAKE_GPUS_ENV, GpuFacts, GpuInfo, detect_gpus, parse_fake_gpus
 from pytest_ctresources.learned import LearnedNeeds
@@ -19,6 +22,7 @@ from pytest_ctresources.leases import WorkerGpu, start_worker_gpu
 from pytest_ctresources.markers import layer_markers
 from pytest_ctresources.session import ModelCache
 from pytest_ctresources.settings import Settings, settings_from_config
+from pytest_ctresources.sources import Source, Sourced
 
 
 @dataclass
@@ -32,20 +36,40 @@ class Runtime:
     cache: pytest.Cache | None = None
     worker_gpu: WorkerGpu | None = None
     """The GPU this xdist worker is bound to, and its lease budget (None elsewhere)."""
+    cleaner: BetweenTests | None = None
+    """The between-test cleanup (None under ``ct_cleanup = never``)."""
     _gpu_facts: GpuFacts | None = None
     _learned: LearnedNeeds | None = None
-    _config_below_markers: CircuitTracerConfig | None = None
+    _session_config: CircuitTracerConfig | None = None
 
-    def gpu_facts(self) -> GpuFacts:
-        if self._gpu_facts is None:
+    def gpu_facts(self, *, may_import_torch: bool = True) -> GpuFacts:
+        """The GPUs of this process, detected once. Without NVML, detection falls back to
+        torch, whose import costs seconds: callers that only describe the run (the ``-v``
+        header, the summary) pass ``may_import_torch=False`` and, when no test has imported
+        torch, get NVML's answer with a note instead."""
+        if self._gpu_facts is not None:
+            return self._gpu_facts
+        if may_import_torch or "torch" in sys.modules:
             self._gpu_facts = detect_gpus()
-        return self._gpu_facts
+            return self._gpu_facts
+        facts = detect_gpus(torch_fallback=False)
+        if facts.gpus:
+            self._gpu_facts = facts
+            return facts
+        return dataclasses.replace(
+            facts, detail=f"{facts.detail}; torch not asked, since no test imported it"
+        )
 
     def learned(self) -> LearnedNeeds:
         """VRAM needs measured by earlier runs (pytest's cache), loaded on first use."""
         if self._learned is None:
             self._learned = LearnedNeeds(self.cache)
         return self._learned
+
+    def resident_bytes(self) -> int:
+        """CUDA memory the models ``ct_session`` keeps loaded between tests hold now."""
+        resident = self.model_cache.resident
+        return resident.bytes if resident is not None else 0
 
     def free_cached_models(self) -> None:
         """Free the models ct_session cached, and what the allocator caches (before a wait)."""
@@ -95,11 +119,48 @@ class Runtime:
         cached = item.stash.get(CONFIG_KEY, None)
         if cached is not None:
             return cached
-        if self._config_below_markers is None:
-            self._config_below_markers = self.settings.config_below_markers()
-        cfg = self.settings.config_above_markers(layer_markers(item, self._config_below_markers))
+        if self._session_config is None:
+            self._session_config = self.settings.session_config()
+        session = self._session_config
+        cfg = layer_markers(item, session)
         item.stash[CONFIG_KEY] = cfg
+        overrides = own_settings(session, cfg)
+        if overrides:
+            # Said once per setting in -v and the summary, from the setup report.
+            item.user_properties.append((OWN_SETTINGS_PROPERTY, overrides))
         return cfg
+
+
+#: user_properties key of the session-wide values a test's own ct_config marker overrode.
+OWN_SETTINGS_PROPERTY = "ct_own_settings"
+
+
+def own_settings(session: CircuitTracerConfig, cfg: CircuitTracerConfig) -> list[list[str]]:
+    """``[field, session-wide source, session-wide value, the test's value]`` for each field
+    the test's own marker set over a value the session set (not a default)."""
+    out = []
+    for name in FIELDS:
+        before, after = session.source_of(name), cfg.source_of(name)
+        if (
+            after != before
+            and before.kind != "default"
+            and getattr(cfg, name) != getattr(session, name)
+        ):
+            out.append([name, str(before), str(getattr(session, name)), str(getattr(cfg, name))])
+    return out
+
+
+def clamped_capacity(capacity: Sourced[float], gpu: GpuInfo | None) -> Sourced[float]:
+    """``--ct-vram-capacity`` no larger than the card it emulates on: a cap above the real
+    memory would admit tests the card cannot hold. The source says so when it clamps."""
+    if gpu is None or capacity.value <= gpu.total_gib:
+        return capacity
+    source = capacity.source
+    where = (
+        f"{source.where} {capacity.value:g} GiB, clamped to the {gpu.total_gib:.1f} GiB of "
+        f"{gpu.describe()}"
+    )
+    return Sourced(gpu.total_gib, Source(source.kind, where, source.path))
 
 
 def runs_no_tests(config: pytest.Config) -> bool:
@@ -141,13 +202,17 @@ def start_runtime(
             ),
             stacklevel=3,
         )
-    capacity = settings.vram_capacity_gib
     runtime = Runtime(
         settings=settings,
         alloc_conf=alloc,
-        capacity_cap=CapacityCap(capacity.value) if capacity else None,
+        capacity_cap=None,
         cache=getattr(config, "cache", None),  # None under -p no:cacheprovider
     )
+    capacity = settings.vram_capacity_gib
+    if capacity is not None:
+        capacity = clamped_capacity(capacity, runtime.gpu_facts(may_import_torch=False).gpu(0))
+        runtime.settings = settings = dataclasses.replace(settings, vram_capacity_gib=capacity)
+        runtime.capacity_cap = CapacityCap(capacity.value)
     if binding is not None:
         budget = capacity.value if capacity else binding.gpu.total_gib
         runtime.worker_gpu = start_worker_gpu(

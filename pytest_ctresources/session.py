@@ -26,6 +26,11 @@ from pytest_ctresources.config import (
     validate_typed,
 )
 from pytest_ctresources.measure import VramFigures, VramMeter
+from pytest_ctresources.model_load import (
+    ModelLoadError,
+    load_failure_message,
+    repeated_failure_message,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -106,6 +111,7 @@ class ModelCache:
         self._key: Hashable | None = None
         self._model: Any = None
         self._resident: ResidentModel | None = None
+        self._failures: dict[Hashable, tuple[str, str | None]] = {}
         self._lock = threading.RLock()
         self._users = 0
         self.loads = 0
@@ -114,13 +120,28 @@ class ModelCache:
         self.current_test: str | None = None
 
     def get(self, cfg: CircuitTracerConfig, device: str | torch.device) -> Any:
+        """The model of ``cfg`` on ``device``, built on first use.
+
+        Raises :class:`~pytest_ctresources.model_load.ModelLoadError` (one line: the model,
+        its config source, the cause) when it cannot be built; a model that failed once
+        fails again at once, without another attempt (a hub that is unreachable now will be
+        unreachable for the next test too).
+        """
         key = (*cfg.model_key(), str(device))
         with self._lock:
             if self._model is not None and key == self._key:
                 return self._model
+            failed = self._failures.get(key)
+            if failed is not None:
+                raise ModelLoadError(repeated_failure_message(*failed))
             self.evict()
             before = _cuda_allocated(device)
-            model = build_model(cfg, device)
+            try:
+                model = build_model(cfg, device)
+            except Exception as exc:
+                message = load_failure_message(cfg, exc)
+                self._failures[key] = (message, self.current_test)
+                raise ModelLoadError(message) from None
             after = _cuda_allocated(device)
             self._model = model
             self._key = key
@@ -215,16 +236,39 @@ class CtSession:
         oom_retry_floor: int = 1,
         meter: VramMeter | None = None,
         auto_budget: Budget | None = None,
+        estimate_prompt_tokens: int = 32,
     ) -> None:
         self.cfg = cfg
         self.calls: list[AttributionCall] = []
         self.halvings: list[oom.Halving] = []
         self.auto_choices: list[AutoChoice] = []
         self.auto_budget = auto_budget
+        self.estimate_prompt_tokens = estimate_prompt_tokens
         self.oom_retry = oom_retry
         self.oom_retry_floor = oom_retry_floor
         self._cache = cache if cache is not None else ModelCache()
         self._meter = meter if meter is not None else VramMeter()
+
+    @property
+    def batch_size(self) -> int:
+        """The batch size as a number, never ``"auto"``, for arithmetic in tests
+        (``ct_session.batch_size // 4``).
+
+        After an :meth:`attribute` call: the batch size it ran with (under ``auto``, the
+        choice for its prompt, after any OOM halving). Before the first call: the configured
+        one, or under ``auto`` the choice the estimate makes before anything is loaded, for a
+        prompt of ``estimate_prompt_tokens`` tokens (each call then chooses for its own
+        prompt), or ``batch_size_max`` for a model the estimator does not know.
+        """
+        if self.calls:
+            return int(self.calls[-1].kwargs["batch_size"])
+        if self.cfg.batch_size != AUTO:
+            return int(self.cfg.batch_size)
+        from pytest_ctresources.autobatch import choose_from_config
+
+        budget = self.auto_budget or _visible_gpu_budget()
+        choice = choose_from_config(self.cfg, budget, self.estimate_prompt_tokens)
+        return choice.batch_size if choice is not None else self.cfg.batch_size_max
 
     def vram(self) -> VramFigures | None:
         """This test's CUDA memory so far (baseline and peaks), or None if it used no CUDA."""
@@ -310,6 +354,15 @@ class CtSession:
     def close(self) -> None:
         """Drop this session's references; the model stays cached for the next test."""
         self.calls.clear()
+
+
+def _visible_gpu_budget() -> Budget:
+    """Outside pytest, before a model is loaded: the first visible GPU, if torch sees one."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return Budget(None, "no CUDA GPU", DEFAULT_AUTO_MARGIN)
+    total = torch.cuda.get_device_properties(0).total_memory / (1 << 30)
+    return Budget(total, torch.cuda.get_device_name(0), DEFAULT_AUTO_MARGIN)
 
 
 def _budget_of(model: Any) -> Budget:

@@ -1,9 +1,12 @@
 """Where session settings are resolved: once per run, into a frozen :class:`Settings`.
 
 Order, lowest to highest, for the config fields (batch size, max feature nodes):
-built-in default < ini ``ct_*`` < experiment YAML < ``@pytest.mark.ct_config`` <
-environment ``CT_*`` < command-line ``--ct-*``. Session-only settings (the YAML path, the
-emulated capacity) take the highest of ini < environment < option. Each value keeps its
+built-in default < ini ``ct_*`` < experiment YAML (``--ct-config``) < environment ``CT_*`` <
+command-line ``--ct-*`` < the test's own ``@pytest.mark.ct_config`` (its ``path=`` YAML, then
+its fields; module, then class, then function: the closest wins). As in pytest's own plugins
+(``@pytest.mark.timeout`` over ``--timeout``), a test's own marker beats the session-wide
+option. Session-only settings (the YAML path, the emulated capacity) take the highest of
+ini < environment < option. Each value keeps its
 :class:`~pytest_ctresources.sources.Source`; any bad value raises ``pytest.UsageError``
 naming that source.
 """
@@ -75,7 +78,8 @@ class Settings:
     forget: bool = False
 
     def config_below_markers(self) -> CircuitTracerConfig:
-        """Defaults < ini < experiment YAML: the layers a test's markers go on top of."""
+        """Defaults < ini < experiment YAML: the layers below the environment and the command
+        line (a notebook item lays its own experiment config here)."""
         cfg = _apply(CircuitTracerConfig.defaults(), self.ini_layer)
         return self.experiment.apply(cfg) if self.experiment else cfg
 
@@ -84,7 +88,8 @@ class Settings:
         return _apply(_apply(cfg, self.env_layer), self.option_layer)
 
     def session_config(self) -> CircuitTracerConfig:
-        """The config of a test with no ``ct_config`` marker."""
+        """The config of a test with no ``ct_config`` marker: the layers its markers go on
+        top of."""
         return self.config_above_markers(self.config_below_markers())
 
     def header_lines(self) -> list[str]:

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_ctresources.accounting import UNMARKED_BYTES, suggested_marker
+from pytest_ctresources.accounting import RESIDENT_PROPERTY, UNMARKED_BYTES, suggested_marker
 from pytest_ctresources.learned import LearnedNeed
 from pytest_ctresources.measure import GIB
 from pytest_ctresources.placement import Placement, placement_from, placement_lines
+from pytest_ctresources.runtime import OWN_SETTINGS_PROPERTY
 
 if TYPE_CHECKING:
     from pytest_ctresources.runtime import Runtime
@@ -28,12 +29,20 @@ ATTRIBUTIONS_PROPERTY = "ct_attribution_batch_sizes"
 AUTO_PROPERTY = "ct_auto_batch_sizes"
 #: user_properties key of the OOM halvings ct_session.attribute recovered from.
 HALVINGS_PROPERTY = "ct_oom_halvings"
+#: xdist ``workeroutput`` key of the learned needs a worker found stale at collection.
+STALE_LEARNED_OUTPUT = "ct_stale_learned"
 #: user_properties key under which the cleanup records how many figures it closed.
 FIGURES_PROPERTY = "ct_figures_closed"
 VRAM_SKIP_PATTERN = re.compile(r"needs [0-9.]+ GiB VRAM")
 
 
+#: How bad each phase's outcome is for the test's final outcome; an outcome another plugin
+#: reports that is not listed (other than a rerun) ranks with "skipped".
 _OUTCOME_RANK = {"passed": 0, "skipped": 1, "failed": 2}
+#: pytest-rerunfailures' outcome of a failed attempt that it runs again: not final.
+RERUN_OUTCOME = "rerun"
+#: The prefix of every user property the plugin writes (its namespace in junit XML too).
+PROPERTY_PREFIX = "ct_"
 _NEED_KIND_NAMES = {"marker": "marker", "learned": "learned", "estimate": "estimate"}
 
 
@@ -57,6 +66,10 @@ class TestRecord:
     need_kind: str | None = None
     need_most_gib: float | None = None
     oom_halvings: str | None = None
+    resident_bytes: int = 0
+    """What the models kept loaded between tests grew by during the test (not a leak)."""
+    reruns: int = 0
+    """How many failed attempts another plugin (pytest-rerunfailures) ran again."""
     flags: list[str] = field(default_factory=list)
 
     @property
@@ -92,6 +105,7 @@ def _record_from(report: pytest.TestReport, outcome: str) -> TestRecord | None:
         need_kind=props.get("ct_need_kind"),
         need_most_gib=_float_or_none(props.get("ct_need_most_gib")),
         oom_halvings=props.get(HALVINGS_PROPERTY),
+        resident_bytes=int(props.get("ct_resident_bytes", 0)),
     )
 
 
@@ -99,9 +113,29 @@ def _float_or_none(value: object) -> float | None:
     return None if value is None else float(value)  # type: ignore[arg-type]
 
 
+def session_value(source: str, value: str) -> str:
+    """``--ct-batch-size 64``, ``env CT_BATCH_SIZE=64``, ``BATCH_SIZE in x.yaml (64)``."""
+    if source.startswith("--"):
+        return f"{source} {value}"
+    if source.startswith("env "):
+        return f"{source}={value}"
+    return f"{source} ({value})"
+
+
+def _worse(current: str, outcome: str) -> str:
+    """The test's outcome so far combined with one more phase's."""
+    rank = _OUTCOME_RANK.get
+    return outcome if rank(outcome, 1) > rank(current, 1) else current
+
+
 @dataclass
 class RunSummary:
-    """What the run did: attributions, VRAM skips, and a record per test that used CUDA."""
+    """What the run did: attributions, VRAM skips, and a record per test that used CUDA.
+
+    Built from reports alone, whatever plugin made them: an outcome it does not know ranks as
+    a skip, and a failed attempt that pytest-rerunfailures runs again (outcome ``rerun``) is
+    counted as a rerun and superseded by the next attempt: each test is recorded by its last.
+    """
 
     attributions: dict[str, list[int]] = field(default_factory=dict)
     vram_skips: dict[str, str] = field(default_factory=dict)
@@ -109,34 +143,59 @@ class RunSummary:
     halvings: dict[str, str] = field(default_factory=dict)
     auto_choices: dict[str, list[str]] = field(default_factory=dict)
     placements: dict[str, Placement] = field(default_factory=dict)
+    resident_models: list[dict[str, Any]] = field(default_factory=list)
+    reruns: dict[str, int] = field(default_factory=dict)
+    own_settings: dict[tuple[str, str, str], set[str]] = field(default_factory=dict)
+    """(field, session-wide source, its value) -> the tests whose own marker overrode it."""
     _outcomes: dict[str, str] = field(default_factory=dict)
+    _rerun_attempt: set[str] = field(default_factory=set)
 
-    def record(self, report: pytest.TestReport) -> None:
-        if report.outcome != "passed":
-            previous = self._outcomes.get(report.nodeid, "passed")
-            if _OUTCOME_RANK[report.outcome] > _OUTCOME_RANK[previous]:
-                self._outcomes[report.nodeid] = report.outcome
-        if not report.user_properties and not report.skipped:
-            return  # the common case: a test that used neither CUDA nor ct_session
-        for name, value in report.user_properties:
-            if name == ATTRIBUTIONS_PROPERTY and isinstance(value, list):
-                self.attributions.setdefault(report.nodeid, []).extend(value)
-            elif name == HALVINGS_PROPERTY:
-                self.halvings[report.nodeid] = str(value)
-            elif name == AUTO_PROPERTY and isinstance(value, list):
-                self.auto_choices.setdefault(report.nodeid, []).extend(map(str, value))
+    def record(self, report: pytest.TestReport) -> list[list[str]]:
+        """Take one report in; returns the session-wide settings it shows a test's own marker
+        overriding for the first time (``[field, source, value, the test's value]``)."""
+        nodeid = report.nodeid
+        first: list[list[str]] = []
+        if report.when == "setup":  # a new attempt of the test
+            self._outcomes[nodeid] = "passed"
+            self._rerun_attempt.discard(nodeid)
+        if report.outcome == RERUN_OUTCOME:
+            if nodeid not in self._rerun_attempt:
+                self._rerun_attempt.add(nodeid)
+                self.reruns[nodeid] = self.reruns.get(nodeid, 0) + 1
+        elif report.outcome != "passed":
+            self._outcomes[nodeid] = _worse(self._outcomes.get(nodeid, "passed"), report.outcome)
+        props: dict[str, Any] = dict(report.user_properties)
+        if report.when == "setup":
+            overrides: list[list[str]] = props.get(OWN_SETTINGS_PROPERTY, [])
+            for name, source, value, own in overrides:
+                if (name, source, value) not in self.own_settings:
+                    first.append([name, source, value, own])
+                self.own_settings.setdefault((name, source, value), set()).add(nodeid)
         if report.skipped and isinstance(report.longrepr, tuple):
             reason = str(report.longrepr[2]).removeprefix("Skipped: ")
             if VRAM_SKIP_PATTERN.match(reason):
-                self.vram_skips[report.nodeid] = reason
-        if report.when == "teardown":
-            outcome = self._outcomes.get(report.nodeid, "passed")
-            record = _record_from(report, outcome)
-            if record is not None:
-                self.records[report.nodeid] = record
-            placement = placement_from(report.nodeid, outcome, dict(report.user_properties))
-            if placement is not None:
-                self.placements[report.nodeid] = placement
+                self.vram_skips[nodeid] = reason
+        if report.when != "teardown" or not report.user_properties:
+            return first  # the common case: a test that used neither CUDA nor ct_session
+        if nodeid in self._rerun_attempt:
+            return first  # superseded by the next attempt, which reports its own
+        if isinstance(props.get(ATTRIBUTIONS_PROPERTY), list):
+            self.attributions[nodeid] = list(props[ATTRIBUTIONS_PROPERTY])
+        if HALVINGS_PROPERTY in props:
+            self.halvings[nodeid] = str(props[HALVINGS_PROPERTY])
+        if isinstance(props.get(AUTO_PROPERTY), list):
+            self.auto_choices[nodeid] = list(map(str, props[AUTO_PROPERTY]))
+        if isinstance(props.get(RESIDENT_PROPERTY), dict):
+            self.resident_models.append(dict(props[RESIDENT_PROPERTY]))
+        outcome = self._outcomes.get(nodeid, "passed")
+        record = _record_from(report, outcome)
+        if record is not None:
+            record.reruns = self.reruns.get(nodeid, 0)
+            self.records[nodeid] = record
+        placement = placement_from(nodeid, outcome, props)
+        if placement is not None:
+            self.placements[nodeid] = placement
+        return first
 
     def flag(self, leak_threshold: int) -> None:
         """Attach UNDER-DECLARED, UNMARKED, LEAK and OOM-RECOVERED flags to the records."""
@@ -152,10 +211,10 @@ class RunSummary:
                         f"most {record.need_source}; write "
                         f"{suggested_marker(peak, record.nodeid)}"
                     )
-            elif record.need_gib is not None and peak > record.need_gib * GIB:
+            elif most is not None and peak > most * GIB:
                 flags.append(
                     f"UNDER-DECLARED: peak {peak / GIB:.2f} GiB reserved > declared "
-                    f"{record.need_gib:.1f} GiB ({record.need_source}); write "
+                    f"{most:.1f} GiB ({record.need_source}); write "
                     f"{suggested_marker(peak, record.nodeid)}"
                 )
             if record.need_gib is None and peak > UNMARKED_BYTES:
@@ -173,13 +232,15 @@ class RunSummary:
             record.flags = flags
 
     def learned(self) -> dict[str, LearnedNeed]:
-        """Needs to remember: the peak reserved of every passed test that used CUDA."""
+        """Needs to remember: the peak reserved of every passed test that used CUDA, except
+        a test that passed only after ct_session halved its batch size (its peak is that of a
+        smaller batch than its key says)."""
         return {
             record.memory_key: LearnedNeed(
                 record.peak_reserved_bytes / GIB, record.gpu, record.date
             )
             for record in self.records.values()
-            if record.outcome == "passed" and record.memory_key
+            if record.outcome == "passed" and record.memory_key and not record.oom_halvings
         }
 
     def is_empty(self) -> bool:
@@ -190,6 +251,9 @@ class RunSummary:
             or self.halvings
             or self.auto_choices
             or self.placements
+            or self.resident_models
+            or self.reruns
+            or self.own_settings
         )
 
     def lines(self, settings_lines: list[str], gpu_lines: list[str]) -> list[str]:
@@ -206,7 +270,31 @@ class RunSummary:
             out += [f"  {nodeid}: auto {text}" for text in choices]
         out.append(f"skipped for VRAM: {len(self.vram_skips)} test(s)")
         out += [f"  {nodeid}: {reason}" for nodeid, reason in sorted(self.vram_skips.items())]
+        for (name, source, value), nodeids in sorted(self.own_settings.items()):
+            out.append(
+                f"{len(nodeids)} test(s) keep their own {name} (@pytest.mark.ct_config) over "
+                f"{session_value(source, value)}"
+            )
         out += placement_lines(list(self.placements.values()))
+        out += self.resident_lines()
+        if self.reruns:
+            out.append(
+                f"reruns (another plugin ran failed attempts again): {sum(self.reruns.values())} "
+                f"of {len(self.reruns)} test(s); each is reported by its last attempt"
+            )
+        return out
+
+    def resident_lines(self) -> list[str]:
+        """The models ct_session kept loaded between tests, per worker and GPU."""
+        if not self.resident_models:
+            return []
+        out = ["resident models (kept loaded between tests by ct_session; not leaks):"]
+        for model in self.resident_models:
+            loaded_by = f", loaded by {model['loaded_by']}" if model.get("loaded_by") else ""
+            out.append(
+                f"  {model.get('worker', 'main')} GPU {model.get('device', '?')}: "
+                f"{model.get('model')} {int(model.get('bytes', 0)) / GIB:.2f} GiB{loaded_by}"
+            )
         return out
 
     def vram_lines(self, top: int, capacity_gib: float | None, capacity_note: str) -> list[str]:
@@ -258,6 +346,16 @@ class SummaryReporter:
         self.verbose = config.get_verbosity() > 0
         self.config = config
         self._finished = False
+        #: Learned needs of tests that no longer exist (found where the tests are collected).
+        self.stale_learned: set[str] = set()
+        #: How many learned needs ``--ct-forget`` cleared (None: not asked).
+        self.forgotten: int | None = None
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: object) -> None:
+        """pytest-xdist: a worker finished; it found stale learned needs while collecting."""
+        output = getattr(node, "workeroutput", None) or {}
+        self.stale_learned.update(output.get(STALE_LEARNED_OUTPUT, ()))
 
     @property
     def terminal(self) -> pytest.TerminalReporter:
@@ -267,7 +365,7 @@ class SummaryReporter:
 
     def capacity(self) -> tuple[float | None, str]:
         """The capacity the report compares with, and how it is described."""
-        gpu = self.runtime.test_gpu()
+        gpu = self.runtime.gpu_facts(may_import_torch=False).gpu(0)
         emulated = self.runtime.settings.vram_capacity_gib
         if emulated is not None:
             where = f"{gpu.describe()} " if gpu is not None else ""
@@ -277,7 +375,14 @@ class SummaryReporter:
         return None, "no CUDA GPU detected"
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.summary.record(report)
+        first_overrides = self.summary.record(report)
+        if self.verbose:
+            for name, source, value, own in first_overrides:
+                self.terminal.write_line(
+                    f"ctresources: {report.nodeid} keeps its own {name}={own} "
+                    f"(@pytest.mark.ct_config) over {session_value(source, value)}; said once "
+                    "per setting, the summary counts them"
+                )
         if report.when == "teardown" and self.verbose:
             closed = dict(report.user_properties).get(FIGURES_PROPERTY)
             if closed:
@@ -300,8 +405,10 @@ class SummaryReporter:
         settings = self.runtime.settings
         self.summary.flag(settings.leak_threshold_bytes.value)
         measured = self.summary.learned()
-        if measured:
+        stale = self.stale_learned
+        if measured or stale:
             learned = self.runtime.learned()
+            learned.prune(stale)
             learned.update(measured)
             learned.save()
         if settings.report_json is None and settings.report_plot is None:
@@ -319,12 +426,16 @@ class SummaryReporter:
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         settings = self.runtime.settings
+        if self.forgotten is not None:
+            terminalreporter.write_line(
+                f"ctresources: --ct-forget cleared {self.forgotten} learned VRAM need(s)"
+            )
         show_vram = bool(self.summary.records) or settings.report_forced
         if self.summary.is_empty() and not show_vram:
             return
         self.summary.flag(settings.leak_threshold_bytes.value)
         terminalreporter.section("ctresources summary")
-        gpu_lines = self.runtime.gpu_facts().summary_lines()
+        gpu_lines = self.runtime.gpu_facts(may_import_torch=False).summary_lines()
         for line in self.summary.lines(settings.header_lines(), gpu_lines):
             terminalreporter.write_line(line)
         if show_vram:

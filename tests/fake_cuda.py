@@ -46,6 +46,7 @@ for name, value in {
     "memory_allocated": lambda device=None: FAKE.allocated,
     "max_memory_allocated": lambda device=None: FAKE.peak_allocated,
     "max_memory_reserved": lambda device=None: FAKE.peak_reserved,
+    "memory_reserved": lambda device=None: FAKE.reserved,
     "reset_peak_memory_stats": FAKE.reset_peaks,
     "memory_stats": lambda device=None: {"allocation.all.allocated": FAKE.count},
     "empty_cache": FAKE.empty_cache,

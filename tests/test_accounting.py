@@ -75,7 +75,8 @@ def test_leak_warning_names_test_amount_and_holders(project: pytest.Pytester) ->
         [
             "*CtLeakWarning: test_suite.py::test_leaks left 0.50 GiB of CUDA memory allocated after "
             "teardown and cleanup (threshold 0.25 GiB, ct_leak_threshold); usual holders: a "
-            "module-level or global reference, a wider-scoped fixture, a cached model",
+            "module-level or global reference, a wider-scoped fixture, a cache of the test's own "
+            "(models ct_session keeps loaded are counted apart, as resident)",
         ]
     )
 
@@ -182,6 +183,7 @@ def test_learned_need_skips_next_run_and_forget_clears_it(
         "-p", "no:randomly", "-rs", "-k", "unmarked_big", "--ct-forget"
     )
     result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["ctresources: --ct-forget cleared 5 learned VRAM need(s)"])
 
 
 def test_merged_report_under_xdist(project: pytest.Pytester) -> None:
@@ -377,3 +379,157 @@ def test_a_test_reads_its_own_figures_through_ct_session(
         """
     )
     pytester.runpytest_subprocess().assert_outcomes(passed=1)
+
+
+# ct_session's cache holds a "model" whose build takes 9 GiB of (fake) CUDA memory: it stays
+# loaded between tests by design, so it is a resident model, not the first test's leak.
+RESIDENT_SUITE = """
+import pytest
+from conftest import FAKE
+import pytest_ctresources.session as session_module
+
+def build(cfg, device):
+    FAKE.alloc(9)
+    return object()
+
+session_module.build_model = build
+
+def test_loads_the_model(ct_session):
+    ct_session.load_model(device="cuda")
+
+def test_reuses_it(ct_session):
+    ct_session.load_model(device="cuda")
+    FAKE.alloc(2); FAKE.free(2)
+
+LEAKED = []
+def test_really_leaks(ct_session):
+    ct_session.load_model(device="cuda")
+    FAKE.alloc(0.5)
+"""
+
+
+def test_the_resident_model_is_no_leak_and_strict_still_fails_a_real_one(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CT_FAKE_GPUS", "NVIDIA GeForce RTX 4090=23.6")
+    pytester.makeconftest(FAKE_CUDA_CONFTEST)
+    pytester.makefile(".yaml", exp=TINY_YAML)
+    pytester.makepyfile(test_resident=RESIDENT_SUITE)
+    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml", "--ct-strict")
+    # test_really_leaks passes its call and errors at teardown: pytest counts both.
+    result.assert_outcomes(passed=3, errors=1, warnings=1)
+    out = result.stdout.str()
+    result.stdout.fnmatch_lines(
+        [
+            "*ctresources --ct-strict: test_resident.py::test_really_leaks left 0.50 GiB*",
+            "resident models (kept loaded between tests by ct_session; not leaks):",
+            "  main GPU 0: ctresources/tiny-gemma-2 (float32) 9.00 GiB, loaded by test_resident.py::test_loads_the_model",
+            "LEAK test_resident.py::test_really_leaks: 0.50 GiB still allocated after teardown and cleanup",
+        ]
+    )
+    assert "LEAK test_resident.py::test_loads_the_model" not in out
+    assert "CtLeakWarning: test_resident.py::test_loads_the_model" not in out
+
+
+def test_no_need_is_learned_from_a_test_that_passed_only_after_halving() -> None:
+    from pytest_ctresources.summary import RunSummary, TestRecord
+
+    def record(nodeid: str, halvings: str | None) -> TestRecord:
+        return TestRecord(
+            nodeid,
+            "passed",
+            0,
+            "Card",
+            "2026-12-01",
+            nodeid,
+            0,
+            4 << 30,
+            5 << 30,
+            0,
+            0,
+            oom_halvings=halvings,
+        )
+
+    summary = RunSummary()
+    summary.records = {
+        "t::plain": record("t::plain", None),
+        "t::halved": record("t::halved", "OOM at batch 256, passed at 128"),
+    }
+    assert set(summary.learned()) == {"t::plain"}
+
+
+def test_a_need_learned_under_a_capacity_is_keyed_by_it() -> None:
+    from pytest_ctresources.config import CircuitTracerConfig
+    from pytest_ctresources.learned import memory_key
+
+    cfg = CircuitTracerConfig.defaults()
+    assert memory_key("t::a", cfg) != memory_key("t::a", cfg, 24.0)
+    assert memory_key("t::a", None, 24.0) == "t::a|capacity=24GiB"
+    assert memory_key("t::a", cfg, 24.0).startswith("t::a|")
+
+
+def test_stale_keys_are_those_of_tests_that_no_longer_exist() -> None:
+    from pytest_ctresources.learned import stale_keys
+
+    keys = ["a.py::test_kept", "a.py::test_renamed|{}", "gone.py::test_x", "b.py::test_elsewhere"]
+    collected = {"a.py::test_kept", "a.py::test_new"}  # b.py not collected this run
+    exists = {"a.py", "b.py"}.__contains__
+    assert stale_keys(keys, collected, exists) == {"a.py::test_renamed|{}", "gone.py::test_x"}
+
+
+LEARNED_SESSION = """
+from conftest import FAKE
+
+def test_attribution(ct_session):
+    FAKE.alloc(13); FAKE.free(13)
+
+def test_other(ct_session):
+    pass
+"""
+
+
+def test_a_learned_need_never_skips_what_the_oom_retry_could_pass(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytester.makeconftest(FAKE_CUDA_CONFTEST)
+    pytester.makefile(".yaml", exp=TINY_YAML)
+    pytester.makepyfile(test_learned=LEARNED_SESSION)
+    monkeypatch.setenv("CT_FAKE_GPUS", "Card=24")
+    pytester.runpytest_subprocess("--ct-config", "exp.yaml").assert_outcomes(passed=2)
+    needs = json.loads((pytester.path / ".pytest_cache/v/ctresources/learned-needs").read_text())
+    assert [key.split("|")[0] for key in needs] == ["test_learned.py::test_attribution"]
+    monkeypatch.setenv("CT_FAKE_GPUS", "Card=10")
+    # 13 GiB at batch 128 does not fit 10, but the OOM retry may pass at a smaller batch.
+    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml", "-rs")
+    result.assert_outcomes(passed=2)
+    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml", "-rs", "--ct-no-oom-retry")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*test_learned.py:*: needs 13.0 GiB VRAM (measured 13.0 GiB on Card, ????-??-??); GPU 0 (Card) has 10.0 GiB"
+        ]
+    )
+
+
+def test_learned_needs_of_tests_that_no_longer_exist_are_pruned(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CT_FAKE_GPUS", "Card=24")
+    pytester.makeconftest(FAKE_CUDA_CONFTEST)
+    uses = "from conftest import FAKE\n\ndef test_{}():\n    FAKE.alloc(1); FAKE.free(1)\n"
+    pytester.makepyfile(
+        test_a=uses.format("kept") + "\n" + uses.format("renamed").split("\n", 2)[2]
+    )
+    pytester.makepyfile(test_b=uses.format("deselected"), test_gone=uses.format("gone"))
+    pytester.runpytest_subprocess().assert_outcomes(passed=4)
+    cache = pytester.path / ".pytest_cache/v/ctresources/learned-needs"
+    assert len(json.loads(cache.read_text())) == 4
+    (pytester.path / "test_gone.py").unlink()
+    pytester.makepyfile(test_a=uses.format("kept") + "\n" + uses.format("new").split("\n", 2)[2])
+    result = pytester.runpytest_subprocess("-k", "not deselected", "-n", "2")
+    result.assert_outcomes(passed=2)
+    assert sorted(json.loads(cache.read_text())) == [
+        "test_a.py::test_kept",
+        "test_a.py::test_new",
+        "test_b.py::test_deselected",
+    ]

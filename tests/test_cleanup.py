@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from pytest_ctresources import cleanup
+from pytest_ctresources import cleanup_between_tests as between
 from pytest_ctresources.allocator import AllocConf, memory_fraction
+from tests.fake_cuda import FAKE_CUDA_CONFTEST
 
 pytest_plugins = ["pytester"]
 
@@ -35,6 +39,38 @@ def test_open_figures_are_closed_and_counted_in_verbose(pytester: pytest.Pyteste
     )
     quiet = pytester.runpytest()
     assert "closed 2 matplotlib" not in quiet.stdout.str()
+
+
+WIDER_SCOPE_FIGURES = """
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import pytest
+
+@pytest.fixture(scope="module")
+def dashboard():
+    yield plt.figure()
+
+@pytest.fixture
+def scratch():
+    plt.figure()
+
+def test_one(dashboard, scratch):
+    plt.figure()
+
+def test_two(dashboard):
+    assert plt.fignum_exists(dashboard.number), "the module fixture's figure was closed"
+    assert plt.get_fignums() == [dashboard.number]
+"""
+
+
+def test_only_the_figures_a_test_opened_are_closed(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_figs=WIDER_SCOPE_FIGURES)
+    result = pytester.runpytest("-v")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        ["ctresources: closed 2 matplotlib figure(s) left open by test_figs.py::test_one"]
+    )
 
 
 def test_cleanup_never_leaves_figures(pytester: pytest.Pytester) -> None:
@@ -77,6 +113,90 @@ def test_failed_test_traceback_does_not_keep_its_tensors(
     result.assert_outcomes(failed=1, passed=1 if released else 0, errors=0 if released else 1)
 
 
+# A fixture of module scope keeps an exception it caught at setup; a failing test chains to it.
+# That exception's traceback holds the fixture's suspended generator frame: clearing it would
+# finalise the generator, running the fixture's teardown in the middle of the module.
+SUSPENDED_FIXTURE = """
+import pytest
+
+EVENTS = []
+
+@pytest.fixture(scope="module")
+def resource():
+    try:
+        raise KeyError("handled at setup")
+    except KeyError as exc:
+        caught = exc
+    try:
+        yield caught
+    finally:  # runs when the generator is finalised, too
+        EVENTS.append("teardown")
+
+def test_fails(resource):
+    raise AssertionError("boom") from resource
+
+def test_still_set_up(resource):
+    assert EVENTS == [], "the module fixture was torn down after the first test"
+"""
+
+
+@pytest.mark.parametrize("mode", ["auto", "always", "never"])
+def test_a_failure_never_finalises_a_suspended_fixture(
+    pytester: pytest.Pytester, mode: str
+) -> None:
+    pytester.makeini(f"[pytest]\nct_cleanup = {mode}\n")
+    pytester.makepyfile(test_fixture=SUSPENDED_FIXTURE)
+    pytester.runpytest_subprocess().assert_outcomes(failed=1, passed=1)
+
+
+# Stands for a tensor on the GPU caught in a reference cycle: only a collection frees it. The
+# automatic collector is off in this project, so only the plugin's cleanup can collect it.
+GARBAGE_CYCLE = """
+import gc, weakref
+import pytest
+from conftest import FAKE
+
+REFS = []
+
+class Holder:
+    def __init__(self, gib):
+        FAKE.alloc(gib)
+        self.gib = gib
+        self.me = self
+
+    def __del__(self):
+        FAKE.free(self.gib)
+
+@pytest.fixture(scope="session", autouse=True)
+def no_automatic_collections():
+    gc.disable()
+    yield
+    gc.enable()
+
+def test_leaves_a_cycle_holding_cuda_memory():
+    REFS.append(weakref.ref(Holder(1.0)))
+
+@pytest.fixture
+def next_setup():
+    assert REFS[0]() is None, "the cycle is still alive at the next test's setup"
+    assert FAKE.allocated == 0, "its memory is still allocated"
+
+def test_next(next_setup):
+    pass
+"""
+
+
+@pytest.mark.parametrize(("mode", "freed"), [("auto", True), ("never", False)])
+def test_a_cycle_holding_cuda_memory_is_freed_before_the_next_setup(
+    pytester: pytest.Pytester, mode: str, freed: bool
+) -> None:
+    pytester.makeconftest(FAKE_CUDA_CONFTEST)
+    pytester.makeini(f"[pytest]\nct_cleanup = {mode}\n")
+    pytester.makepyfile(test_cycle=GARBAGE_CYCLE)
+    result = pytester.runpytest_subprocess("-W", "ignore::pytest_ctresources.exceptions.CtLeakWarning")
+    result.assert_outcomes(passed=2 if freed else 1, errors=0 if freed else 1)
+
+
 def test_cleanup_python_cuda_collects_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     monkeypatch.setattr(cleanup.gc, "collect", lambda: calls.append("gc") or 0)
@@ -85,35 +205,140 @@ def test_cleanup_python_cuda_collects_without_cuda(monkeypatch: pytest.MonkeyPat
 
 
 class _FakeCuda:
-    def __init__(self, log: list[str]) -> None:
+    """torch.cuda as the cleanup reads it: allocated and reserved bytes, empty_cache."""
+
+    def __init__(self, log: list[str], allocated: int = 0, reserved: int = 0) -> None:
         self.log = log
+        self.allocated = allocated
+        self.reserved = reserved
 
     def is_initialized(self) -> bool:
         return True
 
+    def memory_allocated(self, device: object = None) -> int:
+        return self.allocated
+
+    def memory_reserved(self, device: object = None) -> int:
+        return self.reserved
+
     def empty_cache(self) -> None:
         self.log.append("empty_cache")
+        self.reserved = self.allocated
 
 
-def test_gc_runs_before_empty_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The order matters: empty_cache can only return blocks whose tensors gc has freed.
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> tuple[_FakeCuda, list[str]]:
     log: list[str] = []
+    cuda = _FakeCuda(log)
     fake_torch = type(sys)("torch")
-    fake_torch.cuda = _FakeCuda(log)  # type: ignore[attr-defined]
+    fake_torch.cuda = cuda  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
-    monkeypatch.setattr(cleanup.gc, "collect", lambda: log.append("gc") or 0)
-    result = cleanup.cleanup_after_test("auto")
+    monkeypatch.setattr(between.gc, "collect", lambda generation=2: log.append("gc") or 0)
+    monkeypatch.setattr(cleanup.gc, "collect", lambda generation=2: log.append("gc") or 0)
+    return cuda, log
+
+
+def _finish(cleaner: between.BetweenTests, beyond: int | None, resident: int = 0) -> None:
+    item: Any = SimpleNamespace(stash=pytest.Stash())  # only an item's stash is used
+    cleaner.begin(item, 0)
+    cleaner.finish(item, lambda: beyond, resident)
+
+
+def test_gc_runs_before_empty_cache(fake_cuda: tuple[_FakeCuda, list[str]]) -> None:
+    # The order matters: empty_cache can only return blocks whose tensors gc has freed.
+    cuda, log = fake_cuda
+    cuda.reserved = 1 << 30
+    cleanup.cleanup_python_cuda()
     assert log == ["gc", "empty_cache"]
-    assert result.cuda_cache_emptied
 
 
-def test_auto_without_cuda_does_not_collect(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_test_that_left_nothing_costs_no_collection(
+    fake_cuda: tuple[_FakeCuda, list[str]],
+) -> None:
+    cuda, log = fake_cuda
+    cuda.reserved = 2 << 20  # a small test's cached segment: not worth a device sync
+    _finish(between.BetweenTests("auto"), beyond=0)
+    assert log == []
+
+
+def test_garbage_holding_cuda_memory_is_collected_then_the_cache_returned(
+    fake_cuda: tuple[_FakeCuda, list[str]],
+) -> None:
+    cuda, log = fake_cuda
+    cuda.reserved = 1 << 30
+    _finish(between.BetweenTests("auto"), beyond=256 << 20)
+    assert log == ["gc", "empty_cache"]
+
+
+def test_a_model_the_test_made_resident_is_no_garbage(
+    fake_cuda: tuple[_FakeCuda, list[str]],
+) -> None:
+    _cuda, log = fake_cuda
+    _finish(between.BetweenTests("auto"), beyond=9 << 30, resident=9 << 30)
+    assert log == []
+    _finish(between.BetweenTests("auto"), beyond=(9 << 30) + (1 << 20), resident=9 << 30)
+    assert log == ["gc"]
+
+
+def test_auto_without_cuda_does_not_collect_and_always_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     log: list[str] = []
     monkeypatch.delitem(sys.modules, "torch", raising=False)
-    monkeypatch.setattr(cleanup.gc, "collect", lambda: log.append("gc") or 0)
-    assert cleanup.cleanup_after_test("auto") == cleanup.CleanupResult()
+    monkeypatch.setattr(
+        between.gc, "collect", lambda generation=2: log.append(f"gc{generation}") or 0
+    )
+    _finish(between.BetweenTests("auto"), beyond=None)
     assert log == []
-    assert cleanup.cleanup_after_test("always").collected
+    always = between.BetweenTests("always")
+    try:
+        # The run's first collection: the young generations, then the rest is frozen; later
+        # ones are full (and cost what the tests allocated since).
+        _finish(always, beyond=None)
+        _finish(always, beyond=None)
+    finally:
+        always.close()
+    assert log == ["gc1", "gc2"]
+
+
+def test_a_slow_collection_freezes_the_long_lived_and_close_unfreezes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if __import__("gc").get_freeze_count():
+        pytest.skip("something in this process froze objects already")
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    monkeypatch.setattr(between, "POLICY", between.CleanupPolicy(freeze_after_s=0.0))
+    cleaner = between.BetweenTests("always")
+    try:
+        _finish(cleaner, beyond=None)
+        assert between.gc.get_freeze_count() > 0
+    finally:
+        cleaner.close()
+    assert between.gc.get_freeze_count() == 0
+
+
+def test_collect_everything_reaches_frozen_garbage() -> None:
+    import gc
+    import weakref
+
+    if gc.get_freeze_count():
+        pytest.skip("something in this process froze objects already")
+
+    class Node:
+        pass
+
+    node = Node()
+    node.self = node  # type: ignore[attr-defined]  # a reference cycle
+    ref = weakref.ref(node)
+    gc.freeze()
+    try:
+        del node
+        gc.collect()
+        assert ref() is not None, "a frozen cycle survives a plain collection"
+        cleanup.collect_everything()
+        assert ref() is None
+    finally:
+        gc.unfreeze()
 
 
 def test_alloc_conf_setdefault_and_undo() -> None:

@@ -98,3 +98,78 @@ def test_ct_config_fixture_without_marker_is_the_session_config(pytester: pytest
         """
     )
     pytester.runpytest().assert_outcomes(passed=1)
+
+
+LOAD_FAILURES = """
+import pytest
+
+def test_first(ct_session):
+    ct_session.attribute("the capital of france is")
+
+def test_second(ct_session):
+    ct_session.attribute("the capital of france is")
+
+@pytest.fixture
+def model(ct_session):
+    return ct_session.load_model()
+
+def test_third_through_a_fixture(model):
+    pass
+
+@pytest.mark.ct_config(model_name="ctresources/tiny-gema-2", transcoder_set="ctresources/random-jumprelu")
+def test_typo(ct_session):
+    ct_session.load_model()
+"""
+
+
+def test_a_model_that_fails_to_load_fails_once_in_one_line(pytester: pytest.Pytester) -> None:
+    # HF_HUB_OFFLINE=1 (tests/conftest.py): the hub is not asked, the cache has nothing.
+    pytester.makefile(".yaml", exp="MODEL_NAME: google/gemma-2-2b\nTRANSCODER_SET: gemma\n")
+    pytester.makepyfile(test_load=LOAD_FAILURES)
+    result = pytester.runpytest_subprocess("--ct-config", "exp.yaml")
+    result.assert_outcomes(failed=3, errors=1)
+    first = (
+        "cannot load model 'google/gemma-2-2b' with transcoders 'gemma' (MODEL_NAME in "
+        "exp.yaml): offline (HF_HUB_OFFLINE is set) and its files are not in the local "
+        "Hugging Face cache"
+    )
+    lines = result.stdout.lines
+    repeated = f"not retried: the same model failed to load earlier in test_load.py::test_first: {first}"
+    assert lines.count(first) == 1  # test_first's failure: one line
+    assert lines.count(repeated) == 2  # test_second and the fixture of test_third
+    result.stdout.fnmatch_lines(
+        [
+            "cannot load model 'ctresources/tiny-gema-2' with transcoders "
+            "'ctresources/random-jumprelu' (@pytest.mark.ct_config on test_load.py::test_typo): "
+            "* (did you mean ctresources/tiny-gemma-2?)",
+        ]
+    )
+    out = result.stdout.str()
+    assert "Traceback" not in out and "During handling" not in out
+    assert "did you mean google/gemma-2-2b" not in out  # a known name gets no suggestion
+
+
+def test_the_batch_size_is_a_number_before_and_after_an_auto_call(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makefile(".yaml", exp=TINY_YAML)
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ct_config(batch_size="auto", batch_size_max=64)
+        def test_auto(ct_session):
+            assert ct_session.cfg.batch_size == "auto"
+            before = ct_session.batch_size
+            assert isinstance(before, int) and 1 <= before <= 64
+            ct_session.attribute("the capital of france is")
+            (choice,) = ct_session.auto_choices
+            assert ct_session.batch_size == choice.batch_size
+            ct_session.attribute("the capital of france is", batch_size=ct_session.batch_size // 4)
+            assert ct_session.batch_size == choice.batch_size // 4
+
+        def test_fixed(ct_session):
+            assert ct_session.batch_size == 128
+        """
+    )
+    pytester.runpytest_subprocess("--ct-config", "exp.yaml").assert_outcomes(passed=2)

@@ -55,6 +55,22 @@ def test_capacity_option_replaces_the_detected_memory(
     )
 
 
+def test_a_capacity_above_the_card_is_clamped_to_it(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CT_FAKE_GPUS", "Card=10")
+    pytester.makepyfile(test_v=VRAM_TESTS)
+    result = pytester.runpytest("-rs", "-v", "--ct-vram-capacity", "200")
+    result.assert_outcomes(passed=1, skipped=2)
+    clamped = "--ct-vram-capacity 200 GiB, clamped to the 10.0 GiB of GPU 0 (Card)"
+    result.stdout.fnmatch_lines(
+        [
+            f"ctresources: vram capacity 10 GiB ({clamped}), *",
+            f"*needs 20.0 GiB VRAM; GPU 0 (Card) is capped at 10.0 GiB by {clamped}",
+        ]
+    )
+
+
 def test_cuda_visible_devices_picks_the_gpu(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -179,16 +195,46 @@ def test_ct_config_marker_layers(
                 assert ct_config.dtype == "bfloat16"
                 assert ct_config.source_of("dtype").kind == "yaml"
 
+        """,
+        test_own="""
+        import pytest
+
         @pytest.mark.ct_config(batch_size=32)
-        def test_env_beats_marker(ct_config):
-            assert ct_config.batch_size == 7
-        """
+        def test_own_marker_beats_env_and_option(ct_config):
+            assert ct_config.batch_size == 32
+            assert ct_config.max_feature_nodes == 100
+
+        @pytest.mark.ct_config(batch_size=16, max_feature_nodes=10)
+        def test_another_own_marker(ct_config):
+            assert (ct_config.batch_size, ct_config.max_feature_nodes) == (16, 10)
+
+        def test_session_wide(ct_config):
+            assert ct_config.batch_size == 9
+            assert str(ct_config.source_of("batch_size")) == "--ct-batch-size"
+        """,
     )
-    monkeypatch.setenv("CT_BATCH_SIZE", "7")
-    result = pytester.runpytest(
-        "--ct-config", "exp.yaml", "test_layering.py::test_env_beats_marker"
-    )
-    result.assert_outcomes(passed=1)
-    monkeypatch.delenv("CT_BATCH_SIZE")
     result = pytester.runpytest("--ct-config", "exp.yaml", "test_layering.py::TestLayers")
     result.assert_outcomes(passed=1)
+    # pytest's convention (pytest-timeout's marker over --timeout): the test's own marker wins
+    # over the session-wide environment and command line, and the run says so once per setting.
+    monkeypatch.setenv("CT_BATCH_SIZE", "7")
+    result = pytester.runpytest(
+        "--ct-config", "exp.yaml", "--ct-batch-size", "9", "-v", "test_own.py"
+    )
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(
+        [
+            "ctresources: test_own.py::test_own_marker_beats_env_and_option keeps its own "
+            "batch_size=32 (@pytest.mark.ct_config) over --ct-batch-size 9; said once per "
+            "setting, the summary counts them",
+            "ctresources: test_own.py::test_another_own_marker keeps its own "
+            "max_feature_nodes=10 (@pytest.mark.ct_config) over MAX_FEATURE_NODES in exp.yaml "
+            "(100)*",
+            "*ctresources summary*",
+            "2 test(s) keep their own batch_size (@pytest.mark.ct_config) over --ct-batch-size 9",
+            "1 test(s) keep their own max_feature_nodes (@pytest.mark.ct_config) over "
+            "MAX_FEATURE_NODES in exp.yaml (100)",
+        ]
+    )
+    out = result.stdout.str()
+    assert out.count("keeps its own batch_size") == 1

@@ -11,18 +11,23 @@ pytest_plugins = ["pytester"]
 HEAVY = ("torch", "matplotlib", "circuit_tracer", "nnsight", "nbformat", "pynvml", "yaml")
 
 
-@pytest.mark.parametrize(("as_worker", "verbose"), [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize(
+    ("as_worker", "verbose"), [(False, False), (False, True), (True, False)],
+    ids=["serial", "verbose", "worker"],
+)
 def test_a_run_that_does_not_use_the_plugin_imports_nothing_heavy(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, as_worker: bool, verbose: bool
 ) -> None:
+    # -v prints the GPU in the header: without NVML (this machine) it must not ask torch,
+    # whose import costs seconds, for a project that never uses it.
     heavy = HEAVY
-    if as_worker or verbose:
-        # In an xdist worker the plugin asks NVML for the host's GPUs to bind one, and -v
-        # asks it for the header (pynvml is light), never torch. (A pytest started inside a
-        # worker inherits its environment.)
+    if verbose:  # the header asks NVML (pynvml is light), never torch
         heavy = tuple(name for name in HEAVY if name != "pynvml")
     if as_worker:
+        # In an xdist worker the plugin asks NVML for the host's GPUs to bind one (pynvml is
+        # light), never torch. (A pytest started inside a worker inherits its environment.)
         monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+        heavy = tuple(name for name in HEAVY if name != "pynvml")
     pytester.makeconftest(
         f"""
         import sys
@@ -32,11 +37,12 @@ def test_a_run_that_does_not_use_the_plugin_imports_nothing_heavy(
         """
     )
     pytester.makepyfile("def test_a(): pass")
-    result = pytester.runpytest_subprocess(
-        "-s", "-p", "no:nbmake", "-p", "no:randomly", *(["-v"] if verbose else [])
-    )
+    args = ["-s", "-p", "no:nbmake", *(["-v"] if verbose else [])]
+    result = pytester.runpytest_subprocess(*args)
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*HEAVY::END*"])
+    if verbose:
+        result.stdout.fnmatch_lines(["ctresources: no CUDA GPU detected (NVML unavailable*"])
 
 
 def test_options_and_fixtures_under_xdist(pytester: pytest.Pytester) -> None:

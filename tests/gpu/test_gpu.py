@@ -146,6 +146,87 @@ def test_failed_test_frees_its_gpu_memory_before_the_next_setup(pytester: pytest
     result.assert_outcomes(passed=2, failed=1)
 
 
+def test_a_cycle_holding_a_cuda_tensor_is_freed_before_the_next_setup(
+    pytester: pytest.Pytester,
+) -> None:
+    # Only a garbage collection frees a tensor caught in a reference cycle; the automatic
+    # collector is off in this project, so only the plugin's cleanup can (and, being cheap,
+    # it collects only because CUDA memory is above the test's baseline).
+    pytester.makepyfile(
+        """
+        import gc, weakref
+        import pytest, torch
+
+        BASELINE, REFS = [], []
+
+        @pytest.fixture(scope="session", autouse=True)
+        def no_automatic_collections():
+            gc.disable()
+            yield
+            gc.enable()
+
+        class Holder:
+            def __init__(self):
+                self.tensor = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+                self.me = self
+
+        def test_baseline():
+            torch.cuda.init()
+            BASELINE.append(torch.cuda.memory_allocated())
+
+        def test_leaves_a_cycle():
+            REFS.append(weakref.ref(Holder()))
+
+        @pytest.fixture
+        def check_memory():
+            assert REFS[0]() is None
+            assert torch.cuda.memory_allocated() == BASELINE[0]
+
+        def test_next_setup_has_the_memory(check_memory):
+            pass
+        """
+    )
+    pytester.runpytest_subprocess("-p", "no:randomly").assert_outcomes(passed=3)
+
+
+def test_strict_ct_session_suite_on_a_real_size_model(pytester: pytest.Pytester) -> None:
+    # The model ct_session keeps loaded (8.6 GiB in bfloat16) is resident, not the first
+    # test's leak: --ct-strict passes a normal suite, and the summary lists the model.
+    pytester.makefile(
+        ".yaml",
+        exp="MODEL_NAME: ctresources/random-gemma-2-2b\n"
+        "TRANSCODER_SET: ctresources/random-jumprelu\nDTYPE: bfloat16\nBATCH_SIZE: 64\n"
+        "MAX_FEATURE_NODES: 1024\n",
+    )
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.parametrize("prompt", ["the capital of france is", "the big red city was"])
+        def test_attribution(ct_session, prompt):
+            graph = ct_session.attribute(prompt)
+            assert len(graph.selected_features) > 0
+
+        def test_uses_the_same_model(ct_session, request):
+            from pytest_ctresources.runtime import runtime_of
+            ct_session.attribute("the capital of france is")
+            assert runtime_of(request.config).model_cache.loads == 1
+        """
+    )
+    result = pytester.runpytest_subprocess(
+        "--ct-config", "exp.yaml", "--ct-strict", "-p", "no:randomly"
+    )
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(
+        [
+            "resident models (kept loaded between tests by ct_session; not leaks):",
+            "  main GPU 0: ctresources/random-gemma-2-2b (bfloat16) * GiB, loaded by "
+            "test_strict_ct_session_suite_on_a_real_size_model.py::test_attribution[[]the capital of france is[]]",
+        ]
+    )
+    assert "LEAK " not in result.stdout.str()
+
+
 def test_safe_clean_cuda_frees_transients_and_moves_back(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """
