@@ -22,7 +22,7 @@ from pytest_ctresources.estimate import Estimate
 from pytest_ctresources.exceptions import CtLeakWarning
 from pytest_ctresources.learned import memory_key
 from pytest_ctresources.measure import GIB, VramFigures, VramMeter
-from pytest_ctresources.runtime import CONFIG_KEY, Runtime
+from pytest_ctresources.runtime import CONFIG_KEY, OWN_SETTINGS_PROPERTY, Runtime, own_settings
 from pytest_ctresources.session import CtSession, ResidentModel
 from pytest_ctresources.sources import Source
 from pytest_ctresources.vram import skip_reason
@@ -60,7 +60,11 @@ def begin(item: pytest.Item, runtime: Runtime) -> str | None:
     item.stash[METER_KEY] = meter
     item.stash[RESIDENT_KEY] = (runtime.model_cache.resident, runtime.resident_bytes())
     cfg = item.stash.get(CONFIG_KEY, None)  # set at collection for notebook items
-    if cfg is None and CONFIG_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+    if cfg is not None:
+        overrides = own_settings(runtime.session_config(), cfg)
+        if overrides:  # a notebook's own experiment config over a session-wide value
+            item.user_properties.append((OWN_SETTINGS_PROPERTY, overrides))
+    elif CONFIG_FIXTURES.intersection(getattr(item, "fixturenames", ())):
         cfg = runtime.config_for(item)
     capacity = runtime.settings.vram_capacity_gib
     key = memory_key(item.nodeid, cfg, capacity.value if capacity is not None else None)

@@ -1,16 +1,25 @@
 """How a notebook's kernel is started and how it reports back.
 
-- its environment: the session's settings (``CT_*``), the allocator default
-  (``PYTORCH_CUDA_ALLOC_CONF``) and a non-interactive matplotlib backend;
-- an IPython start-up file (through a private ``IPYTHONDIR``) that applies
-  ``--ct-vram-capacity`` inside the kernel and writes the kernel's CUDA peak to a file at exit;
+Everything reaches the kernel through jupyter_client's own ways in, so the kernel is the one
+nbmake would start, in the project's own IPython profile:
+
+- its environment: the pytest process's, plus the session's settings (``CT_*``); the
+  allocator default ``PYTORCH_CUDA_ALLOC_CONF`` comes with the pytest process's environment.
+  It is passed to ``start_kernel(env=...)``; ``os.environ`` is never changed;
+- for an IPython kernel (ipykernel), a start-up file named on its command line
+  (``--IPKernelApp.exec_files``) that applies ``--ct-vram-capacity`` inside the kernel and
+  writes the kernel's CUDA peak to a file at exit. It leaves no name in the notebook's
+  namespace, and the project's ``IPYTHONDIR``, profile and start-up files still run;
 - IPC sockets instead of TCP ports, so parallel xdist workers never race for a port
   (nbmake#129: jupyter_client picks free ports by binding and closing them, and the kernel
-  binds them later).
+  binds them later). The sockets live in a private directory made for each kernel.
+
+Imported only under ``--nbmake`` (it imports jupyter_client's machinery when a kernel starts).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -19,42 +28,48 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pytest_ctresources.config import CircuitTracerConfig
 from pytest_ctresources.measure import VramFigures
 
 VRAM_FILE_ENV = "CT_NOTEBOOK_VRAM_FILE"
 CAPACITY_ENV = "CT_VRAM_CAPACITY"
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
-# Runs in the kernel at start-up (IPython profile start-up file), without a visible cell.
-# It caps the allocator like the pytest process (importing torch only when a cap is set) and
-# reports the kernel's CUDA figures at exit, using only what the kernel itself loaded.
+# Runs in the kernel at start-up, in the notebook's namespace (that is how IPython runs
+# exec_files), without a visible cell; the one name it defines it deletes. It caps the
+# allocator like the pytest process (importing torch only when a cap is set) and reports the
+# kernel's CUDA figures at exit, using only what the kernel itself loaded.
 KERNEL_STARTUP = """\
-import atexit as _ct_atexit
-import os as _ct_os
+def _ctresources_kernel_startup():
+    import atexit
+    import os
 
-if _ct_os.environ.get("CT_VRAM_CAPACITY"):
-    from pytest_ctresources.allocator import CapacityCap as _CtCapacityCap
+    if os.environ.get("CT_VRAM_CAPACITY"):
+        from pytest_ctresources.allocator import CapacityCap
 
-    _CtCapacityCap(float(_ct_os.environ["CT_VRAM_CAPACITY"])).arm(import_torch=True)
+        CapacityCap(float(os.environ["CT_VRAM_CAPACITY"])).arm(import_torch=True)
+
+    def report_vram():
+        import json, sys
+        path = os.environ.get("CT_NOTEBOOK_VRAM_FILE")
+        torch = sys.modules.get("torch")
+        if not path or torch is None or not torch.cuda.is_initialized():
+            return
+        device = torch.cuda.current_device()
+        with open(path, "w") as handle:
+            json.dump({
+                "device": device,
+                "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+                "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+            }, handle)
+
+    atexit.register(report_vram)
 
 
-def _ct_report_vram():
-    import json, os, sys
-    path = os.environ.get("CT_NOTEBOOK_VRAM_FILE")
-    torch = sys.modules.get("torch")
-    if not path or torch is None or not torch.cuda.is_initialized():
-        return
-    device = torch.cuda.current_device()
-    with open(path, "w") as handle:
-        json.dump({
-            "device": device,
-            "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
-            "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
-        }, handle)
-
-
-_ct_atexit.register(_ct_report_vram)
+_ctresources_kernel_startup()
+del _ctresources_kernel_startup
 """
 
 
@@ -64,98 +79,100 @@ def kernel_environment(
     alloc_conf: str | None,
     capacity_gib: float | None,
 ) -> dict[str, str]:
-    """The environment variables a notebook's kernel gets from the session."""
+    """The variables a notebook's kernel gets from the session, beyond the pytest process's
+    own environment."""
     env = {
         "CT_BATCH_SIZE": str(cfg.batch_size),
         "CT_MAX_FEATURE_NODES": str(cfg.max_feature_nodes),
-        "MPLBACKEND": "Agg",
     }
     if config_path:
         env["CT_CONFIG"] = config_path
     if alloc_conf:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+        env[ALLOC_CONF_ENV] = alloc_conf
     if capacity_gib:
         env[CAPACITY_ENV] = repr(capacity_gib)
     return env
 
 
-@contextmanager
-def environment(values: Mapping[str, str]) -> Iterator[None]:
-    """Set ``values`` in ``os.environ`` for the block (the kernel inherits it), then restore."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
+def is_ipython_kernel(argv: list[str]) -> bool:
+    """Whether a kernelspec's command starts ipykernel (whose ``IPKernelApp`` options the
+    start-up file needs); any other kernel would refuse them."""
+    return any(Path(part).name.startswith("ipykernel") for part in argv)
 
 
-def _ipc_kernel_manager(directory: Path) -> type:
-    # nbclient drives kernels from an asyncio loop: the manager must be the *async* one. A
-    # subclass of the blocking KernelManager gives a blocking client whose get_msg() starves
-    # the loop, so nbclient's dead-kernel poll never runs and a dying kernel hangs the run.
+@functools.cache
+def ipc_kernel_manager() -> type:
+    """The kernel manager class nbclient is given (built once, on first use).
+
+    nbclient drives kernels from an asyncio loop: the manager must be the *async* one. A
+    subclass of the blocking KernelManager gives a blocking client whose get_msg() starves
+    the loop, so nbclient's dead-kernel poll never runs and a dying kernel hangs the run.
+    Where its sockets go and which start-up file it passes come from its traitlets config
+    (:func:`kernel_launch`), so one class serves every kernel.
+    """
     from jupyter_client import AsyncKernelManager
+    from traitlets import Unicode
 
     class IpcKernelManager(AsyncKernelManager):  # type: ignore[misc]  # (Any base)
-        """A kernel on IPC sockets in a private directory: no TCP port to race for."""
+        """A kernel on IPC sockets, started with the plugin's start-up file if it is ipykernel."""
 
-        def _transport_default(self) -> str:
-            return "ipc"
+        startup_file = Unicode(
+            "", config=True, help="a file ipykernel runs at start-up (IPKernelApp.exec_files)"
+        )
 
-        def _ip_default(self) -> str:
-            return str(directory / "kernel")
+        def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
+            arguments = list(extra_arguments or [])
+            if self.startup_file and is_ipython_kernel(list(self.kernel_spec.argv)):
+                arguments.append(f"--IPKernelApp.exec_files={self.startup_file}")
+            command: list[str] = super().format_kernel_cmd(arguments)
+            return command
 
     return IpcKernelManager
 
 
-@contextmanager
-def ipc_kernels(directory: Path) -> Iterator[None]:
-    """Make nbmake's runner start kernels on IPC sockets in ``directory`` for the block.
-
-    nbmake's ``NotebookRun`` builds its ``nbclient.NotebookClient`` itself and takes no kernel
-    manager, so the name it looks up is swapped for the block.
-    """
-    import functools
-
-    from nbmake import nb_run
-
-    original = nb_run.NotebookClient
-    nb_run.NotebookClient = functools.partial(
-        original, kernel_manager_class=_ipc_kernel_manager(directory)
-    )
-    try:
-        yield
-    finally:
-        nb_run.NotebookClient = original
-
-
 @dataclass
-class KernelReport:
-    """Filled when the block of :func:`kernel_launch` ends: the kernel's CUDA figures, if it
-    used CUDA."""
+class KernelLaunch:
+    """How the kernels started in a :func:`kernel_launch` block are started, and, once the
+    block has ended, the CUDA figures the kernel reported (None if it never used CUDA)."""
 
+    env: dict[str, str]
+    """The kernel's whole environment (for ``start_kernel(env=...)``)."""
+    manager_class: type
+    config: Any
+    """traitlets ``Config`` for the manager: IPC transport, socket path, start-up file."""
     figures: VramFigures | None = None
 
 
 @contextmanager
-def kernel_launch(env: Mapping[str, str]) -> Iterator[KernelReport]:
-    """Kernels started in the block get ``env``, the start-up file and IPC sockets."""
+def kernel_launch(extra_env: Mapping[str, str]) -> Iterator[KernelLaunch]:
+    """A private directory for one kernel's sockets, start-up file and VRAM report; removed
+    at the end of the block, when :attr:`KernelLaunch.figures` is filled."""
+    from traitlets.config import Config
+
+    # mkdtemp: a new directory, mode 0700, that nobody else can have prepared or can enter.
     scratch = Path(tempfile.mkdtemp(prefix="ctresources-nb-"))
-    startup = scratch / "ipython" / "profile_default" / "startup"
-    startup.mkdir(parents=True)
-    (startup / "00-ctresources.py").write_text(KERNEL_STARTUP, encoding="utf-8")
-    vram_file = scratch / "vram.json"
-    report = KernelReport()
-    full_env = {**env, "IPYTHONDIR": str(scratch / "ipython"), VRAM_FILE_ENV: str(vram_file)}
     try:
-        with environment(full_env), ipc_kernels(scratch):
-            yield report
+        startup = scratch / "startup.py"
+        startup.write_text(KERNEL_STARTUP, encoding="utf-8")
+        vram_file = scratch / "vram.json"
+        launch = KernelLaunch(
+            env={**os.environ, **extra_env, VRAM_FILE_ENV: str(vram_file)},
+            manager_class=ipc_kernel_manager(),
+            config=Config(
+                {
+                    "IpcKernelManager": {
+                        "transport": "ipc",
+                        "ip": str(scratch / "kernel"),
+                        "startup_file": str(startup),
+                    }
+                }
+            ),
+        )
+        try:
+            yield launch
+        finally:
+            launch.figures = read_figures(vram_file)
     finally:
-        report.figures = read_figures(vram_file)
         shutil.rmtree(scratch, ignore_errors=True)
 
 

@@ -1,21 +1,29 @@
 """Notebooks through nbmake, driven by the same configs and VRAM rules as tests.
 
 Registered only when nbmake is installed and ``--nbmake`` is given. Each notebook runs in its
-own kernel through nbmake's runner; this module holds the collection and the item:
+own kernel, as nbmake runs it (:mod:`~pytest_ctresources.notebook_run`); this module holds the
+collection and the item:
 
-- experiment YAML files that name a ``NOTEBOOK`` are collected as one test item each, and
-  nbmake's own notebook items are turned into the same item class;
+- experiment YAML files that name a ``NOTEBOOK`` are collected as one test item each, when
+  they are ours: listed by the ``ct_notebook_configs`` ini key (files, folders, globs) or
+  named on the command line. Any other YAML file is left to whoever owns it;
+- nbmake's own notebook items are turned into the same item class;
 - notebook metadata (``"ctresources": {"vram_gib": 20, "marks": ["slow"]}``) becomes marks,
   so ``-m`` and VRAM skips work on notebooks as on tests;
-- the item runs an injected copy of the notebook (``notebook_params``) in a kernel started
-  with the session's settings (``kernels``), so the file on disk is unchanged (except under
-  nbmake's ``--overwrite``), and a dead kernel fails only its item.
+- a notebook that receives values (an experiment item, or a setting the user set) runs with
+  an ``injected-parameters`` cell added in memory (:mod:`~pytest_ctresources.notebook_params`);
+  one that receives nothing runs as it is on disk. The file on disk changes only under
+  nbmake's ``--overwrite``, which writes what ran;
+- the kernel is started with the session's settings (:mod:`~pytest_ctresources.kernels`), and
+  a dead kernel fails only its item. Failures are reported as nbmake reports them; the
+  plugin's own (a config error, a dead kernel, a warning made an error by ``-W error``) in
+  one line naming the file.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
+import glob
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,13 +37,17 @@ from pytest_ctresources.exceptions import CtResourcesWarning
 from pytest_ctresources.experiment_yaml import ExperimentFile, load_experiment_yaml
 from pytest_ctresources.kernels import kernel_environment, kernel_launch
 from pytest_ctresources.notebook_params import (
+    check_params,
     inject_parameters,
     injected_values,
     notebook_metadata,
 )
+from pytest_ctresources.options import NOTEBOOK_CONFIGS_INI
 from pytest_ctresources.runtime import CONFIG_KEY, runtime_of
 
 ERROR_KEY = pytest.StashKey[str]()
+
+YAML_SUFFIXES = (".yaml", ".yml")
 
 
 class NotebookWarning(CtResourcesWarning):
@@ -50,6 +62,14 @@ def _item_base() -> type:
     from nbmake.pytest_items import NotebookItem
 
     return NotebookItem  # type: ignore[no-any-return]
+
+
+def shown_path(path: str | Path, config: pytest.Config) -> str:
+    """``path`` as messages show it: relative to the rootdir when it is inside."""
+    try:
+        return Path(path).relative_to(config.rootpath).as_posix()
+    except ValueError:
+        return str(path)
 
 
 def make_item_class() -> type:
@@ -75,24 +95,26 @@ def make_item_class() -> type:
         def _prepare(self) -> None:
             import nbformat
 
-            runtime = runtime_of(self.config)
-            settings = runtime.settings
+            settings = runtime_of(self.config).settings
             try:
-                below = settings.config_below_markers()
+                # The item's own experiment config (the YAML naming the notebook) beats the
+                # session's environment and options, as a test's own marker does.
+                cfg = settings.session_config()
                 if self.experiment is not None:
-                    below = self.experiment.apply(below)
-                cfg = settings.config_above_markers(below)
+                    cfg = self.experiment.apply(cfg)
+                for experiment in (settings.experiment, self.experiment):
+                    if experiment is not None:
+                        check_params(experiment.params, experiment.path)
                 self.stash[CONFIG_KEY] = cfg
             except ConfigError as exc:
                 self.stash[ERROR_KEY] = str(exc)
                 return
             try:
                 nb = nbformat.read(self.filename, as_version=4)
-            except Exception as exc:  # nbformat raises many kinds for a file that is no notebook
-                self.stash[ERROR_KEY] = f"{self.filename}: not a readable notebook: {exc}"
-                return
+            except Exception:  # nbformat raises many kinds for a file that is no notebook
+                return  # no metadata to read; the run fails it as nbmake does, with its message
             try:
-                marks, need = notebook_metadata(nb, self.filename)
+                marks, need = notebook_metadata(nb, shown_path(self.filename, self.config))
                 for mark in marks:
                     # Under --strict-markers an unregistered name fails here (pytest.fail).
                     self.add_marker(mark)
@@ -111,8 +133,21 @@ def make_item_class() -> type:
             run_notebook(self)
 
         def repr_failure(self, excinfo: Any, style: Any = None) -> Any:
-            if isinstance(excinfo.value, KernelDied):
-                return str(excinfo.value)
+            exc = excinfo.value
+            if isinstance(exc, KernelDied):
+                return str(exc)
+            if isinstance(exc, pytest.fail.Exception) and not exc.pytrace:
+                return exc.msg
+            if isinstance(exc, Warning):
+                # -W error / filterwarnings = error made a warning raised while running the
+                # notebook an exception: nbmake would call it an internal error.
+                where = shown_path(self.filename, self.config)
+                text = str(exc)
+                return (
+                    f"{type(exc).__name__}: {text}"
+                    if text.startswith(where)
+                    else f"{where}: {type(exc).__name__}: {text}"
+                )
             return super().repr_failure(excinfo, style)
 
     return CtNotebookItem
@@ -124,11 +159,15 @@ def _resolve_auto(item: Any, runtime: Any, cfg: CircuitTracerConfig) -> CircuitT
     from pytest_ctresources.autobatch import choose_from_config
     from pytest_ctresources.summary import AUTO_PROPERTY
 
+    where = shown_path(item.filename, item.config)
     tokens = runtime.settings.estimate_prompt_tokens.value
-    choice = choose_from_config(cfg, runtime.auto_budget(item), tokens)
+    try:
+        choice = choose_from_config(cfg, runtime.auto_budget(item), tokens)
+    except ConfigError as exc:
+        pytest.fail(f"{where}: batch_size 'auto': {exc}", pytrace=False)
     if choice is None:
         pytest.fail(
-            f"{item.filename}: batch_size 'auto' ({cfg.source_of('batch_size')}) needs a model "
+            f"{where}: batch_size 'auto' ({cfg.source_of('batch_size')}) needs a model "
             f"and transcoder set the estimator knows, and {cfg.model_name!r} with "
             f"{cfg.transcoder_set!r} is not one: set a number (--ct-batch-size N, or "
             "BATCH_SIZE: N in its config)",
@@ -139,11 +178,13 @@ def _resolve_auto(item: Any, runtime: Any, cfg: CircuitTracerConfig) -> CircuitT
 
 
 def run_notebook(item: Any) -> None:
-    """Run one notebook item: inject, start the kernel with the session's settings, report."""
+    """Run one notebook item: inject if it receives values, start the kernel with the
+    session's settings, run it as nbmake does, report."""
     import nbformat
     from nbclient.exceptions import DeadKernelError
-    from nbmake.nb_run import NotebookRun
     from nbmake.pytest_items import NotebookFailedException
+
+    from pytest_ctresources.notebook_run import KernelRun
 
     runtime = runtime_of(item.config)
     option = item.config.option
@@ -151,14 +192,16 @@ def run_notebook(item: Any) -> None:
     if cfg.batch_size == AUTO:
         cfg = _resolve_auto(item, runtime, cfg)
     source = Path(item.filename)
-    nb = nbformat.read(source, as_version=4)
-    note = inject_parameters(nb, injected_values(cfg))
-    if note:
-        warnings.warn(NotebookWarning(f"{source.name} {note}"), stacklevel=1)
-    # The injected copy sits next to the notebook, so its relative paths and cwd still hold.
-    # Its name does not end in .ipynb: if a killed worker leaves it behind, nbmake does not
-    # collect it as a notebook.
-    copy = source.parent / f".{source.stem}.ctresources-{os.getpid()}.ipynb-run"
+    # Read as nbmake's runner reads it: a file that is no notebook raises what nbmake
+    # reports (its own message for one that is not JSON).
+    nb = nbformat.read(str(source), as_version=4)
+    values = injected_values(cfg)
+    if values:
+        note = inject_parameters(nb, values)
+        if note:
+            warnings.warn(
+                NotebookWarning(f"{shown_path(source, item.config)} {note}"), stacklevel=1
+            )
     settings = runtime.settings
     experiment = item.experiment or settings.experiment
     capacity = settings.vram_capacity_gib
@@ -169,12 +212,13 @@ def run_notebook(item: Any) -> None:
         runtime.alloc_conf.effective(),
         capacity.value if capacity else None,
     )
-    report = None
+    launch = None
     try:
-        nbformat.write(nb, copy)
-        with kernel_launch(env) as report:
-            run = NotebookRun(
-                copy,
+        with kernel_launch(env) as launch:
+            run = KernelRun(
+                source,
+                nb,
+                launch,
                 option.nbmake_timeout,
                 verbose=bool(option.verbose),
                 kernel=option.nbmake_kernel,
@@ -185,13 +229,41 @@ def run_notebook(item: Any) -> None:
             except DeadKernelError as exc:
                 raise KernelDied(f"the kernel running {source} died: {exc}") from None
     finally:
-        copy.unlink(missing_ok=True)
-        if report is not None and report.figures is not None:
-            item.stash[KERNEL_FIGURES_KEY] = report.figures
+        if launch is not None and launch.figures is not None:
+            item.stash[KERNEL_FIGURES_KEY] = launch.figures
     if option.overwrite:
         nbformat.write(result.nb, str(source))
     if result.error is not None:
         raise NotebookFailedException(result)
+
+
+class NotebookConfigs:
+    """The experiment configs listed by ``ct_notebook_configs``, resolved once.
+
+    Each line is a file, a folder (every YAML file in it, at any depth) or a glob (``**``
+    included), relative to the ini file's folder (the rootdir without one).
+    """
+
+    def __init__(self, config: pytest.Config) -> None:
+        base = config.inipath.parent if config.inipath else config.rootpath
+        self.files: set[Path] = set()
+        self.folders: set[Path] = set()
+        for line in config.getini(NOTEBOOK_CONFIGS_INI):
+            pattern = str(line).strip()
+            if not pattern:
+                continue
+            for match in glob.glob(pattern, root_dir=base, recursive=True):
+                path = (base / match).resolve()
+                if path.is_dir():
+                    self.folders.add(path)
+                elif path.suffix in YAML_SUFFIXES:
+                    self.files.add(path)
+
+    def lists(self, path: Path) -> bool:
+        resolved = path.resolve()
+        return resolved in self.files or any(
+            folder in resolved.parents for folder in self.folders
+        )
 
 
 class NotebookSupport:
@@ -199,8 +271,9 @@ class NotebookSupport:
 
     name = "ctresources-notebooks"
 
-    def __init__(self) -> None:
+    def __init__(self, config: pytest.Config) -> None:
         self._item_class: Any = None
+        self.configs = NotebookConfigs(config)
 
     @property
     def item_class(self) -> Any:
@@ -209,9 +282,16 @@ class NotebookSupport:
         return self._item_class
 
     def pytest_collect_file(self, file_path: Path, parent: pytest.Collector) -> pytest.File | None:
-        if file_path.suffix in (".yaml", ".yml") and _names_a_notebook(file_path):
-            return ExperimentNotebookFile.from_parent(parent, path=file_path)
-        return None
+        if file_path.suffix not in YAML_SUFFIXES:
+            return None
+        # Ours when listed, or named on the command line (as pytest collects a test file
+        # named there whatever python_files says); a YAML file that merely has a NOTEBOOK
+        # line may be another tool's.
+        if not (self.configs.lists(file_path) or parent.session.isinitpath(file_path)):
+            return None
+        if not _names_a_notebook(file_path):
+            return None
+        return ExperimentNotebookFile.from_parent(parent, path=file_path)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:

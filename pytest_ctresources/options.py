@@ -38,6 +38,7 @@ _UNITS = {
 CLEANUP_MODES: tuple[str, ...] = ("auto", "always", "never")
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
 BINDING_MODES: tuple[str, ...] = ("auto", "off")
+NOTEBOOK_CONFIGS_INI = "ct_notebook_configs"
 
 
 #: The longest a test may wait for its VRAM lease: a week. (Beyond threading.TIMEOUT_MAX, about
@@ -407,3 +408,10 @@ def add_options(parser: pytest.Parser) -> None:
     for name, help_text, default in INI_ONLY:
         # default=None tells "unset" from "set to the default" (or to empty, for ct_alloc_conf)
         parser.addini(name, f"{help_text} [default: {default}]", type="string", default=None)
+    parser.addini(
+        NOTEBOOK_CONFIGS_INI,
+        "under --nbmake: experiment YAML files collected as notebook items (files, folders, "
+        "globs; relative to the ini file); a YAML file named on the command line always is",
+        type="linelist",
+        default=[],
+    )

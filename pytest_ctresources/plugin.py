@@ -111,10 +111,12 @@ def pytest_configure(config: pytest.Config) -> None:
             from pytest_ctresources.report_files import on_sigterm
 
             on_sigterm(config, reporter)
-    if config.pluginmanager.hasplugin("nbmake") and config.getoption("nbmake", False):
+    # --nbmake exists only where nbmake is loaded, under whatever name: "nbmake" from its
+    # entry point, "nbmake.pytest_plugin" from -p or PYTEST_PLUGINS.
+    if config.getoption("nbmake", False):
         from pytest_ctresources.notebooks import NotebookSupport
 
-        config.pluginmanager.register(NotebookSupport(), NotebookSupport.name)
+        config.pluginmanager.register(NotebookSupport(config), NotebookSupport.name)
     leases.start(config, runtime)  # VRAM leases where tests run; the ledger directory checked
     if runtime.settings.strict:
         config.pluginmanager.register(

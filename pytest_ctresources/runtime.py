@@ -125,6 +125,12 @@ class Runtime:
             budget = Budget(lease.gib, "its VRAM lease", margin, emulated=True, shared=True)
         return budget
 
+    def session_config(self) -> CircuitTracerConfig:
+        """The config of a test with no marker of its own, resolved once."""
+        if self._session_config is None:
+            self._session_config = self.settings.session_config()
+        return self._session_config
+
     def config_for(self, item: pytest.Item) -> CircuitTracerConfig:
         """The item's resolved config, computed once and kept in its stash.
 
@@ -133,9 +139,7 @@ class Runtime:
         cached = item.stash.get(CONFIG_KEY, None)
         if cached is not None:
             return cached
-        if self._session_config is None:
-            self._session_config = self.settings.session_config()
-        session = self._session_config
+        session = self.session_config()
         cfg = layer_markers(item, session)
         item.stash[CONFIG_KEY] = cfg
         overrides = own_settings(session, cfg)
@@ -150,8 +154,9 @@ OWN_SETTINGS_PROPERTY = "ct_own_settings"
 
 
 def own_settings(session: CircuitTracerConfig, cfg: CircuitTracerConfig) -> list[list[str]]:
-    """``[field, session-wide source, session-wide value, the test's value]`` for each field
-    the test's own marker set over a value the session set (not a default)."""
+    """``[field, session-wide source, session-wide value, the test's value, its source]`` for
+    each field the test's own marker (or a notebook item's own config) set over a value the
+    session set (not a default)."""
     out = []
     for name in FIELDS:
         before, after = session.source_of(name), cfg.source_of(name)
@@ -160,7 +165,8 @@ def own_settings(session: CircuitTracerConfig, cfg: CircuitTracerConfig) -> list
             and before.kind != "default"
             and getattr(cfg, name) != getattr(session, name)
         ):
-            out.append([name, str(before), str(getattr(session, name)), str(getattr(cfg, name))])
+            session_value, own = str(getattr(session, name)), str(getattr(cfg, name))
+            out.append([name, str(before), session_value, own, str(after)])
     return out
 
 

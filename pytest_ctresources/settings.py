@@ -88,20 +88,14 @@ class Settings:
     strict: bool = False
     forget: bool = False
 
-    def config_below_markers(self) -> CircuitTracerConfig:
-        """Defaults < ini < experiment YAML: the layers below the environment and the command
-        line (a notebook item lays its own experiment config here)."""
-        cfg = _apply(CircuitTracerConfig.defaults(), self.ini_layer)
-        return self.experiment.apply(cfg) if self.experiment else cfg
-
-    def config_above_markers(self, cfg: CircuitTracerConfig) -> CircuitTracerConfig:
-        """``cfg`` with the environment and then the command line laid over it."""
-        return _apply(_apply(cfg, self.env_layer), self.option_layer)
-
     def session_config(self) -> CircuitTracerConfig:
-        """The config of a test with no ``ct_config`` marker: the layers its markers go on
-        top of."""
-        return self.config_above_markers(self.config_below_markers())
+        """The session-wide config, defaults < ini < experiment YAML < environment < command
+        line: the config of a test with no ``ct_config`` marker, and the layers a test's own
+        marker (or a notebook item's own experiment config) goes on top of."""
+        cfg = _apply(CircuitTracerConfig.defaults(), self.ini_layer)
+        if self.experiment:
+            cfg = self.experiment.apply(cfg)
+        return _apply(_apply(cfg, self.env_layer), self.option_layer)
 
     def header_lines(self) -> list[str]:
         """Lines for the ``pytest -v`` header: effective settings and their sources."""

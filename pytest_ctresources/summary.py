@@ -189,9 +189,9 @@ class RunSummary:
         props: dict[str, Any] = dict(report.user_properties)
         if report.when == "setup":
             overrides: list[list[str]] = props.get(OWN_SETTINGS_PROPERTY, [])
-            for name, source, value, own in overrides:
+            for name, source, value, own, own_source in overrides:
                 if (name, source, value) not in self.own_settings:
-                    first.append([name, source, value, own])
+                    first.append([name, source, value, own, own_source])
                 self.own_settings.setdefault((name, source, value), set()).add(nodeid)
         if report.skipped and isinstance(report.longrepr, tuple):
             reason = str(report.longrepr[2]).removeprefix("Skipped: ")
@@ -318,7 +318,7 @@ class RunSummary:
         out += [f"  {nodeid}: {reason}" for nodeid, reason in sorted(self.vram_skips.items())]
         for (name, source, value), nodeids in sorted(self.own_settings.items()):
             out.append(
-                f"{len(nodeids)} test(s) keep their own {name} (@pytest.mark.ct_config) over "
+                f"{len(nodeids)} test(s) keep their own {name} over "
                 f"{session_value(source, value)}"
             )
         out += placement_lines(list(self.placements.values()))
@@ -428,11 +428,11 @@ class SummaryReporter:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         first_overrides = self.summary.record(report)
         if self.verbose:
-            for name, source, value, own in first_overrides:
+            for name, source, value, own, own_source in first_overrides:
                 self.terminal.write_line(
-                    f"ctresources: {report.nodeid} keeps its own {name}={own} "
-                    f"(@pytest.mark.ct_config) over {session_value(source, value)}; said once "
-                    "per setting, the summary counts them"
+                    f"ctresources: {report.nodeid} keeps its own {name}={own} ({own_source}) "
+                    f"over {session_value(source, value)}; said once per setting, the summary "
+                    "counts them"
                 )
         if report.when == "teardown" and self.verbose:
             closed = dict(report.user_properties).get(FIGURES_PROPERTY)

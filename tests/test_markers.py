@@ -225,14 +225,16 @@ def test_ct_config_marker_layers(
     result.stdout.fnmatch_lines(
         [
             "ctresources: test_own.py::test_own_marker_beats_env_and_option keeps its own "
-            "batch_size=32 (@pytest.mark.ct_config) over --ct-batch-size 9; said once per "
+            "batch_size=32 (@pytest.mark.ct_config on test_own.py::test_own_marker_beats_env_and_option) "
+            "over --ct-batch-size 9; said once per "
             "setting, the summary counts them",
             "ctresources: test_own.py::test_another_own_marker keeps its own "
-            "max_feature_nodes=10 (@pytest.mark.ct_config) over MAX_FEATURE_NODES in exp.yaml "
+            "max_feature_nodes=10 (@pytest.mark.ct_config on test_own.py::test_another_own_marker) "
+            "over MAX_FEATURE_NODES in exp.yaml "
             "(100)*",
             "*ctresources summary*",
-            "2 test(s) keep their own batch_size (@pytest.mark.ct_config) over --ct-batch-size 9",
-            "1 test(s) keep their own max_feature_nodes (@pytest.mark.ct_config) over "
+            "2 test(s) keep their own batch_size over --ct-batch-size 9",
+            "1 test(s) keep their own max_feature_nodes over "
             "MAX_FEATURE_NODES in exp.yaml (100)",
         ]
     )

@@ -1,9 +1,15 @@
-"""Notebooks through nbmake: settings in the kernel, injected parameters, one item per
-experiment config, marks and VRAM needs from metadata, contained failures, xdist."""
+"""Notebooks through nbmake: a notebook the plugin has nothing to say to runs as under nbmake
+alone; settings and injected parameters (literals only) reach the kernel; one item per
+experiment config that is ours; marks and VRAM needs from metadata; contained failures,
+reported as nbmake reports them; xdist."""
 
 from __future__ import annotations
 
+import ast
+import datetime
 import json
+import os
+import re
 from pathlib import Path
 
 import nbformat
@@ -13,16 +19,41 @@ from nbformat.v4 import new_code_cell, new_notebook
 from pytest_ctresources.config import CircuitTracerConfig, ConfigError
 from pytest_ctresources.notebook_params import (
     INJECTED_TAG,
+    NotALiteral,
+    check_params,
     inject_parameters,
     injected_values,
     notebook_metadata,
+    python_literal,
 )
 from pytest_ctresources.sources import Source
 
 pytest_plugins = ["pytester"]
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
-def notebook(*sources: str, parameters: str | None = None, metadata: dict | None = None):  # type: ignore[no-untyped-def]
+
+@pytest.fixture(autouse=True)
+def _wide_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Short test summary lines are cut at the terminal's width; the tests read them whole.
+    monkeypatch.setenv("COLUMNS", "400")
+
+
+def summary_lines(result: pytest.RunResult) -> list[str]:
+    """The run's PASSED/FAILED/ERROR summary lines (-rA/-rf), colours removed, sorted."""
+    return sorted(
+        ANSI.sub("", line)
+        for line in result.stdout.lines
+        if line.startswith(("PASSED", "FAILED", "ERROR"))
+    )
+
+
+def notebook(  # type: ignore[no-untyped-def]
+    *sources: str,
+    parameters: str | None = None,
+    metadata: dict | None = None,  # type: ignore[type-arg]
+    nb_metadata: dict | None = None,  # type: ignore[type-arg]
+):
     nb = new_notebook()
     nb.metadata["kernelspec"] = {
         "name": "python3",
@@ -31,6 +62,7 @@ def notebook(*sources: str, parameters: str | None = None, metadata: dict | None
     }
     if metadata is not None:
         nb.metadata["ctresources"] = metadata
+    nb.metadata.update(nb_metadata or {})
     if parameters is not None:
         nb.cells.append(new_code_cell(parameters, metadata={"tags": ["parameters"]}))
     nb.cells += [new_code_cell(source) for source in sources]
@@ -41,6 +73,11 @@ def write(path: Path, nb) -> Path:  # type: ignore[no-untyped-def]
     path.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, path)
     return path
+
+
+def injected_cells(path: Path) -> list:  # type: ignore[type-arg]
+    cells = nbformat.read(path, as_version=4).cells
+    return [cell for cell in cells if INJECTED_TAG in cell.metadata.get("tags", [])]
 
 
 # --- pure parts -----------------------------------------------------------------------------
@@ -66,6 +103,112 @@ def test_injected_values_are_the_configured_ones_and_params() -> None:
         {"batch_size": 64}, Source.option("--ct-batch-size"), params={"PROMPT": "p"}
     )
     assert injected_values(cfg) == {"BATCH_SIZE": 64, "PROMPT": "p"}
+    # Nothing set anywhere: nothing to inject (the notebook then runs as it is).
+    assert injected_values(CircuitTracerConfig.defaults()) == {}
+
+
+LITERALS = [
+    None,
+    True,
+    0,
+    -7,
+    10**300,
+    1.5,
+    -0.0,
+    float("inf"),
+    float("-inf"),
+    "",
+    'it\'s "quoted"\nand\\escaped \u00e9',
+    "__import__('os').system('x')",
+    b"\x00bytes",
+    [],
+    [1, [2, [3]]],
+    (1,),
+    (),
+    {"a": [1, {"b": None}], 2: "two", None: (1.0,)},
+    {1, 2, 3},
+]
+
+
+@pytest.mark.parametrize("value", LITERALS, ids=repr)
+def test_values_are_written_as_literals(value: object) -> None:
+    """Every value becomes source that evaluates to it without a name or a call."""
+    source = python_literal(value)
+    assert ast.literal_eval(source) == value
+    tree = ast.parse(source, mode="eval")
+    assert not [node for node in ast.walk(tree) if isinstance(node, (ast.Name, ast.Call))]
+
+
+class Text(str):
+    def __repr__(self) -> str:
+        return "__import__('os').system('touch pwned')"
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (float("nan"), "NaN, which has no Python literal"),
+        (datetime.date(2024, 1, 1), "a date (YAML reads an unquoted date as one: quote it)"),
+        (set(), "an empty set"),
+        (object(), "an object, which has no Python literal"),
+        (Text("x"), "a Text, which has no Python literal"),  # no repr of a subclass
+        ([1, {"k": datetime.datetime(2024, 1, 1)}], "a datetime"),
+    ],
+)
+def test_values_without_a_literal_are_refused(value: object, message: str) -> None:
+    with pytest.raises(NotALiteral, match=message.replace("(", r"\(").replace(")", r"\)")):
+        python_literal(value)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        # issue 14's two attacks: both ran code in the kernel when keys were written verbatim
+        "x = 1\nimport os; os.system('touch pwned')\ny",
+        "globals()[__import__('os').system('touch pwned2')]",
+        "a b",
+        "1x",
+        "",
+        "class",
+        "__builtins__",
+        1,
+        None,
+    ],
+    ids=repr,
+)
+def test_params_keys_must_be_plain_identifiers(key: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_params({key: 1}, "configs/exp.yaml")
+    message = str(info.value)
+    assert message.startswith(f"configs/exp.yaml: PARAMS key {key!r} is not a name")
+    assert "\n" not in message  # one line, whatever the key holds
+
+
+@pytest.mark.parametrize("key", ["BATCH_SIZE", "MODEL_NAME", "VRAM_GIB"])
+def test_a_params_key_that_shadows_a_setting_is_refused(key: str) -> None:
+    with pytest.raises(
+        ConfigError, match=f"exp.yaml: PARAMS key '{key}' would override the setting"
+    ):
+        check_params({"PROMPT": "p", key: -1}, "exp.yaml")
+
+
+def test_params_values_are_checked_where_they_are_read() -> None:
+    check_params({"PROMPT": "p", "_private": [1], "LAYERS": {"a": 1}}, "exp.yaml")  # fine
+    with pytest.raises(ConfigError, match=r"exp.yaml: PARAMS value of 'WHEN' is a date \(YAML"):
+        check_params({"WHEN": datetime.date(2024, 1, 1)}, "exp.yaml")
+
+
+def test_the_injected_cell_holds_only_literal_assignments() -> None:
+    nb = notebook(parameters="X = 0")
+    values = {"BATCH_SIZE": 8, "TEXT": "a'\nb", "NESTED": {"k": [1.5, None]}, "BIG": float("inf")}
+    inject_parameters(nb, values)
+    tree = ast.parse(nb.cells[1].source)
+    assert len(tree.body) == len(values)
+    for statement in tree.body:
+        assert isinstance(statement, ast.Assign) and len(statement.targets) == 1
+        target = statement.targets[0]
+        assert isinstance(target, ast.Name)
+        assert ast.literal_eval(statement.value) == values[target.id]
 
 
 @pytest.mark.parametrize(
@@ -83,26 +226,141 @@ def test_bad_metadata(metadata: dict, message: str) -> None:  # type: ignore[typ
         notebook_metadata(notebook(metadata=metadata), "nb.ipynb")
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["/usr/bin/python3", "-m", "ipykernel_launcher", "-f", "{connection_file}"], True),
+        (["/envs/x/bin/python", "-m", "ipykernel", "-f", "{connection_file}"], True),
+        (["R", "--slave", "-e", "IRkernel::main()", "--args", "{connection_file}"], False),
+        (["xpython", "-f", "{connection_file}"], False),
+    ],
+)
+def test_only_ipykernel_kernels_get_the_start_up_file(argv: list[str], expected: bool) -> None:
+    from pytest_ctresources.kernels import is_ipython_kernel
+
+    assert is_ipython_kernel(argv) is expected
+
+
+def test_ct_notebook_configs_lists_files_folders_and_globs(pytester: pytest.Pytester) -> None:
+    from pytest_ctresources.notebooks import NotebookConfigs
+
+    pytester.makeini(
+        "[pytest]\nct_notebook_configs =\n    configs\n    more/*.yml\n    **/deep.yaml\n"
+        "    one.yaml\n    missing\n"
+    )
+    files = {
+        name: pytester.path / name
+        for name in (
+            "configs/a.yaml",
+            "configs/sub/b.yml",
+            "more/c.yml",
+            "more/d.yaml",
+            "x/y/deep.yaml",
+            "one.yaml",
+            "two.yaml",
+            "other/pipeline.yaml",
+        )
+    }
+    for path in files.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("NOTEBOOK: nb.ipynb\n")
+    configs = NotebookConfigs(pytester.parseconfig())
+    listed = {name for name, path in files.items() if configs.lists(path)}
+    assert listed == {
+        "configs/a.yaml",
+        "configs/sub/b.yml",
+        "more/c.yml",
+        "x/y/deep.yaml",
+        "one.yaml",
+    }
+
+
 # --- end to end -----------------------------------------------------------------------------
 
 SETTINGS_CELL = """
 import os
-import matplotlib
 assert BATCH_SIZE == 64, BATCH_SIZE
 assert os.environ["CT_BATCH_SIZE"] == "64"
 assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-assert matplotlib.get_backend().lower() == "agg", matplotlib.get_backend()
 """
 
 
 def test_settings_reach_the_kernel_and_parameters_are_injected(pytester: pytest.Pytester) -> None:
-    path = write(pytester.path / "nb.ipynb", notebook(SETTINGS_CELL, parameters="BATCH_SIZE = 256"))
+    path = write(
+        pytester.path / "nbs" / "nb.ipynb", notebook(SETTINGS_CELL, parameters="BATCH_SIZE = 256")
+    )
     before = path.read_bytes()
     pytester.runpytest_subprocess("--nbmake", "--ct-batch-size", "64").assert_outcomes(passed=1)
     assert path.read_bytes() == before  # the notebook on disk is unchanged
-    assert not list(pytester.path.glob(".nb.ctresources-*"))  # no copy left behind
+    # The injected copy runs from memory: nothing is written beside the notebook.
+    assert [p.name for p in path.parent.iterdir()] == ["nb.ipynb"]
     # The same notebook without the option fails: the assertions above can fail.
     pytester.runpytest_subprocess("--nbmake").assert_outcomes(failed=1)
+
+
+PROBE_CELLS = (
+    # a figure shown with the kernel's own backend (inline): it must stay in the outputs
+    "import json, os, sys\nimport matplotlib\nimport matplotlib.pyplot as plt\n"
+    "plt.plot([1, 2, 3])\nplt.show()",
+    # defined by the project's IPython start-up file
+    "assert project_helper() == 'from the project profile'",
+    "json.dump({'env': dict(os.environ), 'backend': matplotlib.get_backend(),\n"
+    "           'names': sorted(n for n in globals() if not n.startswith('_')),\n"
+    "           'argv': sys.argv}, open(os.environ['PROBE_OUT'], 'w'))",
+)
+
+# What the plugin may add to a kernel's environment (README: Notebooks), and what differs
+# between any two runs.
+PLUGIN_ENV = {"CT_BATCH_SIZE", "CT_MAX_FEATURE_NODES", "CT_NOTEBOOK_VRAM_FILE"}
+ALLOCATOR_ENV = {"PYTORCH_CUDA_ALLOC_CONF"}
+PER_RUN_ENV = {"JPY_PARENT_PID", "PYTEST_CURRENT_TEST", "PROBE_OUT"}
+
+
+def test_a_notebook_with_nothing_to_receive_runs_as_under_nbmake_alone(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No injected cell (none written by --overwrite, execution counts unchanged), the
+    kernel's own matplotlib backend (figures stay in the outputs), the project's IPython
+    profile and start-up files, no warning (-W error), no environment change beyond the
+    documented CT_* variables and the allocator default."""
+    ipython_dir = pytester.path / "ipython"
+    startup = ipython_dir / "profile_default" / "startup"
+    startup.mkdir(parents=True)
+    (startup / "00-project.py").write_text(
+        "def project_helper():\n    return 'from the project profile'\n"
+    )
+    monkeypatch.setenv("IPYTHONDIR", str(ipython_dir))
+    runs = {}
+    for name, extra in (("alone", ["-p", "no:ctresources"]), ("plugin", [])):
+        path = write(pytester.path / name / "probe.ipynb", notebook(*PROBE_CELLS))
+        monkeypatch.setenv("PROBE_OUT", str(pytester.path / f"{name}.json"))
+        result = pytester.runpytest_subprocess(
+            "--nbmake", "--overwrite", "-W", "error", name, *extra
+        )
+        result.assert_outcomes(passed=1)
+        assert "NotebookWarning" not in result.stdout.str()
+        runs[name] = (
+            nbformat.read(path, as_version=4),
+            json.loads((pytester.path / f"{name}.json").read_text()),
+        )
+    (alone_nb, alone), (plugin_nb, plugin) = runs["alone"], runs["plugin"]
+    assert not injected_cells(pytester.path / "plugin" / "probe.ipynb")
+    assert [c.execution_count for c in plugin_nb.cells] == [1, 2, 3]
+    assert [c.execution_count for c in alone_nb.cells] == [1, 2, 3]
+    figure_outputs = [o for o in plugin_nb.cells[0].outputs if "image/png" in o.get("data", {})]
+    assert len(figure_outputs) == 1
+    assert plugin["backend"] == alone["backend"] == "module://matplotlib_inline.backend_inline"
+    assert plugin["names"] == alone["names"]  # the start-up file leaves no name behind
+    added = set(plugin["env"]) - set(alone["env"])
+    assert added <= PLUGIN_ENV | ALLOCATOR_ENV, added
+    assert not set(alone["env"]) - set(plugin["env"])
+    changed = {
+        key
+        for key in set(alone["env"]) & set(plugin["env"])
+        if alone["env"][key] != plugin["env"][key]
+    }
+    assert changed <= PER_RUN_ENV, changed
+    assert plugin["env"]["IPYTHONDIR"] == str(ipython_dir)
 
 
 def test_overwrite_shows_the_injected_cell(pytester: pytest.Pytester) -> None:
@@ -129,17 +387,44 @@ def test_overwrite_twice_keeps_one_injected_cell(pytester: pytest.Pytester) -> N
     pytester.runpytest_subprocess(
         "--nbmake", "--overwrite", "--ct-batch-size", "16"
     ).assert_outcomes(passed=2)
-    cells = nbformat.read(path, as_version=4).cells
-    injected = [cell for cell in cells if INJECTED_TAG in cell.metadata.get("tags", [])]
-    assert len(injected) == 1 and "BATCH_SIZE = 16" in injected[0].source
+    (injected,) = injected_cells(path)
+    assert "BATCH_SIZE = 16" in injected.source
 
 
-def test_a_left_behind_copy_is_not_collected(pytester: pytest.Pytester) -> None:
-    write(pytester.path / "nb.ipynb", notebook("x = 1"))
-    pytester.runpytest_subprocess("--nbmake", "-p", "no:cacheprovider").assert_outcomes(passed=1)
-    # What a worker killed mid-notebook would leave: never collected as a notebook.
-    write(pytester.path / ".nb.ctresources-1234.ipynb-run", notebook("x = 1"))
-    pytester.runpytest_subprocess("--nbmake").assert_outcomes(passed=1)
+def test_a_planted_symlink_is_never_written_through(pytester: pytest.Pytester) -> None:
+    """Issue 14's attack on the injected copy: it was written to the predictable
+    ``.{stem}.ctresources-{pid}.ipynb-run`` beside the notebook, through whatever link was
+    there. The copy now runs from memory. (In-process, so the pid is this process's.)"""
+    write(
+        pytester.path / "nb.ipynb", notebook("assert BATCH_SIZE == 3", parameters="BATCH_SIZE = 1")
+    )
+    victim = pytester.path / "victim.txt"
+    victim.write_text("precious")
+    link = pytester.path / f".nb.ctresources-{os.getpid()}.ipynb-run"
+    link.symlink_to(victim)
+    pytester.runpytest_inprocess("--nbmake", "nb.ipynb", "--ct-batch-size", "3").assert_outcomes(
+        passed=1
+    )
+    assert victim.read_text() == "precious"
+    assert link.is_symlink() and link.resolve() == victim  # left as it was
+
+
+def test_nbmake_loaded_by_module_name(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # -p or PYTEST_PLUGINS register nbmake as "nbmake.pytest_plugin", not "nbmake".
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    write(pytester.path / "nb.ipynb", notebook("assert BATCH_SIZE == 3"))
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "nbmake.pytest_plugin",
+        "-p",
+        "pytest_ctresources.plugin",
+        "--nbmake",
+        "--ct-batch-size",
+        "3",
+    )
+    result.assert_outcomes(passed=1)
 
 
 def test_relative_ct_config_reaches_the_kernel(pytester: pytest.Pytester) -> None:
@@ -164,7 +449,29 @@ def test_no_parameters_cell_is_said(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["*NotebookWarning: plain.ipynb has no cell tagged 'parameters'*"])
 
 
-def test_one_item_per_experiment_config(pytester: pytest.Pytester) -> None:
+@pytest.mark.parametrize("how", ["-W error", "filterwarnings = error"])
+def test_warnings_made_errors_fail_in_one_line(pytester: pytest.Pytester, how: str) -> None:
+    """Under -W error a notebook without a parameters cell that receives values fails in one
+    line naming it, not as an NBMAKE INTERNAL ERROR; one that receives nothing passes."""
+    write(pytester.path / "plain.ipynb", notebook("x = 1"))
+    pytester.makefile(".yaml", exp="NOTEBOOK: plain.ipynb\nBATCH_SIZE: 5\n")
+    ini = "[pytest]\nct_notebook_configs = exp.yaml\n"
+    args = ["--nbmake", "-p", "no:randomly"]
+    if how == "-W error":
+        args += ["-W", "error"]
+    else:
+        ini += "filterwarnings =\n    error\n"
+    pytester.makeini(ini)
+    result = pytester.runpytest_subprocess(*args)
+    result.assert_outcomes(passed=1, failed=1)
+    message = "NotebookWarning: plain.ipynb has no cell tagged 'parameters': the injected parameters run first"
+    assert message in result.stdout.lines  # the failure, in one line
+    assert summary_lines(result) == [f"FAILED exp.yaml::plain.ipynb - {message}"]
+    assert "INTERNAL ERROR" not in result.stdout.str()
+    assert "Traceback" not in result.stdout.str()
+
+
+def test_one_item_per_experiment_config_that_is_ours(pytester: pytest.Pytester) -> None:
     write(
         pytester.path / "notebooks" / "exp.ipynb",
         notebook(
@@ -179,13 +486,32 @@ def test_one_item_per_experiment_config(pytester: pytest.Pytester) -> None:
             f"NOTEBOOK: ../notebooks/exp.ipynb\nMAX_FEATURE_NODES: {nodes}\nPARAMS:\n  PROMPT: the {name}\n"
         )
     (configs / "no_notebook.yaml").write_text("BATCH_SIZE: 3\n")  # not an item
-    result = pytester.runpytest_subprocess("--nbmake", "configs", "-v")
+    # Some other tool's YAML with a NOTEBOOK line: not ours unless listed or named.
+    (pytester.path / "pipeline").mkdir()
+    (pytester.path / "pipeline" / "job.yaml").write_text("NOTEBOOK: x.ipynb\nTITLE: report\n")
+    pytester.makeini("[pytest]\nct_notebook_configs = configs\n")
+    result = pytester.runpytest_subprocess("--nbmake", "configs", "pipeline", "-v")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(
         ["configs/large.yaml::exp.ipynb PASSED*", "configs/small.yaml::exp.ipynb PASSED*"]
     )
     result = pytester.runpytest_subprocess("--nbmake", "configs", "-k", "small")
     result.assert_outcomes(passed=1, deselected=1)
+    # An item's own config is its marker: it beats a session-wide option.
+    result = pytester.runpytest_subprocess("--nbmake", "configs", "--ct-max-feature-nodes", "500")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        ["2 test(s) keep their own max_feature_nodes over --ct-max-feature-nodes 500"]
+    )
+    # Under xdist each worker reads the ini key and collects the same items.
+    pytester.runpytest_subprocess("--nbmake", "configs", "pipeline", "-n", "2").assert_outcomes(
+        passed=2
+    )
+    # Named on the command line, a YAML file is taken to be ours (as pytest collects a test
+    # file named there whatever python_files says), and checked as ours.
+    result = pytester.runpytest_subprocess("--nbmake", "pipeline/job.yaml")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*pipeline/job.yaml: unknown key 'TITLE'*"])
 
 
 def test_metadata_marks_select_and_vram_skips(
@@ -225,18 +551,109 @@ def test_failures_stay_contained(pytester: pytest.Pytester) -> None:
         pytester.path / "e_unregistered_mark.ipynb",
         notebook("x = 1", metadata={"marks": ["slowish"]}),
     )
-    (pytester.path / "f_not_a_notebook.ipynb").write_text("[]")
+    pytester.makeini("[pytest]\nct_notebook_configs = d_bad.yaml\n")
     result = pytester.runpytest_subprocess("--nbmake", "-p", "no:randomly", "--strict-markers")
-    result.assert_outcomes(passed=1, failed=1, errors=4)
+    result.assert_outcomes(passed=1, failed=1, errors=3)
     result.stdout.fnmatch_lines(
         [
             "*a_bad_metadata.ipynb: metadata 'ctresources.vram_gib' must be a positive number, got 'lots'",
             "*d_bad.yaml: BATCH_SIZE must be a positive integer or 'auto', got 'big'",
             "*'slowish' not found in `markers` configuration option*",
-            "*f_not_a_notebook.ipynb: not a readable notebook:*",
             "*the kernel running *b_dies.ipynb died*",
         ]
     )
+
+
+def test_unreadable_notebooks_fail_as_under_nbmake_alone(pytester: pytest.Pytester) -> None:
+    (pytester.path / "not_json.ipynb").write_text("invalid json")
+    (pytester.path / "not_a_notebook.ipynb").write_text("[]")
+    summaries = {}
+    for name, extra in (("alone", ["-p", "no:ctresources"]), ("plugin", [])):
+        result = pytester.runpytest_subprocess("--nbmake", "-p", "no:randomly", "-rf", *extra)
+        result.assert_outcomes(failed=2)
+        summaries[name] = summary_lines(result)
+        assert "This file is not a valid json document" in result.stdout.lines
+    assert summaries["plugin"] == summaries["alone"]
+    assert summaries["plugin"] == [
+        "FAILED not_a_notebook.ipynb::not_a_notebook.ipynb - NBMAKE INTERNAL ERROR",
+        "FAILED not_json.ipynb::not_json.ipynb - Notebook does not appear to be JSON: 'invalid json'",
+    ]
+
+
+def test_nbmake_notebook_metadata_works_as_without_the_plugin(pytester: pytest.Pytester) -> None:
+    """The runner is nbmake's, with the kernel started the plugin's way: cell mocks,
+    post-cell code, allow_errors and timeout metadata, and failure summaries are nbmake's."""
+    mock = notebook("answer = 0\nname = ''", "assert (answer, name) == (42, 'x')")
+    mock.cells[0].metadata["nbmake"] = {"mock": {"answer": 42, "name": "x"}}
+    write(pytester.path / "mock.ipynb", mock)
+    post = notebook("y = 0", "assert y == 3")
+    post.cells[0].metadata["nbmake"] = {"post_cell_execute": ["y = 3"]}
+    write(pytester.path / "post.ipynb", post)
+    write(
+        pytester.path / "allowed.ipynb",
+        notebook("raise ValueError('fine')", nb_metadata={"execution": {"allow_errors": True}}),
+    )
+    write(
+        pytester.path / "slow.ipynb",
+        notebook("import time\ntime.sleep(30)", nb_metadata={"execution": {"timeout": 1}}),
+    )
+    write(pytester.path / "failing.ipynb", notebook("x = 1", "raise ValueError('boom')"))
+    summaries = {}
+    for name, extra in (("alone", ["-p", "no:ctresources"]), ("plugin", [])):
+        result = pytester.runpytest_subprocess("--nbmake", "-p", "no:randomly", "-rA", *extra)
+        result.assert_outcomes(passed=3, failed=2)
+        summaries[name] = summary_lines(result)
+    assert summaries["plugin"] == summaries["alone"]
+    assert any(
+        "failing.ipynb" in line and "ValueError: boom" in line for line in summaries["plugin"]
+    )
+    assert any("slow.ipynb" in line and "timed out" in line for line in summaries["plugin"])
+
+
+def test_configs_run_no_code(pytester: pytest.Pytester) -> None:
+    """Issue 14's attacks through PARAMS: keys that are code, and a key that overrides a
+    validated setting, each fail their item in one line naming the file and the key; values
+    reach the notebook as the literals they are."""
+    write(
+        pytester.path / "nb.ipynb",
+        notebook(
+            "assert TEXT == 'it\\'s \"q\"\\nline2', repr(TEXT)\n"
+            "assert BIG == float('inf') and NESTED == {'a': [1, 2, {'b': None}]}\n"
+            "assert BATCH_SIZE == 16",
+            parameters="TEXT = ''\nBIG = 0\nNESTED = {}\nBATCH_SIZE = 1",
+        ),
+    )
+    pytester.makefile(
+        ".yaml",
+        attack_newline="NOTEBOOK: nb.ipynb\n"
+        "PARAMS: {\"x = 1\\nimport os; os.system('touch pwned')\\ny\": 1}\n",
+        attack_globals="NOTEBOOK: nb.ipynb\n"
+        "PARAMS: {\"globals()[__import__('os').system('touch pwned2')]\": 1}\n",
+        shadow="NOTEBOOK: nb.ipynb\nBATCH_SIZE: 16\nPARAMS: {BATCH_SIZE: -1}\n",
+        good="NOTEBOOK: nb.ipynb\nBATCH_SIZE: 16\n"
+        'PARAMS:\n  TEXT: "it\'s \\"q\\"\\nline2"\n  BIG: .inf\n  NESTED: {a: [1, 2, {b: null}]}\n',
+    )
+    names = ["attack_newline.yaml", "attack_globals.yaml", "shadow.yaml", "good.yaml"]
+    result = pytester.runpytest_subprocess("--nbmake", "-p", "no:randomly", *names)
+    result.assert_outcomes(passed=1, errors=3)
+    output = result.stdout.str()
+    assert (
+        "attack_newline.yaml: PARAMS key \"x = 1\\nimport os; os.system('touch pwned')\\ny\" "
+        "is not a name a notebook variable can have" in output
+    )
+    assert (
+        "attack_globals.yaml: PARAMS key \"globals()[__import__('os').system('touch pwned2')]\" "
+        "is not a name" in output
+    )
+    assert "shadow.yaml: PARAMS key 'BATCH_SIZE' would override the setting BATCH_SIZE" in output
+    assert "Traceback" not in output
+    # The session's own config is checked the same way, for every notebook it reaches.
+    result = pytester.runpytest_subprocess(
+        "--nbmake", "nb.ipynb", "--ct-config", "attack_globals.yaml"
+    )
+    result.assert_outcomes(errors=1)
+    assert "attack_globals.yaml: PARAMS key" in result.stdout.str()
+    assert not list(pytester.path.glob("pwned*"))
 
 
 def test_parallel_notebooks_do_not_collide(pytester: pytest.Pytester) -> None:
@@ -356,13 +773,17 @@ def test_auto_batch_size_is_resolved_before_the_kernel_starts(
             "  nb.ipynb::nb.ipynb: auto batch size 24 (32 prompt tokens; no CUDA GPU detected: the ceiling 24)"
         ]
     )
-    # On a GPU, a model the estimator does not know: one line, no traceback.
+    # Issue 14: on a GPU, a model the estimator does not know was an NBMAKE INTERNAL ERROR
+    # with a traceback; it is one line.
     monkeypatch.setenv("CT_FAKE_GPUS", "Card=24")
     result = pytester.runpytest_subprocess("--nbmake", "--ct-config", "other.yaml")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(
-        [
-            "*nb.ipynb: batch_size 'auto' (BATCH_SIZE in other.yaml) needs a model and transcoder set the estimator knows*"
-        ]
+    (line,) = summary_lines(result)
+    assert line.startswith(
+        "FAILED nb.ipynb::nb.ipynb - nb.ipynb: batch_size 'auto' (BATCH_SIZE in other.yaml) "
+        "needs a model and transcoder set the estimator knows, and 'someone/unknown' with "
+        "'gemma' is not one"
     )
-    assert "Traceback" not in result.stdout.str()
+    output = result.stdout.str()
+    assert "INTERNAL ERROR" not in output and "Traceback" not in output
+    assert "pytest_ctresources/" not in output  # no frame of the plugin's code

@@ -418,6 +418,41 @@ def test_two_notebooks_at_sixty_percent_and_one_over_capacity(pytester: pytest.P
     keep_artifacts(pytester.path / "notebooks.json", pytester.path / "notebooks.log")
 
 
+def test_the_cap_binds_inside_a_notebook_kernel_started_in_the_project_profile(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start-up file reaches the kernel on ipykernel's command line: --ct-vram-capacity
+    caps the kernel's allocator and the kernel reports its peak, while the project's own
+    IPYTHONDIR start-up file runs too."""
+    pytest.importorskip("nbmake")
+    startup = pytester.path / "ipython" / "profile_default" / "startup"
+    startup.mkdir(parents=True)
+    (startup / "00-project.py").write_text("GIB = 2**30\n")
+    monkeypatch.setenv("IPYTHONDIR", str(pytester.path / "ipython"))
+    _gpu_notebook(
+        pytester.path / "nb_capped.ipynb",
+        "import torch\n"
+        "x = torch.empty(4 * GIB, dtype=torch.uint8, device='cuda')\n"
+        "try:\n"
+        "    y = torch.empty(6 * GIB, dtype=torch.uint8, device='cuda')\n"
+        "except torch.OutOfMemoryError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise AssertionError('10 GiB allocated in a kernel capped at 8 GiB')\n",
+        5,
+    )
+    result = pytester.runpytest_subprocess(
+        "--nbmake", "-p", "no:randomly", "--ct-vram-capacity", "8", "--ct-report-json", "r.json"
+    )
+    result.assert_outcomes(passed=1)
+    (record,) = json.loads((pytester.path / "r.json").read_text())["tests"]
+    assert 4 * 2**30 <= record["peak_allocated_bytes"] < 8 * 2**30, record
+    # Without the cap the same notebook allocates the 10 GiB: the cap above did the refusing.
+    result = pytester.runpytest_subprocess("--nbmake", "-p", "no:randomly")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*10 GiB allocated in a kernel capped at 8 GiB*"])
+
+
 def test_xdist_workers_are_bound_and_the_controller_never_touches_cuda(
     pytester: pytest.Pytester,
 ) -> None:
