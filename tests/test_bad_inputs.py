@@ -135,13 +135,13 @@ def notebook(id: str, metadata: str, message: str, *, source: str = "bad.ipynb")
 
 def notebook_config(id: str, text: str, message: str) -> Row:
     # The notebook is never read (the config fails first), so none is written: nbmake would
-    # collect and run it.
+    # collect and run it. Named on the command line, the config is ours (ct_notebook_configs).
     return Row(
         id,
         "test",
         "exp.yaml:",
         message,
-        args=("--nbmake",),
+        args=("--nbmake", "exp.yaml"),
         files=(("exp.yaml", "NOTEBOOK: nb.ipynb\n" + text),),
         nodeid="exp.yaml",
     )
