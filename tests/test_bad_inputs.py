@@ -141,7 +141,7 @@ def notebook_config(id: str, text: str, message: str) -> Row:
         "test",
         "exp.yaml:",
         message,
-        args=("--nbmake", "exp.yaml"),
+        args=("--nbmake", "exp.yaml", "test_good.py"),
         files=(("exp.yaml", "NOTEBOOK: nb.ipynb\n" + text),),
         nodeid="exp.yaml",
     )
