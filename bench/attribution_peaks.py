@@ -164,8 +164,9 @@ def measure(args: argparse.Namespace) -> int:
 def predicted_bytes(record: dict[str, Any]) -> int:
     """The shipped estimator's allocated peak for a measured point, as ``auto`` makes it: the
     model's shapes, the prompt length, the batch size and the counted active features."""
-    from pytest_ctresources import estimate as est
-    from pytest_ctresources import registry, testing
+    from pytest_ctresources import testing
+    from pytest_ctresources.estimator import estimate as est
+    from pytest_ctresources.estimator import registry
 
     model = registry.model_shape(record["model"])
     transcoders = registry.transcoder_info(testing.RANDOM_TRANSCODERS, record["model"]).shape
@@ -253,7 +254,7 @@ def measure_model(
         except torch.cuda.OutOfMemoryError as exc:
             # Recorded, not fatal: the point did not fit the card, which the estimate
             # must predict too. The failed call's frames and nnsight threads hold its tensors.
-            from pytest_ctresources import oom
+            from pytest_ctresources.gpu import oom
 
             oom.release(exc, model)
             record |= {"oom": True, "device_total_bytes": torch.cuda.mem_get_info()[1]}

@@ -45,7 +45,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pytest_ctresources import oom
+from pytest_ctresources.gpu import oom
 
 #: (bundled model, dtype, prompt tokens, compare): the estimator's held-out validation
 #: models (docs/estimator.md) that fit a 24 GiB cap. ``compare``: time hand-picked batch
@@ -155,7 +155,7 @@ def print_summary(path: Path, configs: list[tuple[str, str, int, bool]]) -> None
 def child(args: argparse.Namespace) -> int:
     import torch
 
-    from pytest_ctresources.allocator import CapacityCap
+    from pytest_ctresources.gpu.allocator import CapacityCap
 
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -210,7 +210,7 @@ def attribution(model: Any, prompt: list[int], batch: int, nodes: int) -> dict[s
 
 def auto_config(model_name: str, dtype: str, args: argparse.Namespace) -> Any:
     """The config of auto's runs: the bundled model and its random transcoders."""
-    from pytest_ctresources.config import CircuitTracerConfig
+    from pytest_ctresources.settings.config import CircuitTracerConfig
 
     defaults = CircuitTracerConfig.defaults()
     fields = {
@@ -228,8 +228,8 @@ def auto_attribution(
 ) -> dict[str, Any]:
     import torch
 
-    from pytest_ctresources.autobatch import DEFAULT_AUTO_MARGIN, Budget
-    from pytest_ctresources.session import CtSession
+    from pytest_ctresources.estimator.auto import DEFAULT_AUTO_MARGIN, Budget
+    from pytest_ctresources.session.session import CtSession
 
     cfg = auto_config(model_name, dtype, args)
     if args.capacity > 0:
@@ -240,7 +240,7 @@ def auto_attribution(
         budget = Budget(total, torch.cuda.get_device_name(0), DEFAULT_AUTO_MARGIN)
     session = CtSession(cfg, oom_retry=False, auto_budget=budget)
     # The choice's own cost (its setup pass and the search), timed apart inside the total.
-    from pytest_ctresources import autobatch
+    from pytest_ctresources.estimator import auto as autobatch
 
     choose, choice_seconds = autobatch.choose_with_setup, []
 
@@ -283,8 +283,8 @@ def emit_predictions(
     resident bytes measured now in place of the estimated weights), to compare policies."""
     import torch
 
-    from pytest_ctresources import estimate as est
-    from pytest_ctresources import registry
+    from pytest_ctresources.estimator import estimate as est
+    from pytest_ctresources.estimator import registry
 
     cfg = auto_config(str(base["model"]), dtype, args)
     model_shape, transcoders = registry.shapes_of_loaded(model)

@@ -20,7 +20,7 @@ user's process has, while twenty runs fit where five would. Variants alternate, 
 start-up, collection, the tests, the summary; the imports a user's process also pays come on
 top, so the ratios here are the stricter ones) and of the session time pytest reports, with
 each ratio to the workload's baseline. Other
-cleanup policies (``CleanupPolicy`` in pytest_ctresources/cleanup_between_tests.py) are
+cleanup policies (``CleanupPolicy`` in pytest_ctresources/gpu/cleanup_between_tests.py) are
 measured the same way, installed from the project's conftest, so that the choice of levers
 (collect only when CUDA memory is above the test's baseline, freeze long-lived objects,
 return the cache only when it holds enough) rests on figures; ``collections`` counts the full
@@ -66,7 +66,7 @@ import circuit_tracer  # noqa: F401
 
 _policy = os.environ.get("BENCH_CLEANUP_POLICY")
 if _policy:
-    import pytest_ctresources.cleanup_between_tests as _between
+    import pytest_ctresources.gpu.cleanup_between_tests as _between
     _between.POLICY = _between.CleanupPolicy(**json.loads(_policy))
 
 FULL = [0]
@@ -302,7 +302,7 @@ def main() -> None:
 
     imports_s = time.perf_counter() - began
 
-    from pytest_ctresources.gpus import detect_gpus
+    from pytest_ctresources.gpu.detect import detect_gpus
 
     gpu = detect_gpus(torch_fallback=False).gpu(0)
     cuda = gpu is not None

@@ -8,7 +8,7 @@ Input: the JSON lines of ``bench/attribution_peaks.py`` (each carries the model'
 and parameter counts, and its split: ``fit`` or ``validation``; records without one are fit
 points). For every point the estimate is made from those dimensions, the measured number of
 active features, the batch size and the prompt length, exactly as
-``pytest_ctresources.estimate.estimate`` makes it for ``--ct-batch-size auto``.
+``pytest_ctresources.estimator.estimate.estimate`` makes it for ``--ct-batch-size auto``.
 
 Every term that scales with the model's dimensions is derived from circuit-tracer's and
 transformers' code and counted on the CPU (``bench/memory_terms.py``), so the fit takes
@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pytest_ctresources import estimate as est
+from pytest_ctresources.estimator import estimate as est
 
 GIB = 1 << 30
 
@@ -79,7 +79,8 @@ def _with_gemma_2_2b_dims(record: dict[str, Any]) -> dict[str, Any]:
 
 def shapes(record: dict[str, Any]) -> tuple[est.ModelShape, est.TranscoderShape, est.Workload]:
     """The point's shapes, as the registry gives them for its bundled random model."""
-    from pytest_ctresources import registry, testing
+    from pytest_ctresources import testing
+    from pytest_ctresources.estimator import registry
 
     model = registry.model_shape(record["model"])
     transcoders = registry.transcoder_info(testing.RANDOM_TRANSCODERS, record["model"]).shape

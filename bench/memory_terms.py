@@ -3,12 +3,12 @@
     python bench/memory_terms.py                      # all four architectures, bf16 and fp32
     python bench/memory_terms.py --architectures qwen3 --dtypes bfloat16
 
-How the estimator's terms were derived (``pytest_ctresources/estimate.py``): the forward
+How the estimator's terms were derived (``pytest_ctresources/estimator/estimate.py``): the forward
 pass's kept tensors, its peak and the KV cache are functions of the model's dimensions that
 circuit-tracer's and transformers' code fixes; this script measures them exactly at small
 dimensions, without a GPU, and prints them per batch-token next to the estimator's formula
-(:func:`~pytest_ctresources.estimate.kept_per_batch_token`,
-:func:`~pytest_ctresources.estimate.forward_peak_per_batch_token`). Changing one dimension
+(:func:`~pytest_ctresources.estimator.estimate.kept_per_batch_token`,
+:func:`~pytest_ctresources.estimator.estimate.forward_peak_per_batch_token`). Changing one dimension
 at a time (``--vary``) shows which dimension each term scales with.
 
 The counting: a ``TorchDispatchMode`` sees every operation's outputs; a storage that none of
@@ -163,8 +163,9 @@ def phases(model: Any, prompt: list[int], batch: int, nodes: int = 16) -> dict[s
 def per_batch_token(dims: Any, dtype: str, tokens: int = 8) -> dict[str, float]:
     """Kept and forward-peak bytes per batch-token of a model of ``dims``, counted (the
     difference between batch sizes 4 and 8) and as the estimator predicts them."""
-    from pytest_ctresources import estimate as est
-    from pytest_ctresources import registry, testing
+    from pytest_ctresources import testing
+    from pytest_ctresources.estimator import estimate as est
+    from pytest_ctresources.estimator import registry
 
     model = testing.build_replacement_model(dims, device="cpu", dtype=dtype)
     prompt = [2, *range(10, 10 + tokens - 1)]

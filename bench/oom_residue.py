@@ -101,8 +101,9 @@ def main() -> int:
     import torch
     from circuit_tracer import attribute
 
-    from pytest_ctresources import oom, testing
-    from pytest_ctresources.allocator import CapacityCap
+    from pytest_ctresources import testing
+    from pytest_ctresources.gpu import oom
+    from pytest_ctresources.gpu.allocator import CapacityCap
 
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)

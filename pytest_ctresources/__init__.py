@@ -10,12 +10,12 @@ Public API (importing this package never imports torch, matplotlib or circuit_tr
 - :mod:`pytest_ctresources.testing`: tiny offline ReplacementModels for CPU smoke tests.
 """
 
-from pytest_ctresources.cleanup import cleanup_python_cuda, safe_clean_cuda
-from pytest_ctresources.config import CircuitTracerConfig, ConfigError
-from pytest_ctresources.experiment_yaml import load_experiment_yaml
-from pytest_ctresources.gpus import GpuFacts, GpuInfo, detect_gpus
-from pytest_ctresources.session import CtSession, ModelCache
-from pytest_ctresources.sources import Source
+from pytest_ctresources.gpu.cleanup import cleanup_python_cuda, safe_clean_cuda
+from pytest_ctresources.gpu.detect import GpuFacts, GpuInfo, detect_gpus
+from pytest_ctresources.session.session import CtSession, ModelCache
+from pytest_ctresources.settings.config import CircuitTracerConfig, ConfigError
+from pytest_ctresources.settings.experiment_yaml import load_experiment_yaml
+from pytest_ctresources.settings.sources import Source
 
 __all__ = [
     "CircuitTracerConfig",

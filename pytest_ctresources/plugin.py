@@ -1,14 +1,16 @@
-"""pytest-ctresources hook wiring. Each hook is a few lines calling a module that does the work.
+"""pytest-ctresources hook wiring: the one place that registers hooks. Each hook is a few
+lines that call the room doing the work (docs/architecture.md draws the map):
 
-- options and ini keys: :mod:`~pytest_ctresources.options`
-- settings resolution: :mod:`~pytest_ctresources.settings`
-- GPU facts: :mod:`~pytest_ctresources.gpus`; skip decisions: :mod:`~pytest_ctresources.vram`
-- cleanup: :mod:`~pytest_ctresources.cleanup`; allocator: :mod:`~pytest_ctresources.allocator`
-- fixtures: :mod:`~pytest_ctresources.fixtures`; run state: :mod:`~pytest_ctresources.runtime`
-- per-test VRAM accounting: :mod:`~pytest_ctresources.accounting`; end-of-run report:
-  :mod:`~pytest_ctresources.summary` and :mod:`~pytest_ctresources.report_files`
-- xdist workers: GPU binding :mod:`~pytest_ctresources.binding`; VRAM leases (every run):
-  :mod:`~pytest_ctresources.leases` over the user's shared :mod:`~pytest_ctresources.ledger`
+- ``settings/``: the options, ini keys and variables declared, the settings resolved, configs
+  and markers;
+- ``gpu/``: GPU facts, the allocator, measurement, skip decisions, OOM, cleanup;
+- ``session/``: ``ct_session``, the model cache, the fixtures, progress;
+- ``core/``: the run's state and each test's accounting;
+- ``report/``: the summary, the report files, learned needs, placements;
+- ``leases/``: one VRAM budget per GPU for all the user's runs;
+- ``xdist/``: workers bound to GPUs;
+- ``notebooks/``: notebooks through nbmake (registered only under ``--nbmake``);
+- ``estimator/``: the VRAM estimator, ``--ct-batch-size auto``, ``ct-resources``.
 """
 
 from __future__ import annotations
@@ -18,20 +20,22 @@ from collections.abc import Generator
 
 import pytest
 
-from pytest_ctresources import accounting, leases, markers
-from pytest_ctresources.allocator import ALLOC_KEY, AllocConf
-from pytest_ctresources.binding import Binding, bind_worker, is_worker, open_seats, plan_line
-from pytest_ctresources.cleanup_between_tests import BetweenTests
-from pytest_ctresources.fixtures import OneLineModelFailures, ct_config, ct_session
-from pytest_ctresources.learned import StaleLearnedNeeds, narrowed_files
-from pytest_ctresources.options import DEFAULT_ALLOC_CONF, add_options, binding_mode
-from pytest_ctresources.runtime import RUNTIME_KEY, runtime_of, start_runtime
-from pytest_ctresources.summary import (
+from pytest_ctresources.core import accounting
+from pytest_ctresources.core.runtime import RUNTIME_KEY, runtime_of, start_runtime
+from pytest_ctresources.gpu.allocator import ALLOC_KEY, AllocConf
+from pytest_ctresources.gpu.cleanup_between_tests import BetweenTests
+from pytest_ctresources.leases import leases
+from pytest_ctresources.report.learned import StaleLearnedNeeds, narrowed_files
+from pytest_ctresources.report.summary import (
     FIGURES_PROPERTY,
     PROPERTY_PREFIX,
     STALE_LEARNED_OUTPUT,
     SummaryReporter,
 )
+from pytest_ctresources.session.fixtures import OneLineModelFailures, ct_config, ct_session
+from pytest_ctresources.settings import markers
+from pytest_ctresources.settings.options import DEFAULT_ALLOC_CONF, add_options, binding_mode
+from pytest_ctresources.xdist.binding import Binding, bind_worker, is_worker, open_seats, plan_line
 
 __all__ = ["ct_config", "ct_session"]
 
@@ -66,7 +70,7 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
 
 
 def _bind_worker() -> Binding | None:
-    from pytest_ctresources.gpus import detect_gpus
+    from pytest_ctresources.gpu.detect import detect_gpus
 
     try:
         facts = detect_gpus(torch_fallback=False)  # NVML only: no torch import at start-up
@@ -108,13 +112,13 @@ def pytest_configure(config: pytest.Config) -> None:
             reporter.forgotten = runtime.learned().forget()
         config.pluginmanager.register(reporter, SummaryReporter.name)
         if runtime.settings.report_json is not None:
-            from pytest_ctresources.report_files import on_sigterm
+            from pytest_ctresources.report.files import on_sigterm
 
             on_sigterm(config, reporter)
     # --nbmake exists only where nbmake is loaded, under whatever name: "nbmake" from its
     # entry point, "nbmake.pytest_plugin" from -p or PYTEST_PLUGINS.
     if config.getoption("nbmake", False):
-        from pytest_ctresources.notebooks import NotebookSupport
+        from pytest_ctresources.notebooks.items import NotebookSupport
 
         config.pluginmanager.register(NotebookSupport(config), NotebookSupport.name)
     leases.start(config, runtime)  # VRAM leases where tests run; the ledger directory checked

@@ -387,7 +387,7 @@ def test_a_test_reads_its_own_figures_through_ct_session(
 RESIDENT_SUITE = """
 import pytest
 from conftest import FAKE
-import pytest_ctresources.session as session_module
+import pytest_ctresources.session.session as session_module
 
 def build(cfg, device):
     FAKE.alloc(9)
@@ -445,7 +445,7 @@ def test_the_resident_model_is_no_leak_and_strict_still_fails_a_real_one(
 
 
 def test_no_need_is_learned_from_a_test_that_passed_only_after_halving() -> None:
-    from pytest_ctresources.summary import RunSummary, TestRecord
+    from pytest_ctresources.report.summary import RunSummary, TestRecord
 
     def record(nodeid: str, halvings: str | None) -> TestRecord:
         return TestRecord(
@@ -472,8 +472,8 @@ def test_no_need_is_learned_from_a_test_that_passed_only_after_halving() -> None
 
 
 def test_a_need_learned_under_a_capacity_is_keyed_by_it() -> None:
-    from pytest_ctresources.config import CircuitTracerConfig
-    from pytest_ctresources.learned import memory_key
+    from pytest_ctresources.report.learned import memory_key
+    from pytest_ctresources.settings.config import CircuitTracerConfig
 
     cfg = CircuitTracerConfig.defaults()
     assert memory_key("t::a", cfg) != memory_key("t::a", cfg, 24.0)
@@ -482,7 +482,7 @@ def test_a_need_learned_under_a_capacity_is_keyed_by_it() -> None:
 
 
 def test_stale_keys_are_those_of_tests_that_no_longer_exist() -> None:
-    from pytest_ctresources.learned import stale_keys
+    from pytest_ctresources.report.learned import stale_keys
 
     keys = ["a.py::test_kept", "a.py::test_renamed|{}", "gone.py::test_x", "b.py::test_elsewhere"]
     collected = {"a.py::test_kept", "a.py::test_new"}  # b.py not collected this run

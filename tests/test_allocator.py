@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_ctresources.allocator import ALLOC_CONF_ENV, AllocConf
+from pytest_ctresources.gpu.allocator import ALLOC_CONF_ENV, AllocConf
 
 pytest_plugins = ["pytester"]
 

@@ -14,10 +14,12 @@ from typing import Any
 import circuit_tracer  # imported before any in-process pytester run; see conftest
 import pytest
 
-from pytest_ctresources import autobatch, registry, testing
-from pytest_ctresources import estimate as est
-from pytest_ctresources.config import CircuitTracerConfig
-from pytest_ctresources.registry import estimate_config
+from pytest_ctresources import testing
+from pytest_ctresources.estimator import auto as autobatch
+from pytest_ctresources.estimator import estimate as est
+from pytest_ctresources.estimator import registry
+from pytest_ctresources.estimator.registry import estimate_config
+from pytest_ctresources.settings.config import CircuitTracerConfig
 from tests.conftest import TINY_YAML
 
 pytest_plugins = ["pytester"]
@@ -395,7 +397,7 @@ def test_ct_session_reports_the_measured_peak_and_the_correction(
 ) -> None:
     """Through CtSession (what the summary and the JSON report show): the first choice's
     description carries its measured peak, the second its correction."""
-    from pytest_ctresources.session import CtSession
+    from pytest_ctresources.session.session import CtSession
 
     prompt = "the capital of france is"
     model = tiny_model_seen_on_a_gpu(monkeypatch)
@@ -592,7 +594,7 @@ def test_under_xdist_auto_fills_its_lease_only(
 
 
 def test_auto_needs_are_never_learned() -> None:
-    from pytest_ctresources.learned import memory_key
+    from pytest_ctresources.report.learned import memory_key
 
     cfg = CircuitTracerConfig.defaults()
     auto = cfg.layered({"batch_size": "auto"}, cfg.source_of("dtype"))
@@ -601,7 +603,7 @@ def test_auto_needs_are_never_learned() -> None:
 
 
 def test_estimate_low_compares_with_the_most_the_estimate_allows() -> None:
-    from pytest_ctresources.summary import RunSummary, TestRecord
+    from pytest_ctresources.report.summary import RunSummary, TestRecord
 
     def record(peak_gib: float) -> TestRecord:
         return TestRecord(
@@ -636,7 +638,7 @@ def test_auto_runs_the_setup_pass_once_and_attributes_the_same(
     import torch
     from circuit_tracer import attribute
 
-    from pytest_ctresources.session import CtSession
+    from pytest_ctresources.session.session import CtSession
 
     prompt = "the capital of france is"
     # A GPU as auto sees it, so the choice runs its setup pass.
@@ -711,10 +713,10 @@ def test_a_share_of_a_card_fits_the_reserved_peak() -> None:
 def test_the_batch_size_before_an_auto_call_fits_the_host_without_a_gpu(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from pytest_ctresources import autobatch
-    from pytest_ctresources.config import CircuitTracerConfig
-    from pytest_ctresources.session import CtSession
-    from pytest_ctresources.sources import Source
+    from pytest_ctresources.estimator import auto as autobatch
+    from pytest_ctresources.session.session import CtSession
+    from pytest_ctresources.settings.config import CircuitTracerConfig
+    from pytest_ctresources.settings.sources import Source
 
     monkeypatch.setattr(autobatch, "host_available", lambda: (20 << 30, "test"))
     cfg = CircuitTracerConfig.defaults().layered(

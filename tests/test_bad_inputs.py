@@ -23,9 +23,9 @@ from typing import Literal
 
 import pytest
 
-from pytest_ctresources.allocator import check_alloc_conf
-from pytest_ctresources.cli import main as cli_main
-from pytest_ctresources.experiment_yaml import MAX_BYTES
+from pytest_ctresources.estimator.cli import main as cli_main
+from pytest_ctresources.gpu.allocator import check_alloc_conf
+from pytest_ctresources.settings.experiment_yaml import MAX_BYTES
 
 pytest_plugins = ["pytester"]
 
@@ -747,7 +747,7 @@ def test_ct_resources_into_a_closed_pipe_ends_quietly(argv: list[str]) -> None:
     os.close(read_end)
     try:
         process = subprocess.run(
-            [sys.executable, "-m", "pytest_ctresources.cli", *argv],
+            [sys.executable, "-m", "pytest_ctresources.estimator.cli", *argv],
             stdout=write_end,
             stderr=subprocess.PIPE,
             text=True,

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from pytest_ctresources import cleanup
-from pytest_ctresources import cleanup_between_tests as between
-from pytest_ctresources.allocator import AllocConf, memory_fraction
+from pytest_ctresources.gpu import cleanup
+from pytest_ctresources.gpu import cleanup_between_tests as between
+from pytest_ctresources.gpu.allocator import AllocConf, memory_fraction
 from tests.fake_cuda import FAKE_CUDA_CONFTEST
 
 pytest_plugins = ["pytester"]
@@ -444,7 +444,7 @@ def test_capacity_cap_is_armed_when_torch_is_imported_later(pytester: pytest.Pyt
     pytester.makepyfile(
         """
         import sys
-        from pytest_ctresources.runtime import runtime_of
+        from pytest_ctresources.core.runtime import runtime_of
 
         def test_armed(request):
             cap = runtime_of(request.config).capacity_cap

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from pytest_ctresources import autobatch, registry
-from pytest_ctresources import estimate as est
-from pytest_ctresources.cli import main
+from pytest_ctresources.estimator import auto as autobatch
+from pytest_ctresources.estimator import estimate as est
+from pytest_ctresources.estimator import registry
+from pytest_ctresources.estimator.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
@@ -209,7 +210,7 @@ def test_gpus_without_a_gpu(
 
 def test_the_console_script_is_installed() -> None:
     (entry,) = metadata.entry_points(group="console_scripts", name="ct-resources")
-    assert entry.value == "pytest_ctresources.cli:main"
+    assert entry.value == "pytest_ctresources.estimator.cli:main"
     script = Path(sys.executable).parent / "ct-resources"
     result = subprocess.run(
         [

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from pytest_ctresources.config import (
+from pytest_ctresources.settings.config import (
     FIELDS,
     CircuitTracerConfig,
     ConfigError,
     parse_text,
     validate_typed,
 )
-from pytest_ctresources.experiment_yaml import load_experiment_yaml
-from pytest_ctresources.settings import resolve_settings
-from pytest_ctresources.sources import Source
+from pytest_ctresources.settings.experiment_yaml import load_experiment_yaml
+from pytest_ctresources.settings.resolve import resolve_settings
+from pytest_ctresources.settings.sources import Source
 
 
 def test_defaults_match_the_issue_and_are_sourced_default() -> None:

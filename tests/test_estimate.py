@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_ctresources import estimate as est
-from pytest_ctresources import registry, testing
+from pytest_ctresources import testing
+from pytest_ctresources.estimator import estimate as est
+from pytest_ctresources.estimator import registry
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIBRATION = sorted((ROOT / "docs" / "calibration").glob("*.jsonl"))

@@ -1,4 +1,4 @@
-"""Unit tests for pytest_ctresources.gpus: fake GPUs, CUDA_VISIBLE_DEVICES, NVML, torch.
+"""Unit tests for pytest_ctresources.gpu.detect: fake GPUs, CUDA_VISIBLE_DEVICES, NVML, torch.
 
 No GPU needed: NVML and torch are replaced by small stand-in modules in ``sys.modules``.
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pytest_ctresources.gpus import (
+from pytest_ctresources.gpu.detect import (
     FAKE_GPUS_ENV,
     GpuFacts,
     GpuInfo,
@@ -618,7 +618,7 @@ def test_module_import_does_not_import_torch() -> None:
     # Load gpus.py on its own, so that what the package's other modules import does not count.
     import subprocess
 
-    import pytest_ctresources.gpus as gpus
+    import pytest_ctresources.gpu.detect as gpus
 
     code = (
         "import importlib.util, sys\n"

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_ctresources.leases import IdleCacheWatcher
-from pytest_ctresources.ledger import (
+from pytest_ctresources.leases.leases import IdleCacheWatcher
+from pytest_ctresources.leases.ledger import (
     LeaseTimeout,
     LedgerDirError,
     VramLedger,
@@ -46,8 +46,8 @@ as_root = pytest.mark.skipif(
 HOLDER = """
 import sys
 from pathlib import Path
-from pytest_ctresources.leases import IdleCacheWatcher
-from pytest_ctresources.ledger import VramLedger
+from pytest_ctresources.leases.leases import IdleCacheWatcher
+from pytest_ctresources.leases.ledger import VramLedger
 
 ledger = VramLedger(Path(sys.argv[1]), float(sys.argv[2]), card_gib=float(sys.argv[3])).open()
 leases = []
@@ -414,7 +414,7 @@ def test_pruning_leaves_another_users_run_directory_alone() -> None:
 
 LONG_RUNNING_WORKER = """
 import os, sys, time
-from pytest_ctresources.ledger import prune_old_runs, run_dir, seat_board
+from pytest_ctresources.leases.ledger import prune_old_runs, run_dir, seat_board
 
 board = seat_board("long")
 board.choose_and_sit(lambda taken: 0, 1)

@@ -16,10 +16,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("circuit_tracer")
 
-from pytest_ctresources import oom, testing  # noqa: E402
-from pytest_ctresources.config import CircuitTracerConfig  # noqa: E402
-from pytest_ctresources.nnsight_threads import release_nnsight_threads, release_quietly  # noqa: E402
-from pytest_ctresources.session import CtSession  # noqa: E402
+from pytest_ctresources import testing  # noqa: E402
+from pytest_ctresources.gpu import oom  # noqa: E402
+from pytest_ctresources.gpu.nnsight_threads import release_nnsight_threads, release_quietly  # noqa: E402
+from pytest_ctresources.session.session import CtSession  # noqa: E402
+from pytest_ctresources.settings.config import CircuitTracerConfig  # noqa: E402
 
 PROMPT = "the capital of france is paris and the capital of italy is"
 
@@ -76,7 +77,7 @@ def test_an_oom_in_the_trace_leaves_a_blocked_thread_that_release_frees(
         attribute(PROMPT, model, batch_size=64, verbose=False)
     exc = caught.value
     del caught
-    from pytest_ctresources.cleanup import clear_exception_frames
+    from pytest_ctresources.gpu.cleanup import clear_exception_frames
 
     clear_exception_frames(exc)
     del exc
@@ -184,7 +185,7 @@ def test_a_trace_running_in_another_thread_is_left_alone(model: Any) -> None:
 def test_auto_and_the_retry_after_an_oom_in_the_trace(
     model: Any, oom_from_batch_64: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pytest_ctresources import autobatch
+    from pytest_ctresources.estimator import auto as autobatch
 
     # auto as on a roomy GPU: the choice (its setup pass handed to the first attempt) takes
     # every active feature in one pass; the forward pass then runs out of memory.

@@ -16,8 +16,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from pytest_ctresources.config import CircuitTracerConfig, ConfigError
-from pytest_ctresources.notebook_params import (
+from pytest_ctresources.notebooks.params import (
     INJECTED_TAG,
     NotALiteral,
     check_params,
@@ -26,7 +25,8 @@ from pytest_ctresources.notebook_params import (
     notebook_metadata,
     python_literal,
 )
-from pytest_ctresources.sources import Source
+from pytest_ctresources.settings.config import CircuitTracerConfig, ConfigError
+from pytest_ctresources.settings.sources import Source
 
 pytest_plugins = ["pytester"]
 
@@ -236,13 +236,13 @@ def test_bad_metadata(metadata: dict, message: str) -> None:  # type: ignore[typ
     ],
 )
 def test_only_ipykernel_kernels_get_the_start_up_file(argv: list[str], expected: bool) -> None:
-    from pytest_ctresources.kernels import is_ipython_kernel
+    from pytest_ctresources.notebooks.kernels import is_ipython_kernel
 
     assert is_ipython_kernel(argv) is expected
 
 
 def test_ct_notebook_configs_lists_files_folders_and_globs(pytester: pytest.Pytester) -> None:
-    from pytest_ctresources.notebooks import NotebookConfigs
+    from pytest_ctresources.notebooks.items import NotebookConfigs
 
     pytester.makeini(
         "[pytest]\nct_notebook_configs =\n    configs\n    more/*.yml\n    **/deep.yaml\n"
@@ -730,7 +730,7 @@ def test_auto_batch_size_is_resolved_before_the_kernel_starts(
 ) -> None:
     """A notebook passes BATCH_SIZE to attribute() itself: auto becomes a number first, from
     the estimate of its configured model (on a GPU) or the ceiling (without one)."""
-    from pytest_ctresources.autobatch import Budget, choose_from_config
+    from pytest_ctresources.estimator.auto import Budget, choose_from_config
 
     write(
         pytester.path / "nb.ipynb",

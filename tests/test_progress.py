@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pytest_ctresources.progress import AttributionProbe, AttributionTiming
+from pytest_ctresources.session.progress import AttributionProbe, AttributionTiming
 from tests.conftest import TINY_YAML
 
 pytest_plugins = ["pytester"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_ctresources.cli import main
+from pytest_ctresources.estimator.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_ctresources import report_files
-from pytest_ctresources import summary as summary_module
-from pytest_ctresources.report_files import PNG_MAGIC, SigtermReport
+from pytest_ctresources.report import files as report_files
+from pytest_ctresources.report import summary as summary_module
+from pytest_ctresources.report.files import PNG_MAGIC, SigtermReport
 from tests.fake_cuda import FAKE_CUDA_CONFTEST
 
 pytest_plugins = ["pytester"]

@@ -301,7 +301,7 @@ def test_qwen3_reads_and_writes_the_mlp() -> None:
 def test_published_dimensions_are_bundled() -> None:
     """The published sizes the estimator is fitted and validated on build by name, with the
     registry's dimensions for the real model."""
-    from pytest_ctresources import registry
+    from pytest_ctresources.estimator import registry
 
     pairs = {
         "ctresources/random-gemma-2-9b": "google/gemma-2-9b",

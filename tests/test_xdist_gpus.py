@@ -17,7 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from pytest_ctresources.binding import (
+from pytest_ctresources.gpu.detect import detect_gpus
+from pytest_ctresources.leases.ledger import (
+    LeaseTimeout,
+    VramLedger,
+    ensure_root,
+    ledger_path,
+    units_for,
+)
+from pytest_ctresources.report.placement import Placement, placement_lines
+from pytest_ctresources.xdist.binding import (
     bind_worker,
     choose_gpu,
     choose_position,
@@ -25,15 +34,6 @@ from pytest_ctresources.binding import (
     sharing_count,
     worker_number,
 )
-from pytest_ctresources.gpus import detect_gpus
-from pytest_ctresources.ledger import (
-    LeaseTimeout,
-    VramLedger,
-    ensure_root,
-    ledger_path,
-    units_for,
-)
-from pytest_ctresources.placement import Placement, placement_lines
 from tests.fake_cuda import FAKE_CUDA_CONFTEST
 
 pytest_plugins = ["pytester"]
@@ -89,7 +89,7 @@ def test_plan_line() -> None:
 HOLDER = """
 import sys
 from pathlib import Path
-from pytest_ctresources.ledger import VramLedger
+from pytest_ctresources.leases.ledger import VramLedger
 ledger = VramLedger(Path(sys.argv[1]), float(sys.argv[2])).open()
 ledger.acquire(float(sys.argv[3]), timeout_s=5)
 print("held", flush=True)
@@ -563,7 +563,13 @@ def test_memory_other_processes_use_counts_against_the_budget(
     )
     for args in ((), ("-n", "2")):
         result = pytester.runpytest_subprocess("-o", "ct_lease_timeout=1", *args)
-        result.assert_outcomes(passed=1, errors=1)
+        outcomes = result.parseoutcomes()
+        if args:
+            # Two workers at once: when the 6 GiB waiter gets the turnstile first, the 4 GiB
+            # test queues behind it (no overtaking) and times out too; either order is right.
+            assert outcomes.get("errors") in (1, 2) and outcomes.get("passed", 0) == 2 - outcomes["errors"]
+        else:
+            result.assert_outcomes(passed=1, errors=1)
         result.stdout.fnmatch_lines(
             [
                 "*waited 1 s for a VRAM lease of 6.0 GiB; the GPU's budget is 10.0 GiB and "
@@ -608,7 +614,7 @@ RESIDENT_CONFTEST = (
     FAKE_CUDA_CONFTEST
     + """
 import atexit, fcntl, json, os, threading, time, weakref
-from pytest_ctresources import session
+from pytest_ctresources.session import session
 
 MODEL_GIB = 9
 

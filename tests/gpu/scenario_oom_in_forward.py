@@ -3,7 +3,7 @@
 A random-weight gemma-2-2b in bf16 with a 100-token prompt under an emulated 24 GiB card,
 from batch 512: the forward pass runs out of memory at 512, 256 and 128, and batch 64 needs
 19.3 GiB of the 24. Before the plugin freed the nnsight intervention thread such an OOM
-leaves blocked (pytest_ctresources/nnsight_threads.py), an OOM at batch 512 kept 9.6-10.2 GiB
+leaves blocked (pytest_ctresources/gpu/nnsight_threads.py), an OOM at batch 512 kept 9.6-10.2 GiB
 of residual caches allocated beyond the model (measured), so batch 64 could not have fitted.
 """
 

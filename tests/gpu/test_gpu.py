@@ -208,7 +208,7 @@ def test_strict_ct_session_suite_on_a_real_size_model(pytester: pytest.Pytester)
             assert len(graph.selected_features) > 0
 
         def test_uses_the_same_model(ct_session, request):
-            from pytest_ctresources.runtime import runtime_of
+            from pytest_ctresources.core.runtime import runtime_of
             ct_session.attribute("the capital of france is")
             assert runtime_of(request.config).model_cache.loads == 1
         """

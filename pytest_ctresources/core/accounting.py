@@ -1,0 +1,341 @@
+"""Per-test VRAM accounting: the need a test declares, what it measured, and what follows.
+
+The hooks in :mod:`~pytest_ctresources.plugin` call one function here per phase. Figures travel
+to the controller (and to junit XML) as ``ct_*`` ``user_properties`` of the teardown report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+import warnings
+from collections.abc import Callable, Generator
+
+import pytest
+
+from pytest_ctresources.core.runtime import CONFIG_KEY, OWN_SETTINGS_PROPERTY, Runtime, own_settings
+from pytest_ctresources.estimator.auto import counted
+from pytest_ctresources.estimator.estimate import Estimate
+from pytest_ctresources.exceptions import CtLeakWarning
+from pytest_ctresources.gpu import oom
+from pytest_ctresources.gpu.measure import GIB, VramFigures, VramMeter
+from pytest_ctresources.gpu.skips import skip_reason
+from pytest_ctresources.report.learned import memory_key
+from pytest_ctresources.session.session import CtSession, ResidentModel
+from pytest_ctresources.settings import markers
+from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig
+from pytest_ctresources.settings.sources import Source
+
+METER_KEY = pytest.StashKey[VramMeter]()
+NEED_KEY = pytest.StashKey["markers.VramNeed | None"]()
+MEMORY_KEY = pytest.StashKey[str]()
+FIGURES_KEY = pytest.StashKey[VramFigures]()
+SESSION_KEY = pytest.StashKey[CtSession]()
+#: The resident model (ct_session's cache) when the test started, and its CUDA bytes.
+RESIDENT_KEY = pytest.StashKey["tuple[ResidentModel | None, int]"]()
+#: Figures measured outside the pytest process (a notebook's kernel), used instead of the meter's.
+KERNEL_FIGURES_KEY = pytest.StashKey[VramFigures]()
+
+CONFIG_FIXTURES = frozenset({"ct_config", "ct_session"})
+UNMARKED_BYTES = 1 << 30
+
+
+def suggested_marker(peak_bytes: int, nodeid: str = "") -> str:
+    """The declaration to write for a measured peak, rounded up to a whole GiB: the marker, or
+    for a notebook its metadata."""
+    gib = max(1, math.ceil(peak_bytes / GIB))
+    if nodeid.rsplit("::", 1)[-1].endswith(".ipynb"):
+        return f'"ctresources": {{"vram_gib": {gib}}} in the notebook\'s metadata'
+    return f"@pytest.mark.vram(gib={gib})"
+
+
+def begin(item: pytest.Item, runtime: Runtime) -> str | None:
+    """Start measuring; resolve the test's need. Returns the skip reason, if it does not fit.
+
+    Raises :class:`~pytest_ctresources.settings.markers.MarkerError` for a bad marker.
+    """
+    meter = VramMeter()
+    meter.start()
+    item.stash[METER_KEY] = meter
+    item.stash[RESIDENT_KEY] = (runtime.model_cache.resident, runtime.resident_bytes())
+    cfg = item.stash.get(CONFIG_KEY, None)  # set at collection for notebook items
+    if cfg is not None:
+        overrides = own_settings(runtime.session_config(), cfg)
+        if overrides:  # a notebook's own experiment config over a session-wide value
+            item.user_properties.append((OWN_SETTINGS_PROPERTY, overrides))
+    elif CONFIG_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        cfg = runtime.config_for(item)
+    capacity = runtime.settings.vram_capacity_gib
+    key = memory_key(item.nodeid, cfg, capacity.value if capacity is not None else None)
+    item.stash[MEMORY_KEY] = key
+    need = markers.vram_need(item)
+    if need is None and cfg is not None and cfg.vram_gib is not None:
+        need = markers.VramNeed(cfg.vram_gib, cfg.source_of("vram_gib"))
+    session = cfg is not None and "ct_session" in getattr(item, "fixturenames", ())
+    if need is None and key and runtime.learned():
+        learned = runtime.learned().get(key)
+        if learned is not None:
+            need = markers.VramNeed(learned.gib, learned.source)
+            if session and cfg is not None:
+                need = learned_need_with_retry(need, cfg, runtime)
+    if need is None and session and cfg is not None:
+        need = estimated_need(cfg, runtime)
+    item.stash[NEED_KEY] = need
+    if need is None:
+        return None
+    return skip_reason(
+        need.gib,
+        need.source,
+        runtime.test_gpu(),
+        runtime.settings.vram_capacity_gib,
+        runs_on_cpu=session,
+    )
+
+
+def learned_need_with_retry(
+    need: markers.VramNeed, cfg: CircuitTracerConfig, runtime: Runtime
+) -> markers.VramNeed:
+    """A learned peak is what the test took at its batch size; with ct_session's OOM retry
+    it may still pass at a smaller one. So the skip is decided, as for an estimate, at the
+    retry's floor: the least the estimate says it needs there (never skipped on the learned
+    peak alone when the estimator does not know the model), while the learned peak stays
+    the most it may take (its lease, the UNDER-DECLARED check)."""
+    settings = runtime.settings
+    floor = settings.oom_retry_floor.value
+    if not settings.oom_retry.value or cfg.batch_size == AUTO or int(cfg.batch_size) <= floor:
+        return need
+    at_floor = estimated_need(cfg, runtime)
+    least = min(need.gib, at_floor.gib) if at_floor is not None else 0.0
+    if least >= need.gib:
+        return need
+    source = Source(
+        "learned",
+        f"{need.source}; {least:.1f} GiB at the OOM retry's floor, batch {floor}, estimated"
+        if at_floor is not None
+        else f"{need.source}; the OOM retry may need less",
+    )
+    # The most it may take, as for an estimate, is capped at the card: it will retry smaller.
+    card = runtime.auto_budget().capacity_gib
+    most = need.gib if card is None else min(need.gib, card)
+    return markers.VramNeed(least, source, most_gib=most)
+
+
+def estimated_need(cfg: CircuitTracerConfig, runtime: Runtime) -> markers.VramNeed | None:
+    """The estimate of a ct_session test whose model and transcoders the registry knows.
+
+    Two figures: the least it needs, at the smallest batch size ct_session may end up using
+    (1 for ``auto``, ``ct_oom_retry_floor`` when the OOM retry is on, else the configured
+    one), for the skip decision; and the most it may take, at the largest (``batch_size_max``
+    for ``auto``, else the configured one) capped at the GPU, for its lease. Under
+    ``--ct-vram-capacity``, a cap on PyTorch's allocator, the CUDA context is left out.
+    """
+    from pytest_ctresources.estimator.registry import estimate_config
+
+    settings = runtime.settings
+    tokens = settings.estimate_prompt_tokens.value
+    auto = cfg.batch_size == AUTO
+    most_batch = cfg.batch_size_max if auto else int(cfg.batch_size)
+    if auto:
+        least_batch, why = 1, " (auto's least)"
+    elif settings.oom_retry.value and settings.oom_retry_floor.value < most_batch:
+        least_batch, why = settings.oom_retry_floor.value, " (the OOM retry's floor)"
+    else:
+        least_batch, why = most_batch, ""
+    least = estimate_config(cfg, tokens, batch_size=least_batch)
+    most = estimate_config(cfg, tokens, batch_size=most_batch)
+    if least is None or most is None:
+        return None
+    # The card auto would fill; an estimated need counts the reserved peak (what the test
+    # takes from the card), plus the CUDA context on a real card.
+    budget = runtime.auto_budget()
+
+    def gib(prediction: Estimate) -> float:
+        return round(counted(prediction, budget) / GIB, 2)
+
+    ceiling = budget.capacity_gib
+    most_gib = gib(most) if ceiling is None else min(gib(most), ceiling)
+    most_text = "" if most_batch == least_batch else f", {most_gib:.1f} GiB at batch {most_batch}"
+    what = (
+        f"{cfg.model_name}, {cfg.dtype}, batch {least_batch}{why}{most_text}, {tokens} prompt "
+        "tokens"
+    )
+    return markers.VramNeed(gib(least), Source.estimate(what), most_gib=most_gib)
+
+
+def allocated_beyond_baseline(item: pytest.Item) -> Callable[[], int | None]:
+    """What the cleanup asks to decide whether garbage holds CUDA memory: the test's meter."""
+    meter = item.stash.get(METER_KEY, None)
+    return meter.allocated_beyond_baseline if meter is not None else lambda: None
+
+
+def own_figures(item: pytest.Item, runtime: Runtime, *, finished: bool) -> VramFigures | None:
+    """The test's figures as its own: a notebook's from its kernel; else the meter's, with a
+    resident model the test did not use (another test's, still on the card) left out of the
+    peaks, and what it made resident (or freed) left out of its leak."""
+    figures = item.stash.get(KERNEL_FIGURES_KEY, None)
+    if figures is not None:
+        return figures
+    meter = item.stash.get(METER_KEY, None)
+    figures = meter.figures(finished=finished) if meter is not None else None
+    if figures is None:
+        return None
+    resident_then, resident_bytes_then = item.stash.get(RESIDENT_KEY, (None, 0))
+    resident_now = runtime.model_cache.resident
+    if finished:
+        growth = runtime.resident_bytes() - resident_bytes_then
+        figures = dataclasses.replace(figures, resident_bytes=growth)
+    cfg = item.stash.get(CONFIG_KEY, None)
+    reused = (
+        cfg is not None
+        and "ct_session" in getattr(item, "fixturenames", ())
+        and resident_then is not None
+        and runtime.model_cache.resident_for(cfg) is resident_then
+    )
+    if resident_then is not None and resident_now is resident_then and not reused:
+        figures = figures.without_others_resident(resident_then.bytes)
+    return figures
+
+
+def end(item: pytest.Item, runtime: Runtime) -> None:
+    """After teardown and cleanup: record the figures, warn about a leak."""
+    resident_then, _bytes_then = item.stash.get(RESIDENT_KEY, (None, 0))
+    resident_now = runtime.model_cache.resident
+    figures = own_figures(item, runtime, finished=True)
+    if figures is None:
+        return
+    item.stash[FIGURES_KEY] = figures
+    need = item.stash.get(NEED_KEY, None)
+    gpu = runtime.gpu_facts().gpu(figures.device)
+    properties: list[tuple[str, object]] = [
+        ("ct_device", figures.device),
+        ("ct_gpu", gpu.name if gpu is not None else "unknown GPU"),
+        ("ct_baseline_bytes", figures.baseline_bytes),
+        ("ct_peak_allocated_bytes", figures.peak_allocated_bytes),
+        ("ct_peak_reserved_bytes", figures.peak_reserved_bytes),
+        ("ct_after_bytes", figures.after_bytes),
+        ("ct_leaked_bytes", figures.leaked_bytes),
+        ("ct_resident_bytes", figures.resident_bytes),
+        ("ct_others_resident_bytes", figures.others_resident_bytes),
+        ("ct_memory_key", item.stash.get(MEMORY_KEY, item.nodeid)),
+        ("ct_date", datetime.date.today().isoformat()),
+    ]
+    if need is not None:
+        properties += [
+            ("ct_need_gib", need.gib),
+            ("ct_need_source", str(need.source)),
+            ("ct_need_kind", need.source.kind),
+            ("ct_need_most_gib", need.lease_gib),
+        ]
+    if resident_now is not None and resident_now is not resident_then:
+        properties.append((RESIDENT_PROPERTY, resident_record(resident_now, figures.device)))
+    item.user_properties.extend(properties)
+    threshold = runtime.settings.leak_threshold_bytes.value
+    if figures.leaked_bytes > threshold:
+        warnings.warn(CtLeakWarning(leak_message(item.nodeid, figures, threshold)), stacklevel=1)
+
+
+#: user_properties key of the model a test loaded into ct_session's cache (kept resident).
+RESIDENT_PROPERTY = "ct_resident_model"
+
+
+def resident_record(resident: ResidentModel, device: int) -> dict[str, object]:
+    """What the report says of a resident model: which, how big, where, loaded by whom."""
+    return {
+        "model": resident.label,
+        "bytes": resident.bytes,
+        "device": device,
+        "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+        "loaded_by": resident.loaded_by,
+    }
+
+
+def leak_message(nodeid: str, figures: VramFigures, threshold: int) -> str:
+    return (
+        f"{nodeid} left {figures.leaked_bytes / GIB:.2f} GiB of CUDA memory allocated after "
+        f"teardown and cleanup (threshold {threshold / GIB:.2f} GiB, ct_leak_threshold); "
+        "usual holders: a module-level or global reference, a wider-scoped fixture, a cache "
+        "of the test's own (models ct_session keeps loaded are counted apart, as resident)"
+    )
+
+
+def explain_oom(item: pytest.Item, runtime: Runtime, exc: BaseException) -> None:
+    """Attach the ``ctresources: CUDA out of memory`` section to a test that raised OOM."""
+    if not oom.is_oom(exc):
+        return
+    meter = item.stash.get(METER_KEY, None)
+    figures = meter.figures() if meter is not None else None
+    item.add_report_section(
+        "call",
+        "ctresources: CUDA out of memory",
+        oom.explain(
+            item.stash.get(CONFIG_KEY, None),
+            runtime.gpu_facts().gpu(figures.device if figures else 0),
+            runtime.settings.vram_capacity_gib,
+            figures,
+        ),
+    )
+
+
+class StrictChecks:
+    """``--ct-strict``: registered only then. Fails, after the test ran, what passed by luck."""
+
+    name = "ctresources-strict"
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        report = yield
+        if report.passed:
+            problems = self.problems(item, call.when)
+            if problems:
+                report.outcome = "failed"
+                report.longrepr = "ctresources --ct-strict: " + "; ".join(problems)
+        return report
+
+    def problems(self, item: pytest.Item, when: str) -> list[str]:
+        if when == "call":
+            return self.call_problems(item)
+        if when == "teardown":
+            figures = item.stash.get(FIGURES_KEY, None)
+            threshold = self.runtime.settings.leak_threshold_bytes.value
+            if figures is not None and figures.leaked_bytes > threshold:
+                return [leak_message(item.nodeid, figures, threshold)]
+        return []
+
+    def call_problems(self, item: pytest.Item) -> list[str]:
+        figures = own_figures(item, self.runtime, finished=False)
+        need = item.stash.get(NEED_KEY, None)
+        problems = []
+        if (
+            figures is not None
+            and need is not None
+            and need.source.kind != "estimate"  # an estimate is not a declaration
+            and figures.peak_reserved_gib > need.lease_gib
+        ):
+            problems.append(
+                f"UNDER-DECLARED: peak {figures.peak_reserved_gib:.2f} GiB reserved exceeds the "
+                f"declared {need.lease_gib:.1f} GiB ({need.source}); write "
+                f"{suggested_marker(figures.peak_reserved_bytes, item.nodeid)}"
+            )
+        session = item.stash.get(SESSION_KEY, None)
+        if session is not None and session.halvings:
+            problems.append(f"passed only after halving the batch size: {halving_summary(session)}")
+        return problems
+
+
+def halving_summary(session: CtSession) -> str:
+    """``OOM at batch 256, passed at 64 — set BATCH_SIZE: 64 in x.yaml``."""
+    first = session.halvings[0].failed_batch_size
+    final = session.halvings[-1].next_batch_size
+    source = session.cfg.source_of("batch_size")
+    if source.path is not None:
+        advice = f"set BATCH_SIZE: {final} in {source.path}"
+    else:
+        advice = f"use --ct-batch-size {final} (or BATCH_SIZE: {final} in the experiment YAML)"
+    return f"OOM at batch {first}, passed at {final} — {advice}"

@@ -1,0 +1,252 @@
+"""The plugin's state for one run, in ``config.stash``; per-test state in ``item.stash``."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+
+from pytest_ctresources.estimator.auto import Budget
+from pytest_ctresources.exceptions import AllocConfIneffectiveWarning
+from pytest_ctresources.gpu.allocator import ALLOC_CONF_ENV, AllocConf, CapacityCap
+from pytest_ctresources.gpu.cleanup import cleanup_python_cuda, cuda_initialised
+from pytest_ctresources.gpu.cleanup_between_tests import BetweenTests
+from pytest_ctresources.gpu.detect import (
+    FAKE_GPUS_ENV,
+    GpuFacts,
+    GpuInfo,
+    detect_gpus,
+    parse_fake_gpus,
+)
+from pytest_ctresources.leases.leases import WorkerGpu, start_worker_gpu
+from pytest_ctresources.report.learned import LearnedNeeds
+from pytest_ctresources.session.session import ModelCache
+from pytest_ctresources.settings.config import FIELDS, CircuitTracerConfig
+from pytest_ctresources.settings.markers import layer_markers
+from pytest_ctresources.settings.resolve import Settings, settings_from_config
+from pytest_ctresources.settings.sources import Source, Sourced
+from pytest_ctresources.xdist.binding import Binding
+
+
+@dataclass
+class Runtime:
+    """Session state: resolved settings, GPU facts (detected on first use), the model cache."""
+
+    settings: Settings
+    alloc_conf: AllocConf
+    capacity_cap: CapacityCap | None
+    model_cache: ModelCache = field(default_factory=ModelCache)
+    cache: pytest.Cache | None = None
+    worker_gpu: WorkerGpu | None = None
+    """The GPU this xdist worker is bound to (None elsewhere)."""
+    cleaner: BetweenTests | None = None
+    """The between-test cleanup (None under ``ct_cleanup = never``)."""
+    _gpu_facts: GpuFacts | None = None
+    _learned: LearnedNeeds | None = None
+    _session_config: CircuitTracerConfig | None = None
+
+    def gpu_facts(self, *, may_import_torch: bool = True) -> GpuFacts:
+        """The GPUs of this process, detected once. Without NVML, detection falls back to
+        torch, whose import costs seconds: callers that only describe the run (the ``-v``
+        header, the summary) pass ``may_import_torch=False`` and, when no test has imported
+        torch, get NVML's answer with a note instead."""
+        if self._gpu_facts is not None:
+            return self._gpu_facts
+        if may_import_torch or "torch" in sys.modules:
+            self._detected(detect_gpus())
+            return self.gpu_facts()
+        facts = detect_gpus(torch_fallback=False)
+        if facts.gpus:
+            self._detected(facts)
+            return facts
+        return dataclasses.replace(
+            facts, detail=f"{facts.detail}; torch not asked, since no test imported it"
+        )
+
+    def _detected(self, facts: GpuFacts) -> None:
+        """Keep the facts, and clamp ``--ct-vram-capacity`` to the card they found (at
+        start-up when NVML answers; else when a test first needs the GPU)."""
+        self._gpu_facts = facts
+        capacity = self.settings.vram_capacity_gib
+        if capacity is None:
+            return
+        clamped = clamped_capacity(capacity, facts.gpu(0))
+        if clamped is not capacity:
+            self.settings = dataclasses.replace(self.settings, vram_capacity_gib=clamped)
+            self.capacity_cap = CapacityCap(clamped.value)
+
+    def learned(self) -> LearnedNeeds:
+        """VRAM needs measured by earlier runs (pytest's cache), loaded on first use."""
+        if self._learned is None:
+            self._learned = LearnedNeeds(self.cache)
+        return self._learned
+
+    def resident_bytes(self) -> int:
+        """CUDA memory the models ``ct_session`` keeps loaded between tests hold now."""
+        resident = self.model_cache.resident
+        return resident.bytes if resident is not None else 0
+
+    def free_cached_models(self) -> None:
+        """Free the models ct_session cached, and what the allocator caches (before a wait)."""
+        self.model_cache.evict()
+        cleanup_python_cuda()
+
+    def test_gpu(self) -> GpuInfo | None:
+        """The GPU a test in this process runs on: the first visible one."""
+        return self.gpu_facts().gpu(0)
+
+    def auto_budget(self, item: pytest.Item | None = None) -> Budget:
+        """What ``--ct-batch-size auto`` may fill for ``item``: the test GPU's capacity (or
+        the ``--ct-vram-capacity`` cap) less the ``ct_auto_margin`` share; no more than the
+        test's declared need (a ``vram`` marker or ``VRAM_GIB`` bounds auto), and, in an
+        xdist worker sharing its GPU, no more than the VRAM lease it holds."""
+        from pytest_ctresources.core.accounting import NEED_KEY
+        from pytest_ctresources.leases.leases import LEASE_KEY
+
+        margin = float(self.settings.auto_margin.value)
+        capacity = self.settings.vram_capacity_gib
+        gpu = self.test_gpu()
+        if capacity is not None:
+            budget = Budget(capacity.value, str(capacity.source), margin, emulated=True)
+        elif gpu is None:
+            return Budget(None, "no CUDA GPU detected", margin)
+        else:
+            budget = Budget(gpu.total_gib, gpu.describe(), margin)
+        if item is None:
+            return budget
+        need = item.stash.get(NEED_KEY, None)
+        total = budget.capacity_gib or 0.0
+        # The most a need allows (a learned need kept for the OOM retry decides its skip at
+        # the retry's floor, but may take its learned peak).
+        if need is not None and need.source.kind != "estimate" and need.lease_gib < total:
+            budget = Budget(
+                need.lease_gib, str(need.source), margin, emulated=budget.emulated, shared=True
+            )
+        lease = item.stash.get(LEASE_KEY, None)
+        if lease is not None and lease.gib < (budget.capacity_gib or 0.0):
+            # Leases share the card's memory; each process's context is outside them.
+            budget = Budget(lease.gib, "its VRAM lease", margin, emulated=True, shared=True)
+        return budget
+
+    def session_config(self) -> CircuitTracerConfig:
+        """The config of a test with no marker of its own, resolved once."""
+        if self._session_config is None:
+            self._session_config = self.settings.session_config()
+        return self._session_config
+
+    def config_for(self, item: pytest.Item) -> CircuitTracerConfig:
+        """The item's resolved config, computed once and kept in its stash.
+
+        Raises :class:`~pytest_ctresources.settings.markers.MarkerError` for a bad ``ct_config``.
+        """
+        cached = item.stash.get(CONFIG_KEY, None)
+        if cached is not None:
+            return cached
+        session = self.session_config()
+        cfg = layer_markers(item, session)
+        item.stash[CONFIG_KEY] = cfg
+        overrides = own_settings(session, cfg)
+        if overrides:
+            # Said once per setting in -v and the summary, from the setup report.
+            item.user_properties.append((OWN_SETTINGS_PROPERTY, overrides))
+        return cfg
+
+
+#: user_properties key of the session-wide values a test's own ct_config marker overrode.
+OWN_SETTINGS_PROPERTY = "ct_own_settings"
+
+
+def own_settings(session: CircuitTracerConfig, cfg: CircuitTracerConfig) -> list[list[str]]:
+    """``[field, session-wide source, session-wide value, the test's value, its source]`` for
+    each field the test's own marker (or a notebook item's own config) set over a value the
+    session set (not a default)."""
+    out = []
+    for name in FIELDS:
+        before, after = session.source_of(name), cfg.source_of(name)
+        if (
+            after != before
+            and before.kind != "default"
+            and getattr(cfg, name) != getattr(session, name)
+        ):
+            session_value, own = str(getattr(session, name)), str(getattr(cfg, name))
+            out.append([name, str(before), session_value, own, str(after)])
+    return out
+
+
+def clamped_capacity(capacity: Sourced[float], gpu: GpuInfo | None) -> Sourced[float]:
+    """``--ct-vram-capacity`` no larger than the card it emulates on: a cap above the real
+    memory would admit tests the card cannot hold. The source says so when it clamps."""
+    if gpu is None or capacity.value <= gpu.total_gib:
+        return capacity
+    source = capacity.source
+    where = (
+        f"{source.where} {capacity.value:g} GiB, clamped to the {gpu.total_gib:.1f} GiB of "
+        f"{gpu.describe()}"
+    )
+    return Sourced(gpu.total_gib, Source(source.kind, where, source.path))
+
+
+def runs_no_tests(config: pytest.Config) -> bool:
+    """Whether this is a pytest-xdist controller (its workers run the tests), by xdist's own
+    test: it distributes (``dist`` other than ``no``) to some execution environments (``tx``:
+    ``-n`` fills them in, ``--tx`` names them)."""
+    if hasattr(config, "workerinput"):
+        return False
+    return config.getoption("dist", "no") != "no" and bool(config.getoption("tx", None))
+
+
+RUNTIME_KEY = pytest.StashKey[Runtime]()
+CONFIG_KEY = pytest.StashKey[CircuitTracerConfig]()
+
+
+def runtime_of(config: pytest.Config) -> Runtime:
+    """The :class:`Runtime` of a configured pytest run."""
+    return config.stash[RUNTIME_KEY]
+
+
+def start_runtime(
+    config: pytest.Config, alloc: AllocConf | None, binding: Binding | None = None
+) -> Runtime:
+    """Resolve the settings and build the run's :class:`Runtime` (raises ``pytest.UsageError``).
+
+    ``alloc`` is the allocator setting applied before conftests were imported, if any;
+    ``binding`` the GPU this xdist worker was bound to then, if any.
+    """
+    settings = settings_from_config(config)
+    fake = os.environ.get(FAKE_GPUS_ENV)
+    if fake is not None:
+        try:
+            parse_fake_gpus(fake)
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
+    alloc = alloc or AllocConf(settings.alloc_conf.value)
+    if alloc.value and cuda_initialised():
+        config.issue_config_time_warning(
+            AllocConfIneffectiveWarning(
+                f"CUDA was initialised before pytest-ctresources configured, so "
+                f"{ALLOC_CONF_ENV}={alloc.effective() or alloc.value!r} had no effect; "
+                "import torch lazily in conftest.py or set it in the environment"
+            ),
+            stacklevel=3,
+        )
+    runtime = Runtime(
+        settings=settings,
+        alloc_conf=alloc,
+        capacity_cap=None,
+        cache=getattr(config, "cache", None),  # None under -p no:cacheprovider
+    )
+    capacity = settings.vram_capacity_gib
+    if capacity is not None:
+        runtime.capacity_cap = CapacityCap(capacity.value)
+        runtime.gpu_facts(may_import_torch=False)  # clamps the capacity if NVML sees the card
+        settings = runtime.settings
+    if binding is not None:
+        runtime.worker_gpu = start_worker_gpu(binding)
+    if runtime.capacity_cap is not None and not runs_no_tests(config):
+        # The emulated card must bind from the first CUDA allocation, whoever imports torch
+        # and whenever: importing torch here does not initialise CUDA.
+        runtime.capacity_cap.arm(import_torch=True)
+    return runtime

@@ -1,0 +1,458 @@
+"""The ``ct-resources`` command: what GPUs the plugin sees, and what an attribution will need.
+
+    ct-resources gpus [--json]
+    ct-resources estimate --config example_configs/gemma-2-2b-it.yaml --prompt-tokens 40
+    ct-resources estimate --model google/gemma-2-2b --transcoders gemma \\
+        --dtype bfloat16 --batch-size 256 --gpu-gib 24 [--json]
+    ct-resources table --cards 24,48,80 --prompt-tokens 32,128   # the README's guidance
+
+Nothing here imports torch unless GPU detection has to fall back to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from pytest_ctresources.estimator import estimate as est
+from pytest_ctresources.estimator import registry
+from pytest_ctresources.estimator.auto import DEFAULT_AUTO_MARGIN, Budget, fit_batch
+from pytest_ctresources.estimator.auto import reason as auto_reason_text
+from pytest_ctresources.settings.config import (
+    AUTO,
+    DTYPE_ALIASES,
+    DTYPES,
+    FIELDS,
+    MAX_COUNT,
+    MAX_GIB,
+    CircuitTracerConfig,
+    ConfigError,
+    bound_text,
+    shown,
+)
+from pytest_ctresources.settings.sources import Source
+
+GIB: Final = 1 << 30
+DEFAULT_PROMPT_TOKENS: Final = 32
+DEFAULT_CEILING: Final = int(FIELDS["batch_size_max"].default)  # type: ignore[call-overload]
+
+
+class CliError(Exception):
+    """A user error: printed as ``ct-resources: error: ...`` with exit status 2."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """What ``estimate`` was asked, resolved from a config file and the flags."""
+
+    model: est.ModelShape
+    transcoders: est.TranscoderShape
+    workload: est.Workload
+    auto_batch: bool
+    ceiling: int
+    active_source: str
+
+
+def _dtype(text: str) -> str:
+    value = DTYPE_ALIASES.get(text, text)
+    if value not in DTYPES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(DTYPES)}; got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    return int(_positive(text, int, "integer", MAX_COUNT))
+
+
+def _positive_float(text: str) -> float:
+    return _positive(text, float, "number", MAX_COUNT)
+
+
+def _gib(text: str) -> float:
+    return _positive(text, float, "number of GiB", MAX_GIB)
+
+
+def _positive(text: str, convert: Any, kind: str, most: float) -> float:
+    try:
+        value = convert(text)  # int() of over 4300 digits raises ValueError too
+    except ValueError:
+        value = 0
+    if not value > 0:  # nan included
+        raise argparse.ArgumentTypeError(f"must be a positive {kind}, got {shown(text)}")
+    if value > most:  # inf included; the same bounds as the plugin's settings
+        raise argparse.ArgumentTypeError(f"must be at most {bound_text(most)}, got {shown(text)}")
+    return float(value)
+
+
+def _batch(text: str) -> int | str:
+    return "auto" if text.strip().lower() == "auto" else _positive_int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ct-resources",
+        description="GPU facts and VRAM estimates for circuit-tracer attribution "
+        "(pytest-ctresources)",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    gpus = commands.add_parser("gpus", help="the GPUs the plugin detects")
+    gpus.add_argument("--json", action="store_true", help="one JSON object")
+    estimate = commands.add_parser(
+        "estimate", help="predict the peak VRAM of attribute() and the batch sizes that fit"
+    )
+    source = estimate.add_argument_group("what to estimate (a config, or a model and a set)")
+    source.add_argument("--config", metavar="YAML", help="experiment config (MODEL_NAME, ...)")
+    source.add_argument("--model", help="model name (see the registry) or a config.json path")
+    source.add_argument("--transcoders", metavar="SET", help="transcoder set name or alias")
+    estimate.add_argument("--dtype", type=_dtype, help="bfloat16 or float32 (default: config's)")
+    estimate.add_argument(
+        "--batch-size", type=_batch, metavar="N|auto", help="default: config's, else 256"
+    )
+    estimate.add_argument(
+        "--prompt-tokens",
+        type=_positive_int,
+        default=DEFAULT_PROMPT_TOKENS,
+        metavar="N",
+        help=f"prompt length in tokens, BOS and chat template included "
+        f"(default {DEFAULT_PROMPT_TOKENS})",
+    )
+    estimate.add_argument(
+        "--active-features",
+        type=_positive_float,
+        metavar="K",
+        help="active transcoder features per layer and token (default: the transcoder "
+        f"set's L0 where known, else {est.DEFAULT_ACTIVE_PER_LAYER_TOKEN:g}, an assumption)",
+    )
+    estimate.add_argument("--max-feature-nodes", type=_positive_int, metavar="N")
+    estimate.add_argument(
+        "--gpu-gib", type=_gib, metavar="G", help="card size (default: detected GPU 0)"
+    )
+    estimate.add_argument(
+        "--ceiling",
+        type=_positive_int,
+        metavar="N",
+        help="largest batch size the table and 'auto' consider (default: the config's "
+        f"BATCH_SIZE_MAX, else {DEFAULT_CEILING})",
+    )
+    estimate.add_argument("--json", action="store_true", help="one JSON object")
+    table = commands.add_parser(
+        "table", help="largest batch size that fits, per card, model, dtype and prompt length"
+    )
+    table.add_argument("--cards", default="24,48,80", metavar="GIB,...", help="card sizes")
+    table.add_argument("--prompt-tokens", default="32,128", metavar="N,...", help="prompt lengths")
+    table.add_argument("--dtypes", default="bfloat16,float32", metavar="DTYPE,...")
+    table.add_argument(
+        "--active-features",
+        type=_positive_float,
+        metavar="K",
+        help="active features per layer and token (default: each set's L0 where known, else "
+        f"{est.DEFAULT_ACTIVE_PER_LAYER_TOKEN:g})",
+    )
+    table.add_argument("--ceiling", type=_positive_int, default=DEFAULT_CEILING, metavar="N")
+    return parser
+
+
+def resolve(args: argparse.Namespace) -> Request:
+    """Turn the flags (and ``--config``) into shapes and a workload: the config's values with
+    the flags laid over them, as the plugin lays options over an experiment YAML."""
+    cfg = CircuitTracerConfig.defaults()
+    if args.config:
+        from pytest_ctresources.settings.experiment_yaml import load_experiment_yaml
+
+        try:
+            cfg = load_experiment_yaml(args.config).apply(cfg)
+        except ConfigError as exc:
+            raise CliError(str(exc)) from None
+    flags = {
+        "model_name": args.model,
+        "transcoder_set": args.transcoders,
+        "dtype": args.dtype,
+        "batch_size": args.batch_size,
+        "max_feature_nodes": args.max_feature_nodes,
+        "batch_size_max": args.ceiling,
+    }
+    cfg = cfg.layered(
+        {name: value for name, value in flags.items() if value is not None},
+        Source.option("ct-resources"),
+    )
+    try:
+        model, transcoders = registry.shapes_of_config(cfg)
+    except registry.UnknownShape as exc:
+        raise CliError(str(exc)) from None
+    auto = cfg.batch_size == AUTO
+    batch = 1 if auto else int(cfg.batch_size)
+    active, source = _active_per_layer_token(args.active_features, cfg)
+    workload = registry.workload_of(cfg, args.prompt_tokens, active, batch)
+    return Request(model, transcoders, workload, auto, cfg.batch_size_max, source)
+
+
+def _active_per_layer_token(given: float | None, cfg: CircuitTracerConfig) -> tuple[float, str]:
+    """``--active-features``, else the set's L0, else the default; and where it came from."""
+    if given is not None:
+        return given, "--active-features"
+    assert cfg.transcoder_set is not None  # resolve() checked the shapes first
+    info = registry.transcoder_info(cfg.transcoder_set, cfg.model_name)
+    return info.active_per_layer_token, info.l0_source
+
+
+def _gpu_budget(args: argparse.Namespace) -> tuple[float | None, str]:
+    if args.gpu_gib is not None:
+        return args.gpu_gib, f"--gpu-gib {args.gpu_gib:g}"
+    from pytest_ctresources.gpu.detect import detect_gpus
+
+    facts = detect_gpus()
+    gpu = facts.gpu(0)
+    if gpu is None:
+        return None, f"no GPU detected ({facts.detail}); pass --gpu-gib"
+    return gpu.total_gib, f"{gpu.name}, {gpu.total_gib:.1f} GiB ({facts.source})"
+
+
+def _table_sizes(ceiling: int, chosen: int) -> list[int]:
+    sizes = {1 << power for power in range(0, 20) if 1 << power <= ceiling}
+    sizes.add(chosen)
+    return sorted(size for size in sizes if size >= 8 or size == chosen)
+
+
+def run_estimate(args: argparse.Namespace, out: Any) -> int:
+    request = resolve(args)
+    gpu_gib, gpu_text = _gpu_budget(args)
+    workload = request.workload
+    choice = None
+    if gpu_gib is not None:
+        choice = est.largest_fitting_batch(
+            request.model,
+            request.transcoders,
+            workload,
+            int(gpu_gib * GIB),
+            ceiling=request.ceiling,
+        )
+    auto_reason = None
+    if request.auto_batch:
+        # The choice ct_session would make on this card, before loading anything.
+        budget = Budget(gpu_gib, gpu_text, DEFAULT_AUTO_MARGIN)
+        fitted = (
+            None
+            if gpu_gib is None
+            else fit_batch(request.model, request.transcoders, workload, budget, request.ceiling)
+        )
+        if fitted is None:
+            raise CliError(
+                "--batch-size auto needs a GPU size (--gpu-gib) and a workload that fits it at "
+                "batch size 1"
+            )
+        workload = est.with_batch(workload, fitted[0])
+        nodes = workload.max_feature_nodes
+        feature_rows = workload.active_features(request.model.n_layers)
+        feature_rows = feature_rows if nodes is None else min(feature_rows, nodes)
+        auto_reason = auto_reason_text(fitted[0], fitted[1], request.ceiling, feature_rows, budget)
+    prediction = est.estimate(request.model, request.transcoders, workload)
+    rows = est.batch_table(
+        request.model,
+        request.transcoders,
+        workload,
+        _table_sizes(request.ceiling, workload.batch_size),
+    )
+    if args.json:
+        payload = prediction.to_dict() | {
+            "active_source": request.active_source,
+            "gpu_gib": gpu_gib,
+            "gpu": gpu_text,
+            "largest_fitting_batch_size": choice[0] if choice else None,
+            "auto_reason": auto_reason,
+            "table": [
+                {
+                    "batch_size": row.workload.batch_size,
+                    "peak_gib": round(row.peak_gib, 3),
+                    "total_gib": round(row.total_gib, 3),
+                    "fits": None if gpu_gib is None else row.total_gib <= gpu_gib,
+                }
+                for row in rows
+            ],
+        }
+        json.dump(payload, out, indent=2)
+        out.write("\n")
+        return 0
+    _print_estimate(out, prediction, rows, gpu_gib, gpu_text, choice, request)
+    if auto_reason is not None:
+        out.write(f"auto: batch size {workload.batch_size} ({auto_reason})\n")
+    return 0
+
+
+def _print_estimate(
+    out: Any,
+    prediction: est.Estimate,
+    rows: Sequence[est.Estimate],
+    gpu_gib: float | None,
+    gpu_text: str,
+    choice: tuple[int, est.Estimate] | None,
+    request: Request,
+) -> None:
+    model, tc, work = prediction.model, prediction.transcoders, prediction.workload
+    softcap = f", logit softcap {model.final_logit_softcap:g}" if model.final_logit_softcap else ""
+    kind = "cross-layer" if tc.cross_layer else "per-layer"
+    skip = ", skip connection" if tc.skip_connection else ""
+    write = out.write
+    write(
+        f"model        {model.name}: {model.n_params / 1e9:.2f}e9 parameters, {model.n_layers} "
+        f"layers, d_model {model.d_model}, vocabulary {model.vocab_size}{softcap}\n"
+    )
+    write(f"transcoders  {tc.name}: {kind}, {tc.width} features per layer{skip}\n")
+    nodes = "all" if work.max_feature_nodes is None else work.max_feature_nodes
+    auto = " (auto)" if request.auto_batch else ""
+    write(
+        f"workload     {work.dtype}, batch size {work.batch_size}{auto}, {work.prompt_tokens} "
+        f"prompt tokens, max_feature_nodes {nodes}\n"
+    )
+    write(
+        f"features     {work.active_per_layer_token:.4g} active per layer and token "
+        f"({request.active_source}): {prediction.active_features} in all over "
+        f"{model.n_layers} layers x {max(work.prompt_tokens - 1, 0)} positions after BOS\n"
+    )
+    write(f"GPU          {gpu_text}\n\n")
+    write("breakdown                GiB\n")
+    for term in prediction.terms:
+        write(f"  {term.name:<20} {term.gib:>7.2f}  {term.note}\n")
+    write(
+        f"  {'peak allocated':<20} {prediction.peak_gib:>7.2f}  in the {prediction.peak_phase} "
+        "pass\n"
+    )
+    write(f"  {'peak reserved':<20} {prediction.peak_reserved_bytes / GIB:>7.2f}\n")
+    write(f"  {'total on the card':<20} {prediction.total_gib:>7.2f}\n\n")
+    fits_header = f"fits {gpu_gib:.1f} GiB" if gpu_gib is not None else "fits"
+    write(f"batch size   peak GiB   total GiB   {fits_header}\n")
+    for row in rows:
+        fits = "-" if gpu_gib is None else ("yes" if row.total_gib <= gpu_gib else "no")
+        mark = "  <- this run" if row.workload.batch_size == work.batch_size else ""
+        write(
+            f"{row.workload.batch_size:>10} {row.peak_gib:>10.2f} {row.total_gib:>11.2f}   "
+            f"{fits}{mark}\n"
+        )
+    if gpu_gib is not None:
+        if choice is None:
+            write(f"\nnot even batch size 1 fits {gpu_gib:.1f} GiB\n")
+        else:
+            write(f"\nlargest batch size that fits (up to {request.ceiling}): {choice[0]}\n")
+
+
+#: The pairs the README's table covers: circuit-tracer's own examples.
+TABLE_PAIRS: Final = (
+    ("google/gemma-2-2b", "gemma"),
+    ("google/gemma-2-2b", "mntss/clt-gemma-2-2b-426k"),
+    ("meta-llama/Llama-3.2-1B", "llama"),
+    ("google/gemma-3-4b-it", "mwhanna/gemma-scope-2-4b-it/transcoder_all/width_16k_l0_small"),
+    ("google/gemma-3-4b-it", "mwhanna/gemma-scope-2-4b-it/transcoder_all/width_262k_l0_small"),
+    ("Qwen/Qwen3-4B", "mwhanna/qwen3-4b-transcoders"),
+)
+
+
+def _csv(text: str, parse: Any) -> list[Any]:
+    try:
+        return [parse(part) for part in text.split(",") if part.strip()]
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise CliError(f"bad list {shown(text)}: {exc}") from None
+
+
+def run_table(args: argparse.Namespace, out: Any) -> int:
+    """A Markdown table: the largest batch size (up to the ceiling) whose estimated total
+    fits each card, for circuit-tracer's example models and transcoder sets."""
+    cards = _csv(args.cards, _gib)
+    prompts = _csv(args.prompt_tokens, _positive_int)
+    dtypes = _csv(args.dtypes, _dtype)
+    header = "| model | transcoders | active per layer and token | dtype | prompt tokens | "
+    header += " | ".join(f"{card:g} GiB" for card in cards)
+    out.write(header + " |\n")
+    out.write("|---|---|---|---|---|" + "---|" * len(cards) + "\n")
+    for model_name, set_name in TABLE_PAIRS:
+        model = registry.model_shape(model_name)
+        info = registry.transcoder_info(set_name)
+        transcoders = info.loaded()
+        if args.active_features is not None:
+            active, active_text = args.active_features, f"{args.active_features:g} (given)"
+        elif info.l0 is not None:
+            active, active_text = info.l0, f"{info.l0:.1f} (L0)"
+        else:
+            active, active_text = (
+                info.active_per_layer_token,
+                f"{info.active_per_layer_token:g} (assumed)",
+            )
+        for dtype in dtypes:
+            for tokens in prompts:
+                work = est.Workload(dtype, 1, tokens, active)
+                cells = []
+                for card in cards:
+                    found = est.largest_fitting_batch(
+                        model, transcoders, work, int(card * GIB), ceiling=args.ceiling
+                    )
+                    cells.append("does not fit" if found is None else str(found[0]))
+                short_set = set_name.split("/transcoder_all/")[-1]
+                out.write(
+                    f"| {model_name} | {short_set} | {active_text} | {dtype} | {tokens} | "
+                    + " | ".join(cells)
+                    + " |\n"
+                )
+    return 0
+
+
+def run_gpus(args: argparse.Namespace, out: Any) -> int:
+    from pytest_ctresources.gpu.detect import detect_gpus, free_bytes
+
+    facts = detect_gpus()
+    free = free_bytes(facts)
+    if args.json:
+        payload = facts.to_dict() | {
+            "free_gib": [None if f is None else round(f / GIB, 3) for f in free]
+        }
+        json.dump(payload, out, indent=2)
+        out.write("\n")
+        return 0
+    if not facts.gpus:
+        out.write(f"no CUDA GPU detected ({facts.detail})\n")
+        return 0
+    out.write(f"source: {facts.detail}\n")
+    visible = facts.cuda_visible_devices
+    out.write(f"CUDA_VISIBLE_DEVICES: {'(unset)' if visible is None else visible}\n")
+    out.write("index  name                          total GiB   free GiB   physical  uuid\n")
+    for gpu, free_now in zip(facts.gpus, free, strict=True):
+        free_text = "-" if free_now is None else f"{free_now / GIB:.1f}"
+        physical = "-" if gpu.physical_index is None else str(gpu.physical_index)
+        out.write(
+            f"{gpu.index:>5}  {gpu.name:<28} {gpu.total_gib:>10.1f} {free_text:>10}   "
+            f"{physical:>8}  {gpu.uuid or '-'}\n"
+        )
+    for caveat in facts.caveats:
+        out.write(f"note: {caveat}\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "gpus":
+            status = run_gpus(args, sys.stdout)
+        elif args.command == "table":
+            status = run_table(args, sys.stdout)
+        else:
+            status = run_estimate(args, sys.stdout)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler below
+        return status
+    except BrokenPipeError:
+        # `ct-resources ... | head`: the reader has gone. Python's recipe (the signal module's
+        # "Note on SIGPIPE"): point stdout at devnull so the flush at exit cannot raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except CliError as exc:
+        parser.exit(2, f"ct-resources: error: {exc}\n")
+    except ValueError as exc:  # a malformed CT_FAKE_GPUS, say
+        parser.exit(2, f"ct-resources: error: {exc}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

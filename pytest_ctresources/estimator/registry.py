@@ -1,0 +1,605 @@
+"""Where the estimator's shapes come from: an offline registry, a config.json, a loaded model.
+
+The registry lists the models and transcoder sets circuit-tracer 0.5.0 knows, with the
+dimensions of their Hugging Face ``config.json`` (sources in ``docs/estimator.md``). Nothing
+here downloads anything; :func:`model_from_config_json` reads a local file and
+:func:`shapes_of_loaded` reads a ReplacementModel already in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Final
+
+from pytest_ctresources.estimator.estimate import (
+    DEFAULT_ACTIVE_PER_LAYER_TOKEN,
+    Estimate,
+    ModelShape,
+    TranscoderShape,
+    Workload,
+    estimate,
+)
+from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig, shown
+
+
+class UnknownShape(LookupError):
+    """A model or transcoder set the registry does not know; the message lists the known."""
+
+
+def count_params(
+    *,
+    family: str,
+    n_layers: int,
+    d_model: int,
+    d_mlp: int,
+    vocab_size: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    tied: bool,
+) -> int:
+    """Parameters of a (bias-free) decoder-only model of ``family``: gemma2, gemma3, llama or
+    qwen3. Tied embeddings are counted once, as the nnsight backend stores them."""
+    attention = d_model * head_dim * (2 * n_heads + 2 * n_kv_heads)
+    mlp = 3 * d_model * d_mlp
+    norms = {"gemma2": 4 * d_model, "gemma3": 4 * d_model + 2 * head_dim}.get(
+        family, 2 * d_model + (2 * head_dim if family == "qwen3" else 0)
+    )
+    embeddings = vocab_size * d_model * (1 if tied else 2)
+    return n_layers * (attention + mlp + norms) + embeddings + d_model
+
+
+#: Gemma-3 4b and 12b are multimodal: circuit-tracer loads them with their SigLIP vision
+#: tower (416,866,032 parameters) and a projector (1152 x d_model + 1152).
+_SIGLIP_PARAMS: Final = 416_866_032
+
+
+_DIM_NAMES: Final = (
+    "n_layers",
+    "d_model",
+    "d_mlp",
+    "vocab_size",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+)
+
+
+def _model(
+    name: str, family: str, *dims: int, tied: bool = True, vision: bool = False
+) -> ModelShape:
+    """A registry entry: ``dims`` in the order of :data:`_DIM_NAMES`."""
+    named = dict(zip(_DIM_NAMES, dims, strict=True))
+    params = count_params(family=family, tied=tied, **named)
+    if vision:
+        params += _SIGLIP_PARAMS + 1152 * named["d_model"] + 1152
+    return ModelShape(
+        name=name,
+        family=family,
+        n_params=params,
+        final_logit_softcap=30.0 if family == "gemma2" else None,
+        **named,
+    )
+
+
+def _models() -> dict[str, ModelShape]:
+    gemma_2_2b = ("gemma2", 26, 2304, 9216, 256000, 8, 4, 256)
+    gemma_3_1b = ("gemma3", 26, 1152, 6912, 262144, 4, 1, 256)
+    gemma_3_4b = ("gemma3", 34, 2560, 10240, 262208, 8, 4, 256)
+    gemma_3_12b = ("gemma3", 48, 3840, 15360, 262208, 16, 8, 256)
+    table = [
+        _model("google/gemma-2-2b", *gemma_2_2b),
+        _model("google/gemma-2-2b-it", *gemma_2_2b),
+        _model("google/gemma-2-9b", "gemma2", 42, 3584, 14336, 256000, 16, 8, 256),
+        _model("google/gemma-2-9b-it", "gemma2", 42, 3584, 14336, 256000, 16, 8, 256),
+        _model("google/gemma-3-1b-pt", *gemma_3_1b),
+        _model("google/gemma-3-1b-it", *gemma_3_1b),
+        _model("google/gemma-3-4b-pt", *gemma_3_4b, vision=True),
+        _model("google/gemma-3-4b-it", *gemma_3_4b, vision=True),
+        _model("google/gemma-3-12b-pt", *gemma_3_12b, vision=True),
+        _model("google/gemma-3-12b-it", *gemma_3_12b, vision=True),
+        _model("google/gemma-2-27b", "gemma2", 46, 4608, 36864, 256000, 32, 16, 128),
+        _model("google/gemma-2-27b-it", "gemma2", 46, 4608, 36864, 256000, 32, 16, 128),
+        _model("google/gemma-3-270m", "gemma3", 18, 640, 2048, 262144, 4, 1, 256),
+        _model("google/gemma-3-270m-it", "gemma3", 18, 640, 2048, 262144, 4, 1, 256),
+        _model("meta-llama/Llama-3.2-1B", "llama", 16, 2048, 8192, 128256, 32, 8, 64),
+        _model("meta-llama/Llama-3.2-1B-Instruct", "llama", 16, 2048, 8192, 128256, 32, 8, 64),
+        _model("meta-llama/Llama-3.2-3B", "llama", 28, 3072, 8192, 128256, 24, 8, 128),
+        _model("meta-llama/Llama-3.2-3B-Instruct", "llama", 28, 3072, 8192, 128256, 24, 8, 128),
+        _model("meta-llama/Llama-3.1-8B", "llama", 32, 4096, 14336, 128256, 32, 8, 128, tied=False),
+        _model(
+            "meta-llama/Llama-3.1-8B-Instruct",
+            "llama",
+            32,
+            4096,
+            14336,
+            128256,
+            32,
+            8,
+            128,
+            tied=False,
+        ),
+        _model("Qwen/Qwen3-0.6B", "qwen3", 28, 1024, 3072, 151936, 16, 8, 128),
+        _model("Qwen/Qwen3-1.7B", "qwen3", 28, 2048, 6144, 151936, 16, 8, 128),
+        _model("Qwen/Qwen3-4B", "qwen3", 36, 2560, 9728, 151936, 32, 8, 128),
+        _model("Qwen/Qwen3-8B", "qwen3", 36, 4096, 12288, 151936, 32, 8, 128, tied=False),
+        _model("Qwen/Qwen3-14B", "qwen3", 40, 5120, 17408, 151936, 40, 8, 128, tied=False),
+    ]
+    return {shape.name: shape for shape in table}
+
+
+MODELS: Final[Mapping[str, ModelShape]] = MappingProxyType(_models())
+
+
+@dataclass(frozen=True)
+class TranscoderSetInfo:
+    """A transcoder set as circuit-tracer loads it.
+
+    Attributes:
+        shape: width, cross-layer, skip connection (lazy flags not yet applied).
+        models: the models it was trained on.
+        lazy_capable: whether circuit-tracer can keep its matrices on disk (its own
+            safetensors layout); GemmaScope npz and GemmaScope-2 files always load fully.
+        l0: its active features per layer and token (average over layers), where published
+            (sources in docs/registry-sources.md); None when not known.
+    """
+
+    shape: TranscoderShape
+    models: tuple[str, ...]
+    lazy_capable: bool
+    l0: float | None = None
+
+    @property
+    def active_per_layer_token(self) -> float:
+        """The active features per layer and token an estimate assumes for this set: its
+        L0, else :data:`~pytest_ctresources.estimator.estimate.DEFAULT_ACTIVE_PER_LAYER_TOKEN`."""
+        return DEFAULT_ACTIVE_PER_LAYER_TOKEN if self.l0 is None else self.l0
+
+    @property
+    def l0_source(self) -> str:
+        """Where :attr:`active_per_layer_token` comes from, for reports."""
+        if self.l0 is None:
+            return "assumed: the set's L0 is not known"
+        return f"{self.shape.name}'s L0"
+
+    def loaded(self, *, lazy_encoder: bool = False, lazy_decoder: bool = True) -> TranscoderShape:
+        """The shape with circuit-tracer's lazy-loading flags applied (its defaults here)."""
+        from dataclasses import replace
+
+        if not self.lazy_capable:
+            return self.shape
+        return replace(self.shape, lazy_encoder=lazy_encoder, lazy_decoder=lazy_decoder)
+
+
+def _set(
+    name: str,
+    width: int,
+    models: tuple[str, ...],
+    *,
+    lazy: bool,
+    clt: bool = False,
+    skip: bool = False,
+    hook: str = "hook_resid_mid",
+    l0: float | None = None,
+) -> TranscoderSetInfo:
+    shape = TranscoderShape(
+        name=name, width=width, cross_layer=clt, skip_connection=skip, feature_input_hook=hook
+    )
+    return TranscoderSetInfo(shape, models, lazy, l0)
+
+
+#: GemmaScope's gemma-2-2b transcoders as circuit-tracer's ``gemma`` set lists them: the
+#: ``average_l0_N`` of each layer's file (76, 65, 49, ..., 37, 41), 1020 over 26 layers.
+_GEMMA_SCOPE_L0: Final = 1020 / 26
+
+
+_GEMMA_2_2B = ("google/gemma-2-2b", "google/gemma-2-2b-it")
+_LLAMA_1B = ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-1B-Instruct")
+
+TRANSCODER_SETS: Final[Mapping[str, TranscoderSetInfo]] = MappingProxyType(
+    {
+        info.shape.name: info
+        for info in (
+            _set(
+                "mwhanna/gemma-scope-transcoders",
+                16384,
+                _GEMMA_2_2B,
+                lazy=False,
+                hook="ln2.hook_normalized",
+                l0=_GEMMA_SCOPE_L0,
+            ),
+            _set("mntss/transcoder-Llama-3.2-1B", 131072, _LLAMA_1B, lazy=True, skip=True),
+            _set("mntss/clt-gemma-2-2b-426k", 16384, _GEMMA_2_2B, lazy=True, clt=True),
+            _set("mntss/clt-gemma-2-2b-2.5M", 98304, _GEMMA_2_2B, lazy=True, clt=True),
+            _set("mntss/clt-llama-3.2-1b-524k", 32768, _LLAMA_1B, lazy=True, clt=True),
+            _set(
+                "mwhanna/qwen3-0.6b-transcoders-lowl0",
+                163840,
+                ("Qwen/Qwen3-0.6B",),
+                lazy=True,
+                hook="mlp.hook_in",
+            ),
+            _set(
+                "mwhanna/qwen3-1.7b-transcoders-lowl0",
+                163840,
+                ("Qwen/Qwen3-1.7B",),
+                lazy=True,
+                hook="mlp.hook_in",
+            ),
+            _set(
+                "mwhanna/qwen3-4b-transcoders",
+                163840,
+                ("Qwen/Qwen3-4B",),
+                lazy=True,
+                hook="mlp.hook_in",
+            ),
+            _set(
+                "mwhanna/qwen3-8b-transcoders",
+                163840,
+                ("Qwen/Qwen3-8B",),
+                lazy=True,
+                hook="mlp.hook_in",
+            ),
+            _set(
+                "mwhanna/qwen3-14b-transcoders-lowl0",
+                163840,
+                ("Qwen/Qwen3-14B",),
+                lazy=True,
+                hook="mlp.hook_in",
+            ),
+        )
+    }
+)
+
+#: circuit-tracer's short names (``hf_utils.py``).
+ALIASES: Final[Mapping[str, str]] = MappingProxyType(
+    {"gemma": "mwhanna/gemma-scope-transcoders", "llama": "mntss/transcoder-Llama-3.2-1B"}
+)
+
+# GemmaScope-2 transcoders: one repo per Gemma-3 model, a subfolder per variant, e.g.
+# mwhanna/gemma-scope-2-4b-it/transcoder_all/width_16k_l0_medium_affine. Width from the
+# name; ``_affine`` adds a skip connection; always loaded fully.
+_GEMMA_SCOPE_2 = re.compile(
+    r"gemma-scope-2-(?P<size>1b|4b|12b)-(?P<kind>pt|it)"
+    r"/(?P<layout>transcoder_all|clt)/width_(?P<width>\d+)k\w*?(?P<affine>_affine)?$"
+)
+
+
+def _gemma_scope_2(name: str) -> TranscoderSetInfo | None:
+    match = _GEMMA_SCOPE_2.search(name)
+    if match is None:
+        return None
+    model = f"google/gemma-3-{match['size']}-{match['kind']}"
+    # "16k" is 2^14 features, "262k" 2^18: the nearest power of two.
+    width = 1 << round(math.log2(int(match["width"]) * 1000))
+    return _set(
+        name,
+        width,
+        (model,),
+        lazy=False,
+        clt=match["layout"] == "clt",
+        skip=match["affine"] is not None,
+        hook="mlp.hook_in",
+    )
+
+
+def nearest(name: str, known: list[str], most: int = 5) -> str:
+    """`` (nearest: a, b)``: the known names closest to a name the registry lacks."""
+    import difflib
+
+    close = difflib.get_close_matches(name, known, n=most, cutoff=0.4)
+    if not close:  # a short name matches the end of a long one: "gemma-2-2b"
+        lowered = name.lower()
+        close = [k for k in known if lowered in k.lower()][:most]
+    return f" (nearest: {', '.join(close)})" if close else ""
+
+
+def known_models() -> list[str]:
+    from pytest_ctresources import testing
+
+    return sorted([*MODELS, *testing.BUNDLED_MODELS])
+
+
+def known_transcoder_sets() -> list[str]:
+    return sorted(
+        [
+            *ALIASES,
+            *TRANSCODER_SETS,
+            "mwhanna/gemma-scope-2-{1b,4b,12b}-{pt,it}/transcoder_all/width_{16k,262k}_...",
+        ]
+    )
+
+
+def model_shape(name: str) -> ModelShape:
+    """The registry's (or a bundled random model's) shape of model ``name``."""
+    if name in MODELS:
+        return MODELS[name]
+    from pytest_ctresources import testing
+
+    if testing.is_bundled_model(name):
+        return _bundled_model(name)
+    path = Path(name)
+    if path.name == "config.json" or (path.is_dir() and (path / "config.json").is_file()):
+        return model_from_config_json(path)
+    raise UnknownShape(
+        f"unknown model {shown(name)}{nearest(name, known_models())}; "
+        f"{len(known_models())} are known (docs/registry-sources.md), or give the path of a "
+        "local config.json"
+    )
+
+
+def transcoder_info(name: str, model: str | None = None) -> TranscoderSetInfo:
+    """The registry's entry for transcoder set ``name`` (an alias, repo or GemmaScope-2
+    subfolder); ``model`` is needed for the bundled random set, which fits any model."""
+    from pytest_ctresources import testing
+
+    if name in testing.BUNDLED_TRANSCODER_SETS and model is not None:
+        if testing.is_bundled_model(model):
+            dims = testing.model_dims_of(model)
+            return _set(
+                name,
+                dims.d_transcoder,
+                (model,),
+                lazy=False,
+                clt=dims.cross_layer,
+                skip=dims.skip_connection,
+                hook=testing.default_hooks(dims)[0],
+                l0=float(testing.DEFAULT_FEATURES_PER_TOKEN),
+            )
+    resolved = ALIASES.get(name, name)
+    if resolved in TRANSCODER_SETS:
+        return TRANSCODER_SETS[resolved]
+    found = _gemma_scope_2(resolved)
+    if found is not None:
+        return found
+    if name in testing.BUNDLED_TRANSCODER_SETS:
+        raise UnknownShape(
+            f"transcoder set {shown(name)} fits only the bundled models "
+            f"({', '.join(sorted(testing.BUNDLED_MODELS))}), not {model!r}"
+        )
+    raise UnknownShape(
+        f"unknown transcoder set {shown(name)}{nearest(name, known_transcoder_sets())}; "
+        f"{len(known_transcoder_sets())} are known (docs/registry-sources.md)"
+    )
+
+
+def _bundled_model(name: str) -> ModelShape:
+    from pytest_ctresources import testing
+
+    dims = testing.model_dims_of(name)
+    return ModelShape(
+        name=name,
+        family=dims.architecture,
+        n_params=dims.n_model_params,
+        final_logit_softcap=30.0 if dims.architecture == "gemma2" else None,
+        **{field: getattr(dims, field) for field in _DIM_NAMES},
+    )
+
+
+_FAMILIES: Final = {
+    "gemma2": "gemma2",
+    "gemma3": "gemma3",
+    "gemma3_text": "gemma3",
+    "llama": "llama",
+    "qwen3": "qwen3",
+}
+
+
+def model_from_config_json(path: str | Path) -> ModelShape:
+    """A model's shape from its Hugging Face ``config.json`` (or the folder holding it).
+
+    Multimodal Gemma-3 configs keep the language model in ``text_config``; its vision tower
+    is counted as circuit-tracer loads it.
+
+    Raises:
+        UnknownShape: the file is missing, not JSON, or lacks a needed key.
+    """
+    file = Path(path)
+    if file.is_dir():
+        file = file / "config.json"
+    try:
+        config: dict[str, Any] = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise UnknownShape(f"cannot read model config {str(file)!r}: {exc}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("text_config", {}), dict):
+        raise UnknownShape(f"{file}: not a model config (a JSON object of the model's settings)")
+    vision = "vision_config" in config and "text_config" in config
+    text = config.get("text_config", config)
+    model_type = str(text.get("model_type", config.get("model_type", "")))
+    family = _FAMILIES.get(model_type)
+    if family is None:
+        raise UnknownShape(
+            f"{file}: model_type {model_type!r} is not one of {', '.join(sorted(_FAMILIES))}"
+        )
+    try:
+        n_heads = int(text["num_attention_heads"])
+        d_model = int(text["hidden_size"])
+        dims = {
+            "n_layers": int(text["num_hidden_layers"]),
+            "d_model": d_model,
+            "d_mlp": int(text["intermediate_size"]),
+            "vocab_size": int(text["vocab_size"]),
+            "n_heads": n_heads,
+            "n_kv_heads": int(text.get("num_key_value_heads", n_heads)),
+            "head_dim": int(text.get("head_dim") or d_model // max(n_heads, 1)),
+        }
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UnknownShape(f"{file}: missing or invalid key {exc}") from None
+    bad = [name for name, value in dims.items() if value <= 0]
+    if bad:
+        raise UnknownShape(f"{file}: {bad[0]} must be positive, got {dims[bad[0]]}")
+    tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
+    params = count_params(family=family, tied=tied, **dims)
+    if vision:
+        params += _SIGLIP_PARAMS + 1152 * d_model + 1152
+    softcap = text.get("final_logit_softcapping")
+    if family == "gemma2" and "final_logit_softcapping" not in text:
+        softcap = 30.0  # Gemma2Config's default
+    return ModelShape(
+        name=str(config.get("_name_or_path") or file.parent.name),
+        family=family,
+        n_params=params,
+        final_logit_softcap=float(softcap) if softcap else None,
+        **dims,
+    )
+
+
+def shapes_of_loaded(model: Any) -> tuple[ModelShape, TranscoderShape]:
+    """The shapes of a loaded ReplacementModel (either backend), read from the object.
+
+    The weights are the model's own parameters (transcoders excluded), counted from the
+    tensors, so anything the registry does not know is still right.
+    """
+    cfg = model.cfg
+    transcoders = model.transcoders
+    transcoder_ids = {id(p) for p in transcoders.parameters()}
+    seen: set[int] = set()
+    n_params = 0
+    for parameter in model.parameters():
+        key = parameter.data_ptr() if parameter.device.type != "meta" else id(parameter)
+        if id(parameter) in transcoder_ids or key in seen:
+            continue
+        seen.add(key)
+        n_params += parameter.numel()
+    n_heads = int(cfg.n_heads)
+    softcap = _loaded_softcap(model)
+    architecture = str(getattr(cfg, "original_architecture", "") or "")
+    shape = ModelShape(
+        name=str(getattr(cfg, "model_name", "loaded model")),
+        family=_family_of_architecture(architecture),
+        n_layers=int(cfg.n_layers),
+        d_model=int(cfg.d_model),
+        d_mlp=int(cfg.d_mlp),
+        vocab_size=int(cfg.d_vocab),
+        n_heads=n_heads,
+        n_kv_heads=int(getattr(cfg, "n_key_value_heads", None) or n_heads),
+        head_dim=int(cfg.d_head),
+        n_params=n_params,
+        final_logit_softcap=float(softcap) if softcap and softcap > 0 else None,
+    )
+    return shape, _loaded_transcoders(transcoders)
+
+
+def _loaded_softcap(model: Any) -> float | None:
+    """The final-logit softcap of a loaded model: TransformerLens's config names it
+    ``output_logits_soft_cap`` (-1 for none); the nnsight backend keeps the Hugging Face
+    config, where it is ``final_logit_softcapping`` (in ``text_config`` for Gemma-3)."""
+    value = getattr(model.cfg, "output_logits_soft_cap", None)
+    if value is None:
+        hf_config = getattr(model, "config", None) or getattr(model, "_hf_config", None)
+        text = getattr(hf_config, "text_config", None) or hf_config
+        value = getattr(text, "final_logit_softcapping", None)
+    return float(value) if value and value > 0 else None
+
+
+def _family_of_architecture(architecture: str) -> str:
+    """``Gemma2ForCausalLM`` -> gemma2, ``Gemma3ForConditionalGeneration`` -> gemma3, ...;
+    anything else is estimated as Llama."""
+    lowered = architecture.lower()
+    for prefix in ("gemma2", "gemma3", "qwen3", "llama"):
+        if lowered.startswith(prefix):
+            return prefix
+    return "llama"
+
+
+def _loaded_transcoders(transcoders: Any) -> TranscoderShape:
+    scan = getattr(transcoders, "scan", None)
+    name = scan if isinstance(scan, str) else type(transcoders).__name__
+    if hasattr(transcoders, "transcoders"):  # TranscoderSet: one per layer
+        first = transcoders.transcoders[0]
+        return TranscoderShape(
+            name=name,
+            feature_input_hook=str(getattr(transcoders, "feature_input_hook", "")),
+            width=int(first.d_transcoder),
+            skip_connection=bool(getattr(transcoders, "skip_connection", False)),
+            lazy_encoder=bool(getattr(first, "lazy_encoder", False)),
+            lazy_decoder=bool(getattr(first, "lazy_decoder", False)),
+        )
+    return TranscoderShape(  # CrossLayerTranscoder
+        name=name,
+        feature_input_hook=str(getattr(transcoders, "feature_input_hook", "")),
+        width=int(transcoders.d_transcoder),
+        cross_layer=True,
+        skip_connection=bool(getattr(transcoders, "skip_connection", False)),
+        lazy_encoder=bool(getattr(transcoders, "lazy_encoder", False)),
+        lazy_decoder=bool(getattr(transcoders, "lazy_decoder", False)),
+    )
+
+
+def shapes_of_config(cfg: CircuitTracerConfig) -> tuple[ModelShape, TranscoderShape]:
+    """The shapes of ``cfg``'s model and transcoder set, loaded as circuit-tracer would load
+    them with the config's lazy flags.
+
+    Raises:
+        UnknownShape: either is not configured, or not known (the message lists the known).
+    """
+    if not cfg.model_name or not cfg.transcoder_set:
+        raise UnknownShape(
+            "name a model and a transcoder set: MODEL_NAME and TRANSCODER_SET, or "
+            "--model NAME --transcoders SET"
+        )
+    model = model_shape(cfg.model_name)
+    info = transcoder_info(cfg.transcoder_set, cfg.model_name)
+    return model, info.loaded(lazy_encoder=cfg.lazy_encoder, lazy_decoder=cfg.lazy_decoder)
+
+
+def workload_of(
+    cfg: CircuitTracerConfig,
+    prompt_tokens: int,
+    active_per_layer_token: float,
+    batch_size: int,
+    *,
+    counted_features: int | None = None,
+) -> Workload:
+    """One attribution under ``cfg``'s dtype, feature nodes, logits and offload;
+    ``counted_features`` is the prompt's real number of active features, when counted."""
+    return Workload(
+        dtype=cfg.dtype,
+        batch_size=batch_size,
+        prompt_tokens=prompt_tokens,
+        active_per_layer_token=active_per_layer_token,
+        max_feature_nodes=cfg.max_feature_nodes,
+        n_logits=cfg.max_n_logits,
+        offload=cfg.offload,
+        counted_features=counted_features,
+    )
+
+
+def default_active_per_layer_token(cfg: CircuitTracerConfig) -> float:
+    """The active features per layer and token to assume for ``cfg``'s transcoder set: its
+    L0 where the registry knows it, else the documented conservative default."""
+    if not cfg.transcoder_set:
+        return DEFAULT_ACTIVE_PER_LAYER_TOKEN
+    try:
+        return transcoder_info(cfg.transcoder_set, cfg.model_name).active_per_layer_token
+    except UnknownShape:
+        return DEFAULT_ACTIVE_PER_LAYER_TOKEN
+
+
+def estimate_config(
+    cfg: CircuitTracerConfig,
+    prompt_tokens: int,
+    active_per_layer_token: float | None = None,
+    *,
+    batch_size: int | None = None,
+) -> Estimate | None:
+    """The estimate of one attribution under ``cfg`` (at ``batch_size`` when given), or None
+    when its model or transcoder set is not configured or not known. ``batch_size: auto``
+    without ``batch_size`` is estimated at batch size 1, the least auto can choose.
+    ``active_per_layer_token`` defaults to the set's L0 (:func:`default_active_per_layer_token`)."""
+    try:
+        model, transcoders = shapes_of_config(cfg)
+    except UnknownShape:
+        return None
+    if batch_size is None:
+        batch_size = 1 if cfg.batch_size == AUTO else int(cfg.batch_size)
+    if active_per_layer_token is None:
+        active_per_layer_token = default_active_per_layer_token(cfg)
+    workload = workload_of(cfg, prompt_tokens, active_per_layer_token, batch_size)
+    return estimate(model, transcoders, workload)

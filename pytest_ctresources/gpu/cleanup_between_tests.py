@@ -1,0 +1,207 @@
+"""Where cleanup happens between tests: what the plugin undoes after each test's teardown.
+
+Registered as a plugin unless ``ct_cleanup = never``. Every step is cheap when there is nothing
+to do, because it runs after every test of suites of hundreds (bench/cleanup_cost.py measures
+it, docs/benchmarks.md has the figures): the expensive one, a garbage collection over a heap
+that torch, transformers and nnsight made large (0.17-0.3 s), runs only when CUDA memory says
+the test's garbage holds some, and long-lived objects are frozen out of it.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+
+import pytest
+
+from pytest_ctresources.gpu import cleanup
+from pytest_ctresources.gpu.cleanup import (
+    close_figures,
+    collect_everything,
+    open_figure_numbers,
+    release_failed_test_frames,
+)
+from pytest_ctresources.gpu.nnsight_threads import release_quietly
+
+
+@dataclass(frozen=True)
+class CleanupPolicy:
+    """How the between-test cleanup decides what to do. The defaults are the levers
+    ``bench/cleanup_cost.py`` measured as cheapest for the same effect (docs/benchmarks.md);
+    the other values exist so that the benchmark can measure the alternatives side by side.
+
+    Attributes:
+        conditional: under ``ct_cleanup = auto``, collect garbage only when the test left more
+            CUDA memory allocated than it started with (its baseline, plus the models it made
+            resident): then something a collection could free holds CUDA memory. False: collect
+            after every test that used CUDA.
+        freeze: ``gc.freeze()`` the long-lived objects, so that collections cost what the
+            tests themselves allocate: at the first collection of the run (then only the young
+            generations are collected first, unless CUDA memory says the test's garbage holds
+            some), and after any collection that took longer than ``freeze_after_s`` (many
+            long-lived objects joined the heap: imports, a model). Undone at the end of the
+            run, unless something else in the process had frozen objects before it (gc cannot
+            unfreeze only some).
+        freeze_after_s: see ``freeze``.
+        empty_cache_min_bytes: return the CUDA caching allocator's free memory
+            (``torch.cuda.empty_cache()``) only when it holds at least this much: a few cached
+            MiB cost a device synchronisation now and a ``cudaMalloc`` in the next test, and
+            leave the next test's reserved peak within this much of its own. 0: always.
+    """
+
+    conditional: bool = True
+    freeze: bool = True
+    freeze_after_s: float = 0.002
+    empty_cache_min_bytes: int = 64 << 20
+
+
+#: The policy in force. (bench/cleanup_cost.py replaces it from a conftest to measure others.)
+POLICY = CleanupPolicy()
+
+
+@dataclass(frozen=True)
+class TestStart:
+    """What one test started with, taken before its setup."""
+
+    figures: frozenset[int]
+    resident_bytes: int
+
+
+START_KEY = pytest.StashKey[TestStart]()
+
+
+class BetweenTests:
+    """The cleanup of one run after each test's teardown (``ct_cleanup``), registered as a
+    plugin unless it is ``never``. It touches only what is the test's own:
+
+    - the matplotlib figures the test opened (during its setup, call and teardown), not those
+      open before it nor those a fixture of wider scope opened (``pytest_fixture_setup``);
+    - the locals of a failed test's frames (see :func:`release_failed_test_frames`), never a
+      suspended generator's;
+    - nnsight threads an aborted trace left blocked (:mod:`pytest_ctresources.gpu.nnsight_threads`);
+    - garbage: with ``auto``, collected when CUDA was used and the test left more allocated
+      than it started with (beyond the models it made resident); with ``always``, after every
+      test. Long-lived objects are frozen (see :class:`CleanupPolicy`), so a collection costs
+      what the test allocated, not what torch, transformers and the model hold;
+    - the CUDA cache, returned when it holds something worth returning.
+    """
+
+    name = "ctresources-cleanup"
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self._wider_figures: set[int] = set()
+        self._froze = False
+        self._unfrozen_seen = 0
+        # Unfreezing at the end gives back the collector's usual view only if nothing else
+        # froze objects before the run (a server that freezes before forking, say).
+        self._unfreeze_at_close = gc.get_freeze_count() == 0
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(
+        self, fixturedef: pytest.FixtureDef[object]
+    ) -> Generator[None, object, object]:
+        if fixturedef.scope == "function":
+            return (yield)
+        before = open_figure_numbers()
+        try:
+            return (yield)
+        finally:
+            self._wider_figures.update(open_figure_numbers() - before)
+
+    def begin(self, item: pytest.Item, resident_bytes: int) -> None:
+        """Before the test's setup: note what is open and resident already."""
+        open_now = open_figure_numbers()
+        # A wider-scoped figure closed since frees its number for a test's own figure.
+        self._wider_figures &= open_now
+        item.stash[START_KEY] = TestStart(open_now, resident_bytes)
+
+    def finish(
+        self,
+        item: pytest.Item,
+        allocated_beyond_baseline: Callable[[], int | None],
+        resident_bytes: int,
+    ) -> int:
+        """After the test's teardown. ``allocated_beyond_baseline()`` measures the CUDA memory
+        allocated now beyond what the test started with (None when the test used no CUDA);
+        ``resident_bytes``: what the resident models hold now. Returns how many figures it
+        closed."""
+        policy = POLICY
+        figures = 0
+        start = item.stash.get(START_KEY, None)
+        if start is not None:
+            opened = open_figure_numbers() - start.figures - self._wider_figures
+            figures = close_figures(opened) if opened else 0
+            resident_bytes -= start.resident_bytes
+        release_failed_test_frames()
+        # A trace an exception aborted (in the test, a fixture, or caught by the test itself)
+        # can leave nnsight threads blocked with its tensors; a no-op unless nnsight is loaded.
+        release_quietly()
+        # What the test made resident (a model ct_session keeps loaded) is no garbage.
+        beyond = allocated_beyond_baseline()
+        cuda = beyond is not None
+        garbage_held = cuda and beyond > max(0, resident_bytes)  # type: ignore[operator]
+        if self.mode == "always":
+            collect = True
+        elif not cuda:
+            collect = False
+        else:
+            collect = garbage_held or not policy.conditional
+        if collect:
+            self._collect(
+                policy,
+                lambda: _above(allocated_beyond_baseline(), resident_bytes),
+                needs_full=garbage_held,
+            )
+        if cuda:
+            self._empty_cache(policy)
+        return figures
+
+    def _collect(
+        self, policy: CleanupPolicy, still_held: Callable[[], bool], *, needs_full: bool
+    ) -> None:
+        if self._froze and cleanup.unfrozen_and_left != self._unfrozen_seen:
+            self._froze = False  # unfrozen since (a watcher thread freeing an idle model)
+        if policy.freeze and not self._froze and not needs_full:
+            # The first collection of a run would walk everything torch, transformers and
+            # nnsight imported (0.13-0.3 s); the young generations hold what the test just
+            # dropped. Freeze what is left: later full collections skip it, and it is
+            # unfrozen (and collected as usual) at the end of the run.
+            gc.collect(1)
+            gc.freeze()
+            self._froze = True
+            self._unfrozen_seen = cleanup.unfrozen_and_left
+            return
+        began = time.perf_counter()
+        gc.collect()
+        took = time.perf_counter() - began
+        if self._froze and still_held():
+            # Still more allocated: garbage set aside by an earlier freeze may hold it (a
+            # wider-scoped fixture's objects that died since).
+            collect_everything()
+        if policy.freeze and took > policy.freeze_after_s:
+            gc.freeze()
+            self._froze = True
+            self._unfrozen_seen = cleanup.unfrozen_and_left
+
+    def _empty_cache(self, policy: CleanupPolicy) -> None:
+        cuda = sys.modules["torch"].cuda
+        try:
+            cached = cuda.memory_reserved() - cuda.memory_allocated()
+        except (AttributeError, RuntimeError):  # a stand-in torch, a lost device
+            return
+        if cached >= policy.empty_cache_min_bytes:
+            cuda.empty_cache()
+
+    def close(self) -> None:
+        """At the end of the run: give the garbage collector its usual view back."""
+        if self._froze and self._unfreeze_at_close:
+            gc.unfreeze()
+        self._froze = False
+
+
+def _above(beyond: int | None, resident_bytes: int) -> bool:
+    return beyond is not None and beyond > max(0, resident_bytes)

@@ -1,0 +1,819 @@
+"""Where GPU facts come from: which CUDA GPUs this process will see, and how big they are.
+
+This is the only module of the plugin that asks the machine about GPUs. Everything else
+(capacity checks, skip reasons, report headers) works from the :class:`GpuFacts` that
+:func:`detect_gpus` returns.
+
+Sources, in order:
+
+1. ``CT_FAKE_GPUS`` -- a testing seam. CPU-only test runs present GPUs of given capacities;
+   they are labelled ``source="fake"`` everywhere so they are never mistaken for real ones.
+   ``CT_FAKE_GPUS_USED`` (``"6;0.5"``: GiB by position) is the same seam for the memory in
+   use on each fake GPU, NVML's figure that the VRAM lease budget reads
+   (:func:`used_memory_reader`); unset, nothing is in use.
+2. NVML (``pynvml``, from the ``nvidia-ml-py`` distribution). NVML reads the driver's view of
+   the hardware without creating a CUDA context, so detection neither costs GPU memory nor
+   breaks later ``fork()``-based workers. ``CUDA_VISIBLE_DEVICES`` is applied here the way the
+   CUDA runtime applies it, because NVML itself ignores that variable.
+3. torch, only when NVML cannot be used. ``torch.cuda`` already honours
+   ``CUDA_VISIBLE_DEVICES``, but querying device properties may initialise CUDA.
+
+Nothing here caches: callers cache the result; tests need fresh answers.
+Neither ``torch`` nor ``pynvml`` is imported at module import time, because the plugin is
+loaded by every pytest run and importing torch costs seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from pytest_ctresources.settings.config import MAX_GIB, shown
+
+__all__ = [
+    "DEVICE_ORDER_ENV",
+    "FAKE_GPUS_ENV",
+    "FAKE_GPUS_USED_ENV",
+    "VISIBLE_DEVICES_ENV",
+    "GpuFacts",
+    "GpuInfo",
+    "GpuSource",
+    "detect_gpus",
+    "parse_fake_gpus",
+    "parse_fake_used",
+    "parse_visible_devices",
+    "used_memory_reader",
+]
+
+FAKE_GPUS_ENV = "CT_FAKE_GPUS"
+FAKE_GPUS_USED_ENV = "CT_FAKE_GPUS_USED"
+VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
+DEVICE_ORDER_ENV = "CUDA_DEVICE_ORDER"
+
+GpuSource = Literal["nvml", "torch", "fake", "none"]
+
+_GIB = 2**30
+# pynvml.NVML_DEVICE_MIG_ENABLE; spelled out so a stand-in pynvml module need not define it.
+_NVML_DEVICE_MIG_ENABLE = 1
+_FAKE_FORMAT = (
+    "expected entries 'NAME=GIB' or 'GIB' separated by ';', "
+    "e.g. 'NVIDIA GeForce RTX 4090=23.6;NVIDIA H200=139.8'"
+)
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One CUDA device as this process will number it."""
+
+    index: int
+    """CUDA ordinal as this process sees it (0..n-1 after ``CUDA_VISIBLE_DEVICES``)."""
+    name: str
+    """Device name, e.g. ``"NVIDIA H200"`` or ``"NVIDIA A100-SXM4-40GB MIG 3g.20gb"``."""
+    total_bytes: int
+    """Device memory in bytes as CUDA counts it (torch's ``total_memory``); for a MIG device,
+    that MIG device's own memory."""
+    uuid: str | None
+    """``"GPU-..."`` or ``"MIG-..."``; ``None`` where the source could not tell."""
+    physical_index: int | None
+    """NVML index of the physical GPU (of the parent GPU for a MIG device); ``None`` from torch."""
+
+    @property
+    def total_gib(self) -> float:
+        """Total memory in GiB (2**30 bytes)."""
+        return self.total_bytes / _GIB
+
+    @property
+    def is_mig(self) -> bool:
+        """Whether this is a MIG device (a slice of a physical GPU) rather than a whole GPU."""
+        return self.uuid is not None and self.uuid.startswith("MIG-")
+
+    def describe(self) -> str:
+        """Short label for skip reasons and messages: ``"GPU 0 (NVIDIA H200)"``."""
+        return f"GPU {self.index} ({self.name})"
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-able form; ``total_gib`` is included for people reading reports."""
+        return {
+            "index": self.index,
+            "name": self.name,
+            "total_bytes": self.total_bytes,
+            "total_gib": round(self.total_gib, 3),
+            "uuid": self.uuid,
+            "physical_index": self.physical_index,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> GpuInfo:
+        """Inverse of :meth:`to_dict` (``total_gib`` is derived, so it is ignored)."""
+        return cls(
+            index=_want(data, "index", int),
+            name=_want(data, "name", str),
+            total_bytes=_want(data, "total_bytes", int),
+            uuid=_want_optional(data, "uuid", str),
+            physical_index=_want_optional(data, "physical_index", int),
+        )
+
+
+@dataclass(frozen=True)
+class GpuFacts:
+    """What :func:`detect_gpus` found: the visible GPUs, where the facts came from, and why."""
+
+    gpus: tuple[GpuInfo, ...]
+    source: GpuSource
+    detail: str
+    """Human text: how the facts were obtained, and why GPUs were left out, if any were."""
+    cuda_visible_devices: str | None
+    """The raw ``CUDA_VISIBLE_DEVICES`` value; ``None`` when unset."""
+    caveats: tuple[str, ...] = ()
+    """Reasons the facts might not match what CUDA will do (e.g. device ordering)."""
+
+    def gpu(self, index: int = 0) -> GpuInfo | None:
+        """The GPU with CUDA ordinal ``index``, or ``None`` if there is no such GPU."""
+        if 0 <= index < len(self.gpus):
+            return self.gpus[index]
+        return None
+
+    def summary_lines(self) -> list[str]:
+        """Lines for the pytest header, one per GPU, then one per caveat."""
+        if not self.gpus:
+            lines = [f"no CUDA GPU detected ({self.detail})"]
+        else:
+            lines = [self._summary_line(gpu) for gpu in self.gpus]
+        lines.extend(f"note: {caveat}" for caveat in self.caveats)
+        return lines
+
+    def _summary_line(self, gpu: GpuInfo) -> str:
+        where: list[str] = [self.source]
+        if gpu.physical_index is not None:
+            target = f"physical {gpu.physical_index}"
+            if gpu.is_mig:
+                target = f"MIG device on {target}"
+            if self.cuda_visible_devices is not None:
+                target = f"{VISIBLE_DEVICES_ENV}={self.cuda_visible_devices} -> {target}"
+            where.append(target)
+        elif self.cuda_visible_devices is not None:
+            where.append(f"{VISIBLE_DEVICES_ENV}={self.cuda_visible_devices}")
+        return f"GPU {gpu.index}: {gpu.name}, {gpu.total_gib:.1f} GiB ({', '.join(where)})"
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-able form, for reports and for passing facts to xdist workers."""
+        return {
+            "source": self.source,
+            "detail": self.detail,
+            "cuda_visible_devices": self.cuda_visible_devices,
+            "caveats": list(self.caveats),
+            "gpus": [gpu.to_dict() for gpu in self.gpus],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> GpuFacts:
+        """Inverse of :meth:`to_dict`; raises ``ValueError`` on a malformed mapping."""
+        source = _want(data, "source", str)
+        if source not in ("nvml", "torch", "fake", "none"):
+            raise ValueError(f"GpuFacts: unknown source {source!r}")
+        gpus = _want(data, "gpus", list)
+        caveats = data.get("caveats", [])
+        if not isinstance(caveats, list) or not all(isinstance(c, str) for c in caveats):
+            raise ValueError("GpuFacts: 'caveats' must be a list of strings")
+        infos: list[GpuInfo] = []
+        for item in gpus:
+            if not isinstance(item, Mapping):
+                raise ValueError("GpuFacts: each entry of 'gpus' must be a mapping")
+            infos.append(GpuInfo.from_dict(item))
+        return cls(
+            gpus=tuple(infos),
+            source=source,  # type: ignore[arg-type]  # checked against the Literal above
+            detail=_want(data, "detail", str),
+            cuda_visible_devices=_want_optional(data, "cuda_visible_devices", str),
+            caveats=tuple(caveats),
+        )
+
+
+def _want(data: Mapping[str, object], key: str, kind: type[_T]) -> _T:
+    value = data.get(key)
+    # bool is an int subclass; a bool where a count is expected is a malformed report.
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"GpuFacts: {key!r} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _want_optional(data: Mapping[str, object], key: str, kind: type[_T]) -> _T | None:
+    if data.get(key) is None:
+        return None
+    return _want(data, key, kind)
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def parse_fake_gpus(text: str) -> list[tuple[str, float]]:
+    """Parse a ``CT_FAKE_GPUS`` value into ``(name, GiB)`` pairs, in order.
+
+    Entries are separated by ``;``; each is ``NAME=GIB`` or just ``GIB`` (named
+    ``"Fake GPU"``). Empty entries (e.g. a trailing ``;``) are ignored, so an empty value
+    means "no GPUs". Raises ``ValueError("CT_FAKE_GPUS: ...")`` naming the bad entry.
+    """
+    gpus: list[tuple[str, float]] = []
+    for position, raw in enumerate(text.split(";"), start=1):
+        entry = raw.strip()
+        if not entry:
+            continue
+        # rpartition: the capacity is after the last '=', so a name may itself contain '='.
+        name, sep, number = entry.rpartition("=")
+        name = name.strip() if sep else "Fake GPU"
+        if not name:
+            raise ValueError(
+                f"{FAKE_GPUS_ENV}: entry {position} {shown(raw)} has an empty name; {_FAKE_FORMAT}"
+            )
+        try:
+            gib = float(number)
+        except ValueError:
+            raise ValueError(
+                f"{FAKE_GPUS_ENV}: entry {position} {shown(raw)}: {shown(number.strip())} is not a "
+                f"number of GiB; {_FAKE_FORMAT}"
+            ) from None
+        if not math.isfinite(gib) or gib <= 0 or gib > MAX_GIB:
+            raise ValueError(
+                f"{FAKE_GPUS_ENV}: entry {position} {shown(raw)}: capacity must be a positive "
+                f"number of GiB, at most {MAX_GIB:g}; {_FAKE_FORMAT}"
+            )
+        gpus.append((name, gib))
+    return gpus
+
+
+def parse_fake_used(text: str, capacities: Sequence[float] = ()) -> list[float]:
+    """Parse a ``CT_FAKE_GPUS_USED`` value: GiB in use on each fake GPU, by position.
+
+    Entries are separated by ``;`` (``"6;0.5"``); missing ones are 0. With ``capacities``
+    (the fake GPUs' sizes), an entry may not exceed its GPU. Raises
+    ``ValueError("CT_FAKE_GPUS_USED: ...")`` naming the bad entry.
+    """
+    used: list[float] = []
+    for position, raw in enumerate(text.split(";"), start=1):
+        entry = raw.strip()
+        try:
+            gib = float(entry) if entry else 0.0
+        except ValueError:
+            gib = math.nan
+        if not math.isfinite(gib) or gib < 0:
+            raise ValueError(
+                f"{FAKE_GPUS_USED_ENV}: entry {position} {shown(raw)} is not a number of GiB >= 0; "
+                "expected GiB in use per fake GPU separated by ';', e.g. '6;0.5'"
+            )
+        if position <= len(capacities) and gib > capacities[position - 1]:
+            raise ValueError(
+                f"{FAKE_GPUS_USED_ENV}: entry {position} {shown(raw)} exceeds fake GPU "
+                f"{position - 1}'s "
+                f"{capacities[position - 1]:g} GiB ({FAKE_GPUS_ENV})"
+            )
+        used.append(gib)
+    return used
+
+
+def parse_visible_devices(value: str | None) -> list[str] | None:
+    """Split a ``CUDA_VISIBLE_DEVICES`` value into the entries CUDA will consider.
+
+    ``None`` (unset) gives ``None``: every GPU is visible. Otherwise a list of entries, in
+    order, of one kind, decided by the first entry as the CUDA runtime does:
+
+    * integers, normalised (``" 01"`` -> ``"1"``, ``"1gpu"`` -> ``"1"``), or
+    * ``GPU-`` UUID prefixes, or
+    * ``MIG-`` UUIDs.
+
+    Like the CUDA runtime, the list stops at the first entry that does not fit (a negative
+    number such as ``-1``, text, an empty entry, or an entry of another kind), so ``""``
+    gives ``[]`` and ``"0,GPU-..."`` gives ``["0"]``.
+
+    This is syntax only. Entries that name no existing GPU, and repeated GPUs, are dealt
+    with by :func:`detect_gpus`, which knows the devices.
+    """
+    if value is None:
+        return None
+    return _tokenize_visible_devices(value)[0]
+
+
+def _tokenize_visible_devices(value: str) -> tuple[list[str], str | None]:
+    """:func:`parse_visible_devices`, plus why the list was cut short (``None`` if it wasn't)."""
+    if not value.strip():
+        return [], f"{VISIBLE_DEVICES_ENV} is empty, which hides every GPU"
+    raws = value.split(",")
+    entries = [raw.strip() for raw in raws]
+    # The first entry fixes the kind of the whole list; checked against CUDA 13 on an H200:
+    # "GPU-<uuid>,0" and "0,GPU-<uuid>" both give one device, not a repeated one.
+    kind = next((k for k in ("GPU-", "MIG-") if entries[0].startswith(k)), None)
+    tokens: list[str] = []
+    for raw, entry in zip(raws, entries, strict=True):
+        if kind is not None:
+            if not entry.startswith(kind):
+                return tokens, (
+                    f"{VISIBLE_DEVICES_ENV} entry {shown(raw)} is not a {kind} UUID like the first "
+                    "entry, so CUDA ignores it and everything after it"
+                )
+            tokens.append(entry)
+            continue
+        number = _strtoul(entry)
+        if number is None:
+            return tokens, (
+                f"{VISIBLE_DEVICES_ENV} entry {shown(raw)} is not a device index (the first entry "
+                "made this a list of indices), so CUDA ignores it and everything after it"
+            )
+        if number < 0:
+            return tokens, (
+                f"{VISIBLE_DEVICES_ENV} entry {shown(raw)} is negative, "
+                "so CUDA ignores it and everything after it"
+            )
+        tokens.append(str(number))
+    return tokens, None
+
+
+def _strtoul(text: str) -> int | None:
+    """The integer a C ``strtol`` reads at the start of ``text``; ``None`` if it reads none.
+
+    CUDA parses index entries this leniently (``"1gpu"`` counts as ``1``); torch's own
+    CUDA_VISIBLE_DEVICES parser (``torch.cuda._parse_visible_devices``) mirrors this, and so
+    do we, so that all three agree on which GPUs a process gets.
+    """
+    end = 1 if text[:1] in ("+", "-") else 0
+    while end < len(text) and text[end].isdigit():
+        end += 1
+    digits = text[:end]
+    if not digits.lstrip("+-"):
+        return None
+    return int(digits)
+
+
+# --------------------------------------------------------------------------- selection
+
+
+@dataclass(frozen=True)
+class _Device:
+    """Something CUDA can be pointed at: a whole GPU or one MIG device."""
+
+    name: str
+    total_bytes: int
+    uuid: str | None
+    physical_index: int
+
+
+@dataclass(frozen=True)
+class _Physical:
+    """A physical GPU as NVML (or CT_FAKE_GPUS) lists it, with its MIG devices if any."""
+
+    device: _Device
+    mig_enabled: bool = False
+    mig_devices: tuple[_Device, ...] = ()
+
+
+@dataclass
+class _Selection:
+    devices: list[_Device]
+    notes: list[str]
+    caveats: list[str]
+    used_indices: bool
+    """Whether CUDA ordinals depended on enumeration order (unset variable or integer entries)."""
+
+
+def _match_uuid(token: str, uuids: Sequence[str | None]) -> int | None:
+    """Position of the one UUID that ``token`` abbreviates, or ``None`` (none or ambiguous)."""
+    if token in uuids:
+        # Exact match first: real UUIDs have a fixed length, but fake ones ("GPU-fake-1",
+        # "GPU-fake-10") can be prefixes of each other.
+        return uuids.index(token)
+    hits = [i for i, uuid in enumerate(uuids) if uuid is not None and uuid.startswith(token)]
+    return hits[0] if len(hits) == 1 else None
+
+
+def _select(physicals: Sequence[_Physical], value: str | None) -> _Selection:
+    """Apply ``CUDA_VISIBLE_DEVICES`` to ``physicals`` the way the CUDA runtime does."""
+    notes: list[str] = []
+    caveats: list[str] = []
+    # A target is (position in physicals, MIG device position or None for the whole GPU).
+    targets: list[tuple[int, int | None]] = []
+    used_indices = value is None
+    if value is None:
+        targets = [(pos, None) for pos in range(len(physicals))]
+    else:
+        tokens, cut = _tokenize_visible_devices(value)
+        migs = [(pos, j) for pos, p in enumerate(physicals) for j in range(len(p.mig_devices))]
+        mig_uuids = [physicals[pos].mig_devices[j].uuid for pos, j in migs]
+        gpu_uuids = [p.device.uuid for p in physicals]
+        for token in tokens:
+            target: tuple[int, int | None] | None = None
+            if token.startswith("MIG-"):
+                hit = _match_uuid(token, mig_uuids)
+                target = None if hit is None else migs[hit]
+            elif token.startswith("GPU-"):
+                hit = _match_uuid(token, gpu_uuids)
+                target = None if hit is None else (hit, None)
+            else:
+                used_indices = True
+                if int(token) < len(physicals):
+                    target = (int(token), None)
+            if target is None:
+                cut = (
+                    f"{VISIBLE_DEVICES_ENV} entry {shown(token)} matches no single GPU "
+                    f"(of {len(physicals)}), so CUDA ignores it and everything after it"
+                )
+                break
+            if target in targets:
+                # CUDA refuses a list that names a device twice: it then sees no device (checked
+                # with CUDA 13 on an H200: "0,0" and "GPU-<uuid>,GPU-<prefix>" give none), and
+                # torch.cuda's NVML-based count models it the same way.
+                return _Selection(
+                    [],
+                    [
+                        f"{VISIBLE_DEVICES_ENV}={value} names the same device twice "
+                        f"({shown(token)}); CUDA then sees no device at all"
+                    ],
+                    caveats,
+                    used_indices,
+                )
+            targets.append(target)
+        if cut is not None:
+            notes.append(cut)
+
+    devices: list[_Device] = []
+    mig_taken = False
+    for pos, mig in targets:
+        physical = physicals[pos]
+        if mig is not None:
+            device = physical.mig_devices[mig]
+        elif physical.mig_enabled:
+            # A GPU in MIG mode cannot run CUDA work itself; CUDA uses a MIG device on it.
+            # Reporting the whole GPU's memory would overstate capacity badly.
+            if not physical.mig_devices:
+                caveats.append(
+                    f"physical GPU {physical.device.physical_index} ({physical.device.name}) "
+                    "is in MIG mode with no MIG devices; CUDA cannot use it, left out"
+                )
+                continue
+            device = physical.mig_devices[0]
+            caveats.append(
+                f"physical GPU {physical.device.physical_index} is in MIG mode; CUDA runs on "
+                f"its first MIG device ({device.name}), which is shown instead"
+            )
+        else:
+            device = physical.device
+        if device.uuid is not None and device.uuid.startswith("MIG-"):
+            if mig_taken:
+                # NVIDIA's MIG guide: a CUDA process enumerates at most one MIG device.
+                # (Not checked on hardware here: no MIG-mode GPU was available.)
+                caveats.append(f"CUDA uses only one MIG device per process; {device.uuid} left out")
+                continue
+            mig_taken = True
+        devices.append(device)
+    return _Selection(devices, notes, caveats, used_indices)
+
+
+def _facts(
+    source: GpuSource,
+    selection: _Selection,
+    detail: str,
+    cuda_visible_devices: str | None,
+    caveats: Sequence[str] = (),
+) -> GpuFacts:
+    gpus = tuple(
+        GpuInfo(
+            index=index,
+            name=device.name,
+            total_bytes=device.total_bytes,
+            uuid=device.uuid,
+            physical_index=device.physical_index,
+        )
+        for index, device in enumerate(selection.devices)
+    )
+    return GpuFacts(
+        gpus=gpus,
+        source=source,
+        detail="; ".join([detail, *selection.notes]),
+        cuda_visible_devices=cuda_visible_devices,
+        caveats=tuple([*caveats, *selection.caveats]),
+    )
+
+
+# --------------------------------------------------------------------------- detection
+
+
+def detect_gpus(
+    environ: Mapping[str, str] | None = None, *, torch_fallback: bool = True
+) -> GpuFacts:
+    """Find the CUDA GPUs this process will see, without creating a CUDA context.
+
+    ``environ`` defaults to ``os.environ``; ``CT_FAKE_GPUS``, ``CUDA_VISIBLE_DEVICES`` and
+    ``CUDA_DEVICE_ORDER`` are read from it. (The torch fallback necessarily follows the
+    process's real environment instead.) Never raises for an unusable NVML or torch -- that
+    becomes ``source="none"`` with the reasons in ``detail`` -- but a malformed
+    ``CT_FAKE_GPUS`` raises ``ValueError``, since a test seam that silently falls back to the
+    real hardware would make CPU test results lie. ``torch_fallback=False`` never imports
+    torch (xdist workers bind their GPU at start-up, where importing torch is too costly).
+    """
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    visible = env.get(VISIBLE_DEVICES_ENV)
+
+    fake = env.get(FAKE_GPUS_ENV)
+    if fake is not None:
+        return _detect_fake(fake, visible)
+
+    nvml = _detect_nvml(env, visible)
+    if isinstance(nvml, GpuFacts):
+        return nvml
+    if not torch_fallback:
+        return GpuFacts((), "none", nvml, visible)
+    return _detect_torch(visible, nvml_reason=nvml)
+
+
+def _detect_fake(text: str, visible: str | None) -> GpuFacts:
+    physicals = [
+        _Physical(_Device(name, round(gib * _GIB), f"GPU-fake-{i}", i))
+        for i, (name, gib) in enumerate(parse_fake_gpus(text))
+    ]
+    return _facts("fake", _select(physicals, visible), FAKE_GPUS_ENV, visible)
+
+
+def _load_pynvml() -> Any:
+    """Import pynvml. The single access point, so tests can put a stand-in in sys.modules."""
+    import pynvml
+
+    return pynvml
+
+
+def _load_torch() -> Any:
+    """Import torch, late: it is slow to import and only needed when NVML is unusable."""
+    import torch
+
+    return torch
+
+
+def _text(value: object) -> str:
+    """pynvml returns bytes for strings in old versions (and str in new ones)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def _quietly(call: Callable[[], _T]) -> _T | None:
+    """Run an optional query; ``None`` if it fails. Only for facts we can do without."""
+    try:
+        return call()
+    except Exception:
+        return None
+
+
+def _optional_text(query: Callable[[Any], object], handle: Any) -> str | None:
+    """``query(handle)`` as text, or ``None`` if it fails. Only for facts we can do without."""
+    try:
+        return _text(query(handle))
+    except Exception:
+        return None
+
+
+def _detect_nvml(env: Mapping[str, str], visible: str | None) -> GpuFacts | str:
+    """NVML facts, or a string saying why NVML could not be used."""
+    try:
+        nvml = _load_pynvml()
+    except ImportError as exc:
+        return f"NVML unavailable (pynvml not importable: {_reason(exc)})"
+    try:
+        nvml.nvmlInit()
+    except Exception as exc:
+        # Typically pynvml.NVMLError_LibraryNotFound (no driver) or DriverNotLoaded.
+        return f"NVML unavailable ({_reason(exc)})"
+    try:
+        physicals, notes = _read_nvml_physicals(nvml)
+        version = _quietly(lambda: _text(nvml.nvmlSystemGetNVMLVersion()))
+    except Exception as exc:
+        return f"NVML query failed ({_reason(exc)})"
+    finally:
+        # Shutdown failing must not hide the facts we already have.
+        _quietly(nvml.nvmlShutdown)
+
+    caveats: list[str] = []
+    selection = _select(physicals, visible)
+    if selection.used_indices and env.get(DEVICE_ORDER_ENV) != "PCI_BUS_ID":
+        kinds = {(p.device.name, p.device.total_bytes) for p in physicals}
+        if len(kinds) > 1:
+            # NVML lists GPUs in PCI bus order; CUDA's default order (FASTEST_FIRST) puts
+            # the fastest GPU first and leaves the rest unspecified. With identical GPUs
+            # the difference does not change any fact reported here; with mixed GPUs it can.
+            caveats.append(
+                f"{DEVICE_ORDER_ENV} is not PCI_BUS_ID and the GPUs differ, so CUDA may number "
+                "them differently from NVML (shown here); set CUDA_DEVICE_ORDER=PCI_BUS_ID "
+                "or select GPUs by UUID"
+            )
+    detail = "NVML" if version is None else f"NVML {version}"
+    return _facts("nvml", selection, "; ".join([detail, *notes]), visible, caveats)
+
+
+def _read_nvml_physicals(nvml: Any) -> tuple[list[_Physical], list[str]]:
+    """Every physical GPU NVML can read, in NVML (PCI bus) order, with its MIG devices."""
+    physicals: list[_Physical] = []
+    notes: list[str] = []
+    for index in range(int(nvml.nvmlDeviceGetCount())):
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            name = _text(nvml.nvmlDeviceGetName(handle))
+            total = _total_bytes(nvml, handle)
+        except Exception as exc:
+            # E.g. NO_PERMISSION for a GPU a cgroup hides. CUDA cannot open such a GPU
+            # either, and it does not count it when numbering devices, so neither do we.
+            notes.append(f"NVML cannot read GPU {index} ({_reason(exc)}); left out")
+            continue
+        uuid = _optional_text(nvml.nvmlDeviceGetUUID, handle)
+        mig_enabled, migs = _read_mig_devices(nvml, handle, index)
+        physicals.append(_Physical(_Device(name, total, uuid, index), mig_enabled, migs))
+    return physicals, notes
+
+
+def _total_bytes(nvml: Any, handle: Any) -> int:
+    """Device memory as CUDA reports it (``cudaDeviceProp.totalGlobalMem``, torch's
+    ``total_memory``), i.e. without what the driver reserves for itself.
+
+    NVML's original memory query counts the reserved part as used memory of the total: on an
+    H200, 150754820096 bytes "total" against CUDA's 150109880320 (0.6 GiB less). The v2
+    query reports ``reserved`` separately, and ``total - reserved`` is exactly CUDA's figure.
+    Drivers older than R510 lack v2; their plain total then overstates capacity slightly.
+    """
+    version = getattr(nvml, "nvmlMemory_v2", None)
+    if version is not None:
+        try:
+            info = nvml.nvmlDeviceGetMemoryInfo(handle, version=version)
+            return int(info.total) - int(info.reserved)
+        except Exception:
+            pass  # e.g. NVMLError_FunctionNotFound on an old driver: use the v1 query
+    return int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+
+
+def _read_mig_devices(nvml: Any, handle: Any, index: int) -> tuple[bool, tuple[_Device, ...]]:
+    """Whether the GPU is in MIG mode, and its MIG devices.
+
+    Any failure counts as "not in MIG mode" or skips that one MIG device: most GPUs do not
+    support MIG at all (nvmlDeviceGetMigMode raises NotSupported), empty MIG slots raise
+    NotFound, and old drivers lack these functions. None of that may break detection.
+    """
+    try:
+        current_mode = nvml.nvmlDeviceGetMigMode(handle)[0]
+    except Exception:
+        return False, ()
+    if current_mode != _NVML_DEVICE_MIG_ENABLE:
+        return False, ()
+    try:
+        slots = int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))
+    except Exception:
+        return True, ()
+    devices: list[_Device] = []
+    for slot in range(slots):
+        try:
+            mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+            uuid = _text(nvml.nvmlDeviceGetUUID(mig))
+            total = _total_bytes(nvml, mig)
+        except Exception:
+            continue
+        name = _optional_text(nvml.nvmlDeviceGetName, mig) or f"MIG device {uuid}"
+        devices.append(_Device(name, total, uuid, index))
+    return True, tuple(devices)
+
+
+def _detect_torch(visible: str | None, nvml_reason: str) -> GpuFacts:
+    """Fallback when NVML is unusable. ``torch.cuda`` applies CUDA_VISIBLE_DEVICES itself."""
+    try:
+        torch = _load_torch()
+    except ImportError as exc:
+        reason = f"torch not importable ({_reason(exc)})"
+    else:
+        try:
+            version = str(getattr(torch, "__version__", "?"))
+            if not torch.cuda.is_available():
+                build = getattr(getattr(torch, "version", None), "cuda", "?")
+                why = "CPU-only build" if build is None else "no usable CUDA device or driver"
+                reason = f"torch {version}: CUDA not available ({why})"
+            else:
+                # get_device_properties initialises CUDA in this process (which is why NVML
+                # is preferred), but it is the only source left.
+                devices = [
+                    _torch_device(torch.cuda.get_device_properties(i))
+                    for i in range(int(torch.cuda.device_count()))
+                ]
+                gpus = tuple(
+                    GpuInfo(i, name, total, uuid, None)
+                    for i, (name, total, uuid) in enumerate(devices)
+                )
+                return GpuFacts(
+                    gpus=gpus,
+                    source="torch",
+                    detail=f"{nvml_reason}; torch {version} (this fallback may initialise CUDA)",
+                    cuda_visible_devices=visible,
+                )
+        except Exception as exc:
+            reason = f"torch CUDA query failed ({_reason(exc)})"
+    return GpuFacts(
+        gpus=(), source="none", detail=f"{nvml_reason}; {reason}", cuda_visible_devices=visible
+    )
+
+
+def _torch_device(props: Any) -> tuple[str, int, str | None]:
+    """(name, total bytes, uuid) from a ``torch.cuda.get_device_properties`` result."""
+    name = _text(props.name)
+    raw_uuid = getattr(props, "uuid", None)
+    uuid = None if raw_uuid is None else str(raw_uuid)
+    if uuid and not uuid.startswith(("GPU-", "MIG-")):
+        # torch prints the bare UUID; nvidia-smi and CUDA_VISIBLE_DEVICES use prefixed ones.
+        # torch names MIG devices "<GPU> MIG <profile>", which tells which prefix applies.
+        uuid = ("MIG-" if " MIG " in f" {name} " else "GPU-") + uuid
+    return name, int(props.total_memory), uuid or None
+
+
+def free_bytes(facts: GpuFacts) -> list[int | None]:
+    """Free memory of each GPU in ``facts`` now, from the same source (None if unknown).
+
+    NVML is asked by UUID; the torch source asks ``torch.cuda.mem_get_info`` (which creates
+    a CUDA context: only for commands, never at pytest start-up); fake GPUs have no figure.
+    """
+    if facts.source == "nvml":
+        try:
+            nvml = _load_pynvml()
+            nvml.nvmlInit()
+        except Exception:
+            return [None] * len(facts.gpus)
+        try:
+            return [_nvml_free(nvml, gpu.uuid) for gpu in facts.gpus]
+        finally:
+            _quietly(nvml.nvmlShutdown)
+    if facts.source == "torch":
+        torch = _load_torch()
+
+        def torch_free(index: int) -> int | None:
+            return _quietly(lambda: int(torch.cuda.mem_get_info(index)[0]))
+
+        return [torch_free(gpu.index) for gpu in facts.gpus]
+    return [None] * len(facts.gpus)
+
+
+def _nvml_free(nvml: Any, uuid: str | None) -> int | None:
+    if uuid is None:
+        return None
+    handle = _quietly(lambda: nvml.nvmlDeviceGetHandleByUUID(uuid))
+    if handle is None:
+        return None
+    info = _quietly(lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
+    return None if info is None else int(info.free)
+
+
+class UsedMemory:
+    """Reads the memory in use on one GPU now, in bytes, whoever uses it (NVML's view).
+
+    Call it for a figure (None when it cannot be read); :meth:`close` when done. An NVML
+    reader keeps NVML initialised between calls, so a reading costs one query.
+    """
+
+    def __init__(self, read: Callable[[], int | None], close: Callable[[], object] = int) -> None:
+        self._read = read
+        self._close = close
+
+    def __call__(self) -> int | None:
+        return _quietly(self._read)
+
+    def close(self) -> None:
+        _quietly(self._close)
+
+
+def used_memory_reader(gpu: GpuInfo, environ: Mapping[str, str] | None = None) -> UsedMemory | None:
+    """A reader of the memory in use on ``gpu``; None where no source can tell.
+
+    Fake GPUs (``CT_FAKE_GPUS``) read ``CT_FAKE_GPUS_USED`` (raises ``ValueError`` if it is
+    malformed); real ones NVML, by UUID: the card's size as CUDA counts it less NVML's free
+    memory, which counts every process's allocations and CUDA contexts. Without NVML (the
+    torch fallback) there is no reader: torch could only tell by creating a CUDA context.
+    """
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    if env.get(FAKE_GPUS_ENV) is not None:
+        capacities = [gib for _name, gib in parse_fake_gpus(env[FAKE_GPUS_ENV])]
+        used = parse_fake_used(env.get(FAKE_GPUS_USED_ENV, ""), capacities)
+        position = gpu.physical_index if gpu.physical_index is not None else gpu.index
+        figure = round(used[position] * _GIB) if position < len(used) else 0
+        return UsedMemory(lambda: figure)
+    if gpu.uuid is None:
+        return None
+    try:
+        nvml = _load_pynvml()
+        nvml.nvmlInit()
+    except Exception:
+        return None
+    handle = _quietly(lambda: nvml.nvmlDeviceGetHandleByUUID(gpu.uuid))
+    if handle is None:
+        _quietly(nvml.nvmlShutdown)
+        return None
+
+    def read() -> int:
+        free = int(nvml.nvmlDeviceGetMemoryInfo(handle).free)
+        return max(0, gpu.total_bytes - free)
+
+    return UsedMemory(read, nvml.nvmlShutdown)

@@ -1,0 +1,1 @@
+"""Notebooks through nbmake: items, injected parameters, kernels and the run."""

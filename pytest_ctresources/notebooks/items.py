@@ -1,0 +1,336 @@
+"""Notebooks through nbmake, driven by the same configs and VRAM rules as tests.
+
+Registered only when nbmake is installed and ``--nbmake`` is given. Each notebook runs in its
+own kernel, as nbmake runs it (:mod:`~pytest_ctresources.notebooks.run`); this module holds the
+collection and the item:
+
+- experiment YAML files that name a ``NOTEBOOK`` are collected as one test item each, when
+  they are ours: listed by the ``ct_notebook_configs`` ini key (files, folders, globs) or
+  named on the command line. Any other YAML file is left to whoever owns it;
+- nbmake's own notebook items are turned into the same item class;
+- notebook metadata (``"ctresources": {"vram_gib": 20, "marks": ["slow"]}``) becomes marks,
+  so ``-m`` and VRAM skips work on notebooks as on tests;
+- a notebook that receives values (an experiment item, or a setting the user set) runs with
+  an ``injected-parameters`` cell added in memory (:mod:`~pytest_ctresources.notebooks.params`);
+  one that receives nothing runs as it is on disk. The file on disk changes only under
+  nbmake's ``--overwrite``, which writes what ran;
+- the kernel is started with the session's settings
+  (:mod:`~pytest_ctresources.notebooks.kernels`), and a dead kernel fails only its item.
+  Failures are reported as nbmake reports them; the plugin's own (a config error, a dead
+  kernel, a warning made an error by ``-W error``) in one line naming the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_ctresources.core.accounting import KERNEL_FIGURES_KEY
+from pytest_ctresources.core.runtime import CONFIG_KEY, runtime_of
+from pytest_ctresources.exceptions import CtResourcesWarning
+from pytest_ctresources.notebooks.kernels import kernel_environment, kernel_launch
+from pytest_ctresources.notebooks.params import (
+    check_params,
+    inject_parameters,
+    injected_values,
+    notebook_metadata,
+)
+from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig, ConfigError
+from pytest_ctresources.settings.experiment_yaml import ExperimentFile, load_experiment_yaml
+from pytest_ctresources.settings.options import NOTEBOOK_CONFIGS_INI
+
+ERROR_KEY = pytest.StashKey[str]()
+
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
+class NotebookWarning(CtResourcesWarning):
+    """Something about a notebook that the run should say, e.g. no ``parameters`` cell."""
+
+
+class KernelDied(Exception):
+    """The notebook's kernel process died (``os._exit``, a segfault, the OOM killer)."""
+
+
+def _item_base() -> type:
+    from nbmake.pytest_items import NotebookItem
+
+    return NotebookItem  # type: ignore[no-any-return]
+
+
+def shown_path(path: str | Path, config: pytest.Config) -> str:
+    """``path`` as messages show it: relative to the rootdir when it is inside."""
+    try:
+        return Path(path).relative_to(config.rootpath).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def make_item_class() -> type:
+    """The notebook item class (built lazily: nbmake is imported only under ``--nbmake``)."""
+    base = _item_base()
+
+    class CtNotebookItem(base):  # type: ignore[misc, valid-type]
+        """A notebook run through nbmake with an experiment's values and the VRAM rules."""
+
+        def __init__(
+            self,
+            name: str,
+            parent: Any,
+            filename: str,
+            experiment: ExperimentFile | None = None,
+            **kwargs: Any,
+        ) -> None:
+            pytest.Item.__init__(self, name, parent, **kwargs)
+            self.filename = filename
+            self.experiment = experiment
+            self._prepare()
+
+        def _prepare(self) -> None:
+            import nbformat
+
+            settings = runtime_of(self.config).settings
+            try:
+                # The item's own experiment config (the YAML naming the notebook) beats the
+                # session's environment and options, as a test's own marker does.
+                cfg = settings.session_config()
+                if self.experiment is not None:
+                    cfg = self.experiment.apply(cfg)
+                for experiment in (settings.experiment, self.experiment):
+                    if experiment is not None:
+                        check_params(experiment.params, experiment.path)
+                self.stash[CONFIG_KEY] = cfg
+            except ConfigError as exc:
+                self.stash[ERROR_KEY] = str(exc)
+                return
+            try:
+                nb = nbformat.read(self.filename, as_version=4)
+            except Exception:  # nbformat raises many kinds for a file that is no notebook
+                return  # no metadata to read; the run fails it as nbmake does, with its message
+            try:
+                marks, need = notebook_metadata(nb, shown_path(self.filename, self.config))
+                for mark in marks:
+                    # Under --strict-markers an unregistered name fails here (pytest.fail).
+                    self.add_marker(mark)
+            except (ConfigError, pytest.fail.Exception) as exc:
+                self.stash[ERROR_KEY] = str(exc)
+                return
+            if need is not None:
+                self.add_marker(pytest.mark.vram(gib=need))
+
+        def setup(self) -> None:
+            error = self.stash.get(ERROR_KEY, None)
+            if error is not None:
+                pytest.fail(error, pytrace=False)
+
+        def runtest(self) -> None:
+            run_notebook(self)
+
+        def repr_failure(self, excinfo: Any, style: Any = None) -> Any:
+            exc = excinfo.value
+            if isinstance(exc, KernelDied):
+                return str(exc)
+            if isinstance(exc, pytest.fail.Exception) and not exc.pytrace:
+                return exc.msg
+            if isinstance(exc, Warning):
+                # -W error / filterwarnings = error made a warning raised while running the
+                # notebook an exception: nbmake would call it an internal error.
+                where = shown_path(self.filename, self.config)
+                text = str(exc)
+                return (
+                    f"{type(exc).__name__}: {text}"
+                    if text.startswith(where)
+                    else f"{where}: {type(exc).__name__}: {text}"
+                )
+            return super().repr_failure(excinfo, style)
+
+    return CtNotebookItem
+
+
+def _resolve_auto(item: Any, runtime: Any, cfg: CircuitTracerConfig) -> CircuitTracerConfig:
+    """A notebook passes BATCH_SIZE to attribute() itself, so ``auto`` is resolved before its
+    kernel starts, from the estimate of its configured model (no model loaded here)."""
+    from pytest_ctresources.estimator.auto import choose_from_config
+    from pytest_ctresources.report.summary import AUTO_PROPERTY
+
+    where = shown_path(item.filename, item.config)
+    tokens = runtime.settings.estimate_prompt_tokens.value
+    try:
+        choice = choose_from_config(cfg, runtime.auto_budget(item), tokens)
+    except ConfigError as exc:
+        pytest.fail(f"{where}: batch_size 'auto': {exc}", pytrace=False)
+    if choice is None:
+        pytest.fail(
+            f"{where}: batch_size 'auto' ({cfg.source_of('batch_size')}) needs a model "
+            f"and transcoder set the estimator knows, and {cfg.model_name!r} with "
+            f"{cfg.transcoder_set!r} is not one: set a number (--ct-batch-size N, or "
+            "BATCH_SIZE: N in its config)",
+            pytrace=False,
+        )
+    item.user_properties.append((AUTO_PROPERTY, [choice.describe()]))
+    return dataclasses.replace(cfg, batch_size=choice.batch_size)
+
+
+def run_notebook(item: Any) -> None:
+    """Run one notebook item: inject if it receives values, start the kernel with the
+    session's settings, run it as nbmake does, report."""
+    import nbformat
+    from nbclient.exceptions import DeadKernelError
+    from nbmake.pytest_items import NotebookFailedException
+
+    from pytest_ctresources.notebooks.run import KernelRun
+
+    runtime = runtime_of(item.config)
+    option = item.config.option
+    cfg: CircuitTracerConfig = item.stash[CONFIG_KEY]
+    if cfg.batch_size == AUTO:
+        cfg = _resolve_auto(item, runtime, cfg)
+    source = Path(item.filename)
+    # Read as nbmake's runner reads it: a file that is no notebook raises what nbmake
+    # reports (its own message for one that is not JSON).
+    nb = nbformat.read(str(source), as_version=4)
+    values = injected_values(cfg)
+    if values:
+        note = inject_parameters(nb, values)
+        if note:
+            warnings.warn(
+                NotebookWarning(f"{shown_path(source, item.config)} {note}"), stacklevel=1
+            )
+    settings = runtime.settings
+    experiment = item.experiment or settings.experiment
+    capacity = settings.vram_capacity_gib
+    env = kernel_environment(
+        cfg,
+        # Absolute: the kernel's working directory is the notebook's, not pytest's.
+        str(Path(experiment.path).resolve()) if experiment else None,
+        runtime.alloc_conf.effective(),
+        capacity.value if capacity else None,
+    )
+    launch = None
+    try:
+        with kernel_launch(env) as launch:
+            run = KernelRun(
+                source,
+                nb,
+                launch,
+                option.nbmake_timeout,
+                verbose=bool(option.verbose),
+                kernel=option.nbmake_kernel,
+                find_import_errors=option.nbmake_find_import_errors,
+            )
+            try:
+                result = run.execute()
+            except DeadKernelError as exc:
+                raise KernelDied(f"the kernel running {source} died: {exc}") from None
+    finally:
+        if launch is not None and launch.figures is not None:
+            item.stash[KERNEL_FIGURES_KEY] = launch.figures
+    if option.overwrite:
+        nbformat.write(result.nb, str(source))
+    if result.error is not None:
+        raise NotebookFailedException(result)
+
+
+class NotebookConfigs:
+    """The experiment configs listed by ``ct_notebook_configs``, resolved once.
+
+    Each line is a file, a folder (every YAML file in it, at any depth) or a glob (``**``
+    included), relative to the ini file's folder (the rootdir without one).
+    """
+
+    def __init__(self, config: pytest.Config) -> None:
+        base = config.inipath.parent if config.inipath else config.rootpath
+        self.files: set[Path] = set()
+        self.folders: set[Path] = set()
+        for line in config.getini(NOTEBOOK_CONFIGS_INI):
+            pattern = str(line).strip()
+            if not pattern:
+                continue
+            for match in glob.glob(pattern, root_dir=base, recursive=True):
+                path = (base / match).resolve()
+                if path.is_dir():
+                    self.folders.add(path)
+                elif path.suffix in YAML_SUFFIXES:
+                    self.files.add(path)
+
+    def lists(self, path: Path) -> bool:
+        resolved = path.resolve()
+        return resolved in self.files or any(
+            folder in resolved.parents for folder in self.folders
+        )
+
+
+class NotebookSupport:
+    """Collection hooks for notebooks, registered only under ``--nbmake``."""
+
+    name = "ctresources-notebooks"
+
+    def __init__(self, config: pytest.Config) -> None:
+        self._item_class: Any = None
+        self.configs = NotebookConfigs(config)
+
+    @property
+    def item_class(self) -> Any:
+        if self._item_class is None:
+            self._item_class = make_item_class()
+        return self._item_class
+
+    def pytest_collect_file(self, file_path: Path, parent: pytest.Collector) -> pytest.File | None:
+        if file_path.suffix not in YAML_SUFFIXES:
+            return None
+        # Ours when listed, or named on the command line (as pytest collects a test file
+        # named there whatever python_files says); a YAML file that merely has a NOTEBOOK
+        # line may be another tool's.
+        if not (self.configs.lists(file_path) or parent.session.isinitpath(file_path)):
+            return None
+        if not _names_a_notebook(file_path):
+            return None
+        return ExperimentNotebookFile.from_parent(parent, path=file_path)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        # Before -m deselection runs: nbmake's items become ours, with the metadata marks.
+        for index, item in enumerate(items):
+            if getattr(item, "nbmake", False) and not isinstance(item, self.item_class):
+                items[index] = self.item_class.from_parent(
+                    item.parent,
+                    name=item.name,
+                    filename=item.filename,  # type: ignore[attr-defined]
+                )
+
+
+def _names_a_notebook(path: Path) -> bool:
+    try:
+        with path.open(encoding="utf-8") as handle:
+            return any(line.startswith("NOTEBOOK:") for line in handle)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+class ExperimentNotebookFile(pytest.File):
+    """An experiment YAML with ``NOTEBOOK:``: one item running that notebook with its values."""
+
+    def collect(self) -> Iterator[pytest.Item]:
+        support = self.config.pluginmanager.get_plugin(NotebookSupport.name)
+        assert support is not None  # this file type is collected only by that plugin
+        item_class = support.item_class
+        try:
+            experiment = load_experiment_yaml(self.path)
+        except ConfigError as exc:
+            item = item_class.from_parent(self, name=self.path.name, filename=str(self.path))
+            item.stash[ERROR_KEY] = str(exc)
+            yield item
+            return
+        assert experiment.notebook is not None
+        yield item_class.from_parent(
+            self,
+            name=experiment.notebook.name,
+            filename=str(experiment.notebook),
+            experiment=experiment,
+        )

@@ -1,0 +1,193 @@
+"""How a notebook's kernel is started and how it reports back.
+
+Everything reaches the kernel through jupyter_client's own ways in, so the kernel is the one
+nbmake would start, in the project's own IPython profile:
+
+- its environment: the pytest process's, plus the session's settings (``CT_*``); the
+  allocator default ``PYTORCH_CUDA_ALLOC_CONF`` comes with the pytest process's environment.
+  It is passed to ``start_kernel(env=...)``; ``os.environ`` is never changed;
+- for an IPython kernel (ipykernel), a start-up file named on its command line
+  (``--IPKernelApp.exec_files``) that applies ``--ct-vram-capacity`` inside the kernel and
+  writes the kernel's CUDA peak to a file at exit. It leaves no name in the notebook's
+  namespace, and the project's ``IPYTHONDIR``, profile and start-up files still run;
+- IPC sockets instead of TCP ports, so parallel xdist workers never race for a port
+  (nbmake#129: jupyter_client picks free ports by binding and closing them, and the kernel
+  binds them later). The sockets live in a private directory made for each kernel.
+
+Imported only under ``--nbmake`` (it imports jupyter_client's machinery when a kernel starts).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pytest_ctresources.gpu.measure import VramFigures
+from pytest_ctresources.settings.config import CircuitTracerConfig
+
+VRAM_FILE_ENV = "CT_NOTEBOOK_VRAM_FILE"
+CAPACITY_ENV = "CT_VRAM_CAPACITY"
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+
+# Runs in the kernel at start-up, in the notebook's namespace (that is how IPython runs
+# exec_files), without a visible cell; the one name it defines it deletes. It caps the
+# allocator like the pytest process (importing torch only when a cap is set) and reports the
+# kernel's CUDA figures at exit, using only what the kernel itself loaded.
+KERNEL_STARTUP = """\
+def _ctresources_kernel_startup():
+    import atexit
+    import os
+
+    if os.environ.get("CT_VRAM_CAPACITY"):
+        from pytest_ctresources.gpu.allocator import CapacityCap
+
+        CapacityCap(float(os.environ["CT_VRAM_CAPACITY"])).arm(import_torch=True)
+
+    def report_vram():
+        import json, sys
+        path = os.environ.get("CT_NOTEBOOK_VRAM_FILE")
+        torch = sys.modules.get("torch")
+        if not path or torch is None or not torch.cuda.is_initialized():
+            return
+        device = torch.cuda.current_device()
+        with open(path, "w") as handle:
+            json.dump({
+                "device": device,
+                "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+                "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+            }, handle)
+
+    atexit.register(report_vram)
+
+
+_ctresources_kernel_startup()
+del _ctresources_kernel_startup
+"""
+
+
+def kernel_environment(
+    cfg: CircuitTracerConfig,
+    config_path: str | None,
+    alloc_conf: str | None,
+    capacity_gib: float | None,
+) -> dict[str, str]:
+    """The variables a notebook's kernel gets from the session, beyond the pytest process's
+    own environment."""
+    env = {
+        "CT_BATCH_SIZE": str(cfg.batch_size),
+        "CT_MAX_FEATURE_NODES": str(cfg.max_feature_nodes),
+    }
+    if config_path:
+        env["CT_CONFIG"] = config_path
+    if alloc_conf:
+        env[ALLOC_CONF_ENV] = alloc_conf
+    if capacity_gib:
+        env[CAPACITY_ENV] = repr(capacity_gib)
+    return env
+
+
+def is_ipython_kernel(argv: list[str]) -> bool:
+    """Whether a kernelspec's command starts ipykernel (whose ``IPKernelApp`` options the
+    start-up file needs); any other kernel would refuse them."""
+    return any(Path(part).name.startswith("ipykernel") for part in argv)
+
+
+@functools.cache
+def ipc_kernel_manager() -> type:
+    """The kernel manager class nbclient is given (built once, on first use).
+
+    nbclient drives kernels from an asyncio loop: the manager must be the *async* one. A
+    subclass of the blocking KernelManager gives a blocking client whose get_msg() starves
+    the loop, so nbclient's dead-kernel poll never runs and a dying kernel hangs the run.
+    Where its sockets go and which start-up file it passes come from its traitlets config
+    (:func:`kernel_launch`), so one class serves every kernel.
+    """
+    from jupyter_client import AsyncKernelManager
+    from traitlets import Unicode
+
+    class IpcKernelManager(AsyncKernelManager):  # type: ignore[misc]  # (Any base)
+        """A kernel on IPC sockets, started with the plugin's start-up file if it is ipykernel."""
+
+        startup_file = Unicode(
+            "", config=True, help="a file ipykernel runs at start-up (IPKernelApp.exec_files)"
+        )
+
+        def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
+            arguments = list(extra_arguments or [])
+            if self.startup_file and is_ipython_kernel(list(self.kernel_spec.argv)):
+                arguments.append(f"--IPKernelApp.exec_files={self.startup_file}")
+            command: list[str] = super().format_kernel_cmd(arguments)
+            return command
+
+    return IpcKernelManager
+
+
+@dataclass
+class KernelLaunch:
+    """How the kernels started in a :func:`kernel_launch` block are started, and, once the
+    block has ended, the CUDA figures the kernel reported (None if it never used CUDA)."""
+
+    env: dict[str, str]
+    """The kernel's whole environment (for ``start_kernel(env=...)``)."""
+    manager_class: type
+    config: Any
+    """traitlets ``Config`` for the manager: IPC transport, socket path, start-up file."""
+    figures: VramFigures | None = None
+
+
+@contextmanager
+def kernel_launch(extra_env: Mapping[str, str]) -> Iterator[KernelLaunch]:
+    """A private directory for one kernel's sockets, start-up file and VRAM report; removed
+    at the end of the block, when :attr:`KernelLaunch.figures` is filled."""
+    from traitlets.config import Config
+
+    # mkdtemp: a new directory, mode 0700, that nobody else can have prepared or can enter.
+    scratch = Path(tempfile.mkdtemp(prefix="ctresources-nb-"))
+    try:
+        startup = scratch / "startup.py"
+        startup.write_text(KERNEL_STARTUP, encoding="utf-8")
+        vram_file = scratch / "vram.json"
+        launch = KernelLaunch(
+            env={**os.environ, **extra_env, VRAM_FILE_ENV: str(vram_file)},
+            manager_class=ipc_kernel_manager(),
+            config=Config(
+                {
+                    "IpcKernelManager": {
+                        "transport": "ipc",
+                        "ip": str(scratch / "kernel"),
+                        "startup_file": str(startup),
+                    }
+                }
+            ),
+        )
+        try:
+            yield launch
+        finally:
+            launch.figures = read_figures(vram_file)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def read_figures(path: Path) -> VramFigures | None:
+    """The figures the start-up file wrote; None if the kernel never used CUDA."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return VramFigures(
+            device=int(data["device"]),
+            baseline_bytes=0,  # a fresh kernel process
+            peak_allocated_bytes=int(data["peak_allocated_bytes"]),
+            peak_reserved_bytes=int(data["peak_reserved_bytes"]),
+            # What the notebook still held at exit is not a leak: the kernel process has
+            # exited (nbclient shuts it down before the item ends) and its memory with it.
+            after_bytes=0,
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -1,0 +1,188 @@
+"""What goes into a notebook: papermill-style injected parameters and the plugin's metadata.
+
+The injected cell is code that runs in the notebook's kernel, built from experiment configs,
+which are data: it holds nothing but ``NAME = literal`` lines. A name is a plain Python
+identifier that is not one of the settings (those are validated at the top level of the
+config and injected from there); a value is written as a Python literal (numbers, strings,
+``True``/``False``/``None``, lists, tuples, dicts and sets of those), which evaluates without
+looking up a name or calling anything. Anything else is a :class:`ConfigError` naming the
+file and the key.
+
+Pure functions over nbformat notebooks (imported only under ``--nbmake``).
+"""
+
+from __future__ import annotations
+
+import keyword
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from pytest_ctresources.settings.config import FIELDS, CircuitTracerConfig, ConfigError
+
+if TYPE_CHECKING:
+    from nbformat import NotebookNode
+
+PARAMETERS_TAG = "parameters"
+INJECTED_TAG = "injected-parameters"
+METADATA_KEY = "ctresources"
+
+#: The names the injected cell gives the settings (``BATCH_SIZE``, ``MODEL_NAME``, ...).
+SETTING_NAMES: frozenset[str] = frozenset(spec.yaml_key for spec in FIELDS.values())
+
+
+class NotALiteral(ValueError):
+    """A value with no Python literal (the message says what it is)."""
+
+
+def python_literal(value: object) -> str:
+    """Python source for ``value`` that evaluates to it with no name lookup and no call.
+
+    ``ast.literal_eval`` of the result equals ``value``. Only the types ``yaml.safe_load``
+    gives for plain data are accepted, exactly (no subclass, whose ``repr`` could be
+    anything): a YAML date, ``.nan`` or an empty set raise :class:`NotALiteral`.
+    """
+    if value is None or type(value) in (bool, str, bytes):
+        return repr(value)
+    if type(value) is int:
+        try:
+            return repr(value)
+        except ValueError:  # beyond sys.get_int_max_str_digits()
+            raise NotALiteral("an integer too long to write out") from None
+    if type(value) is float:
+        if math.isnan(value):
+            raise NotALiteral("NaN, which has no Python literal")
+        if math.isinf(value):
+            return "1e999" if value > 0 else "-1e999"  # the literal Python reads as inf
+        return repr(value)
+    if type(value) is list:
+        return "[" + ", ".join(python_literal(item) for item in value) + "]"
+    if type(value) is tuple:
+        items = [python_literal(item) for item in value]
+        return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+    if type(value) is dict:
+        pairs = [f"{python_literal(key)}: {python_literal(item)}" for key, item in value.items()]
+        return "{" + ", ".join(pairs) + "}"
+    if type(value) in (set, frozenset):
+        assert isinstance(value, (set, frozenset))
+        if not value:
+            raise NotALiteral("an empty set, which has no Python literal")
+        return "{" + ", ".join(sorted(python_literal(item) for item in value)) + "}"
+    name = type(value).__name__
+    article = "an" if name[:1].lower() in "aeiou" else "a"
+    hint = ""
+    if type(value).__module__ == "datetime":
+        hint = " (YAML reads an unquoted date as one: quote it)"
+    raise NotALiteral(f"{article} {name}{hint}, which has no Python literal")
+
+
+def check_params(params: Mapping[Any, Any], where: str) -> None:
+    """Check that every ``PARAMS`` entry of the config file ``where`` can become a notebook
+    variable: its key a plain identifier that is no setting, its value a literal.
+
+    Raises :class:`ConfigError` with one line naming ``where`` and the key.
+    """
+    for key, value in params.items():
+        if (
+            not isinstance(key, str)
+            or not key.isidentifier()
+            or keyword.iskeyword(key)
+            or (key.startswith("__") and key.endswith("__"))
+        ):
+            raise ConfigError(
+                f"{where}: PARAMS key {key!r} is not a name a notebook variable can have: "
+                "a notebook gets each PARAMS entry as NAME = value, so a key must be a plain "
+                "Python identifier (letters, digits, underscores; no keyword, no __dunder__)"
+            )
+        if key in SETTING_NAMES:
+            raise ConfigError(
+                f"{where}: PARAMS key {key!r} would override the setting {key} in the notebook: "
+                f"set it as {key}: at the top level of the file, where it is validated"
+            )
+        try:
+            python_literal(value)
+        except NotALiteral as exc:
+            raise ConfigError(f"{where}: PARAMS value of {key!r} is {exc}") from None
+        except RecursionError:
+            raise ConfigError(f"{where}: PARAMS value of {key!r} is nested too deeply") from None
+
+
+def injected_values(cfg: CircuitTracerConfig) -> dict[str, Any]:
+    """``NAME = value`` pairs for a notebook: every config value not left at its default
+    (``BATCH_SIZE``, ``MODEL_NAME``, ...), then the experiment's ``PARAMS`` (checked with
+    :func:`check_params` where they were read, so none overrides a setting)."""
+    values: dict[str, Any] = {
+        spec.yaml_key: getattr(cfg, name)
+        for name, spec in FIELDS.items()
+        if cfg.source_of(name).kind != "default"
+    }
+    values.update(cfg.params)
+    return values
+
+
+def injected_source(values: Mapping[str, Any]) -> str:
+    """The injected cell's code: one ``NAME = literal`` line per value."""
+    lines = ["# Parameters injected by pytest-ctresources"]
+    for name, value in values.items():
+        if not name.isidentifier() or keyword.iskeyword(name):
+            # check_params has refused these already; this keeps the cell literal-only
+            # whatever the caller passed.
+            raise ConfigError(f"{name!r} is not a name a notebook variable can have")
+        try:
+            lines.append(f"{name} = {python_literal(value)}")
+        except (NotALiteral, RecursionError) as exc:
+            raise ConfigError(f"the value of {name} has no Python literal ({exc})") from None
+    return "\n".join(lines)
+
+
+def inject_parameters(nb: NotebookNode, values: Mapping[str, Any]) -> str | None:
+    """Insert the ``injected-parameters`` cell after the ``parameters`` cell, papermill style.
+
+    Call it only for a notebook that receives values. Cells injected by an earlier run (kept
+    by ``--overwrite``) are removed first, as papermill does. Returns a note when the
+    notebook has no ``parameters`` cell (the cell then goes first).
+    """
+    from nbformat.v4 import new_code_cell
+
+    nb.cells = [
+        cell for cell in nb.cells if INJECTED_TAG not in cell.get("metadata", {}).get("tags", [])
+    ]
+    cell = new_code_cell(injected_source(values), metadata={"tags": [INJECTED_TAG]})
+    cells = nb.cells
+    for index, existing in enumerate(cells):
+        if PARAMETERS_TAG in existing.get("metadata", {}).get("tags", []):
+            cells.insert(index + 1, cell)
+            return None
+    cells.insert(0, cell)
+    return "has no cell tagged 'parameters': the injected parameters run first"
+
+
+def notebook_metadata(nb: NotebookNode, where: str) -> tuple[list[str], float | None]:
+    """The marks and VRAM need a notebook declares in ``metadata.ctresources``.
+
+    Raises :class:`ConfigError` naming the notebook for malformed metadata.
+    """
+    raw = nb.get("metadata", {}).get(METADATA_KEY, {})
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: metadata '{METADATA_KEY}' must be an object, got {raw!r}")
+    unknown = set(raw) - {"marks", "vram_gib"}
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {', '.join(sorted(unknown))} in metadata "
+            f"'{METADATA_KEY}'; known: marks, vram_gib"
+        )
+    marks = raw.get("marks", [])
+    if not isinstance(marks, list) or not all(
+        isinstance(m, str) and m.isidentifier() for m in marks
+    ):
+        raise ConfigError(
+            f"{where}: metadata '{METADATA_KEY}.marks' must be a list of mark names, got {marks!r}"
+        )
+    need = raw.get("vram_gib")
+    if need is not None and (
+        isinstance(need, bool) or not isinstance(need, (int, float)) or not need > 0
+    ):
+        raise ConfigError(
+            f"{where}: metadata '{METADATA_KEY}.vram_gib' must be a positive number, got {need!r}"
+        )
+    return marks, float(need) if need is not None else None

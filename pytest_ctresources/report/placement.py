@@ -1,0 +1,93 @@
+"""Where each test ran: worker, GPU, VRAM lease and lease wait.
+
+Workers bound to a GPU attach these as ``ct_*`` properties to every test's reports, other
+processes to every test that took a lease (:mod:`~pytest_ctresources.leases.leases`); the controller
+(or the plain run) turns them into :class:`Placement` records for the summary and the JSON
+report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+#: user_properties key naming the xdist worker that ran a test (bound workers, leased tests).
+WORKER_PROPERTY = "ct_worker"
+#: The worker name of a test that a plain (non-xdist) run leased for.
+PLAIN_RUN_WORKER = "main"
+
+
+@dataclass
+class Placement:
+    """One test run by a bound worker."""
+
+    nodeid: str
+    outcome: str
+    worker: str
+    gpu_name: str
+    gpu_physical_index: int | None
+    gpu_uuid: str | None
+    lease_gib: float
+    lease_wait_s: float
+    """Seconds the test waited for its lease; -1 when it gave up (``ct_lease_timeout``)."""
+    lease_reused_gib: float = 0.0
+    """The part of ``lease_gib`` that the resident model it reused already held."""
+
+    @property
+    def gpu_label(self) -> str:
+        where = "?" if self.gpu_physical_index is None else str(self.gpu_physical_index)
+        return f"GPU {where} ({self.gpu_name})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def placement_from(nodeid: str, outcome: str, props: dict[str, Any]) -> Placement | None:
+    """The placement carried by a teardown report's properties, if a bound worker ran it."""
+    if WORKER_PROPERTY not in props:
+        return None
+    physical = props.get("ct_gpu_physical_index")
+    uuid = props.get("ct_gpu_uuid")
+    return Placement(
+        nodeid=nodeid,
+        outcome=outcome,
+        worker=str(props[WORKER_PROPERTY]),
+        gpu_name=str(props.get("ct_gpu_name", "unknown GPU")),
+        gpu_physical_index=int(physical) if physical is not None else None,
+        gpu_uuid=str(uuid) if uuid is not None else None,
+        lease_gib=float(props.get("ct_lease_gib", 0.0)),
+        lease_wait_s=float(props.get("ct_lease_wait_s", 0.0)),
+        lease_reused_gib=float(props.get("ct_lease_reused_gib", 0.0)),
+    )
+
+
+def placement_lines(placements: list[Placement]) -> list[str]:
+    """Per GPU: its workers, how many tests ran there, and the time spent waiting for leases."""
+    if not placements:
+        return []
+    by_gpu: dict[str, list[Placement]] = {}
+    for placement in placements:
+        by_gpu.setdefault(placement.gpu_uuid or placement.gpu_label, []).append(placement)
+    plain = all(p.worker == PLAIN_RUN_WORKER for p in placements)
+    if plain and not any(p.lease_wait_s != 0 for p in placements):
+        return []  # a plain run's leases are worth a line only when they made a test wait
+    what = "VRAM leases" if plain else "GPU placement (pytest-xdist)"
+    out = [f"{what}: {len(placements)} test(s) on {len(by_gpu)} GPU(s)"]
+    for group in sorted(by_gpu.values(), key=lambda g: g[0].gpu_label):
+        workers = sorted({p.worker for p in group}, key=lambda w: (len(w), w))
+        waits = [p.lease_wait_s for p in group if p.lease_wait_s > 0]
+        leased = sum(1 for p in group if p.lease_gib > 0)
+        timeouts = sum(1 for p in group if p.lease_wait_s < 0)
+        who = "" if plain else f"{', '.join(workers)}; "
+        line = (
+            f"  {group[0].gpu_label}: {who}{len(group)} test(s), "
+            f"{leased} with a lease, waited {sum(waits):.1f} s in all"
+            + (f" (longest {max(waits):.1f} s)" if waits else "")
+        )
+        reused = [p.lease_reused_gib for p in group if p.lease_reused_gib > 0]
+        if reused:
+            line += f", {len(reused)} reused the resident model's lease"
+        if timeouts:
+            line += f", {timeouts} lease timeout(s)"
+        out.append(line)
+    return out

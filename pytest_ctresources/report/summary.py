@@ -1,0 +1,516 @@
+"""The end-of-run report: the ``ctresources summary`` terminal section and its VRAM table.
+
+It is built only from test reports (``ct_*`` ``user_properties`` and skip reasons), which
+pytest-xdist ships from workers to the controller, so a distributed run gets one complete
+report. The JSON file and the plot are written from the same records (``report_files``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import textwrap
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from pytest_ctresources.core.accounting import RESIDENT_PROPERTY, UNMARKED_BYTES, suggested_marker
+from pytest_ctresources.core.runtime import OWN_SETTINGS_PROPERTY
+from pytest_ctresources.gpu.measure import GIB
+from pytest_ctresources.report.learned import LearnedNeed
+from pytest_ctresources.report.placement import Placement, placement_from, placement_lines
+
+if TYPE_CHECKING:
+    from pytest_ctresources.core.runtime import Runtime
+
+#: user_properties key under which ct_session records the batch sizes of its attributions.
+ATTRIBUTIONS_PROPERTY = "ct_attribution_batch_sizes"
+#: user_properties key of the batch sizes ``--ct-batch-size auto`` chose, with reasons.
+AUTO_PROPERTY = "ct_auto_batch_sizes"
+#: user_properties key of each attribution's phase times and backward batches.
+TIMINGS_PROPERTY = "ct_attribution_timings"
+#: user_properties key of the OOM halvings ct_session.attribute recovered from.
+HALVINGS_PROPERTY = "ct_oom_halvings"
+#: xdist ``workeroutput`` key of the learned needs a worker found stale at collection.
+STALE_LEARNED_OUTPUT = "ct_stale_learned"
+#: user_properties key under which the cleanup records how many figures it closed.
+FIGURES_PROPERTY = "ct_figures_closed"
+VRAM_SKIP_PATTERN = re.compile(r"needs [0-9.]+ GiB VRAM")
+
+
+#: How bad each phase's outcome is for the test's final outcome; an outcome another plugin
+#: reports that is not listed (other than a rerun) ranks with "skipped".
+_OUTCOME_RANK = {"passed": 0, "skipped": 1, "failed": 2}
+#: pytest-rerunfailures' outcome of a failed attempt that it runs again: not final.
+RERUN_OUTCOME = "rerun"
+#: The prefix of every user property the plugin writes (its namespace in junit XML too).
+PROPERTY_PREFIX = "ct_"
+_NEED_KIND_NAMES = {"marker": "marker", "learned": "learned", "estimate": "estimate"}
+
+
+@dataclass
+class TestRecord:
+    """One test that used CUDA: its figures, its declared need, and what the report flags."""
+
+    nodeid: str
+    outcome: str
+    device: int
+    gpu: str
+    date: str
+    memory_key: str
+    baseline_bytes: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    after_bytes: int
+    leaked_bytes: int
+    need_gib: float | None = None
+    need_source: str | None = None
+    need_kind: str | None = None
+    need_most_gib: float | None = None
+    oom_halvings: str | None = None
+    resident_bytes: int = 0
+    """What the models kept loaded between tests grew by during the test (not a leak)."""
+    others_resident_bytes: int = 0
+    """Another test's resident model, left out of this test's peaks."""
+    reruns: int = 0
+    """How many failed attempts another plugin (pytest-rerunfailures) ran again."""
+    flags: list[str] = field(default_factory=list)
+
+    @property
+    def need_kind_name(self) -> str:
+        """marker, config, estimate or learned."""
+        if self.need_kind is None:
+            return "none"
+        return _NEED_KIND_NAMES.get(self.need_kind, "config")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _record_from(report: pytest.TestReport, outcome: str) -> TestRecord | None:
+    props: dict[str, Any] = dict(report.user_properties)
+    if "ct_peak_allocated_bytes" not in props:
+        return None
+    need = props.get("ct_need_gib")
+    return TestRecord(
+        nodeid=report.nodeid,
+        outcome=outcome,
+        device=int(props["ct_device"]),
+        gpu=str(props["ct_gpu"]),
+        date=str(props.get("ct_date", datetime.date.today().isoformat())),
+        memory_key=str(props.get("ct_memory_key", report.nodeid)),
+        baseline_bytes=int(props["ct_baseline_bytes"]),
+        peak_allocated_bytes=int(props["ct_peak_allocated_bytes"]),
+        peak_reserved_bytes=int(props["ct_peak_reserved_bytes"]),
+        after_bytes=int(props["ct_after_bytes"]),
+        leaked_bytes=int(props["ct_leaked_bytes"]),
+        need_gib=float(need) if need is not None else None,
+        need_source=props.get("ct_need_source"),
+        need_kind=props.get("ct_need_kind"),
+        need_most_gib=_float_or_none(props.get("ct_need_most_gib")),
+        oom_halvings=props.get(HALVINGS_PROPERTY),
+        resident_bytes=int(props.get("ct_resident_bytes", 0)),
+        others_resident_bytes=int(props.get("ct_others_resident_bytes", 0)),
+    )
+
+
+def _float_or_none(value: object) -> float | None:
+    return None if value is None else float(value)  # type: ignore[arg-type]
+
+
+def wrapped(line: str, width: int) -> list[str]:
+    """``line`` folded at the terminal's width, its continuation indented under it."""
+    if len(line) <= width or width < 40:
+        return [line]
+    indent = " " * (len(line) - len(line.lstrip()) + 4)
+    return textwrap.wrap(
+        line,
+        width=width,
+        subsequent_indent=indent,
+        break_long_words=False,
+        break_on_hyphens=False,
+    ) or [line]
+
+
+def session_value(source: str, value: str) -> str:
+    """``--ct-batch-size 64``, ``env CT_BATCH_SIZE=64``, ``BATCH_SIZE in x.yaml (64)``."""
+    if source.startswith("--"):
+        return f"{source} {value}"
+    if source.startswith("env "):
+        return f"{source}={value}"
+    return f"{source} ({value})"
+
+
+def _worse(current: str, outcome: str) -> str:
+    """The test's outcome so far combined with one more phase's."""
+    rank = _OUTCOME_RANK.get
+    return outcome if rank(outcome, 1) > rank(current, 1) else current
+
+
+@dataclass
+class RunSummary:
+    """What the run did: attributions, VRAM skips, and a record per test that used CUDA.
+
+    Built from reports alone, whatever plugin made them: an outcome it does not know ranks as
+    a skip, and a failed attempt that pytest-rerunfailures runs again (outcome ``rerun``) is
+    counted as a rerun and superseded by the next attempt: each test is recorded by its last.
+    """
+
+    attributions: dict[str, list[int]] = field(default_factory=dict)
+    vram_skips: dict[str, str] = field(default_factory=dict)
+    records: dict[str, TestRecord] = field(default_factory=dict)
+    halvings: dict[str, str] = field(default_factory=dict)
+    auto_choices: dict[str, list[str]] = field(default_factory=dict)
+    placements: dict[str, Placement] = field(default_factory=dict)
+    resident_models: list[dict[str, Any]] = field(default_factory=list)
+    reruns: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    own_settings: dict[tuple[str, str, str], set[str]] = field(default_factory=dict)
+    """(field, session-wide source, its value) -> the tests whose own marker overrode it."""
+    _outcomes: dict[str, str] = field(default_factory=dict)
+    _rerun_attempt: set[str] = field(default_factory=set)
+
+    def record(self, report: pytest.TestReport) -> list[list[str]]:
+        """Take one report in; returns the session-wide settings it shows a test's own marker
+        overriding for the first time (``[field, source, value, the test's value]``)."""
+        nodeid = report.nodeid
+        first: list[list[str]] = []
+        if report.when == "setup":  # a new attempt of the test
+            self._outcomes[nodeid] = "passed"
+            self._rerun_attempt.discard(nodeid)
+        if report.outcome == RERUN_OUTCOME:
+            if nodeid not in self._rerun_attempt:
+                self._rerun_attempt.add(nodeid)
+                self.reruns[nodeid] = self.reruns.get(nodeid, 0) + 1
+        elif report.outcome != "passed":
+            self._outcomes[nodeid] = _worse(self._outcomes.get(nodeid, "passed"), report.outcome)
+        props: dict[str, Any] = dict(report.user_properties)
+        if report.when == "setup":
+            overrides: list[list[str]] = props.get(OWN_SETTINGS_PROPERTY, [])
+            for name, source, value, own, own_source in overrides:
+                if (name, source, value) not in self.own_settings:
+                    first.append([name, source, value, own, own_source])
+                self.own_settings.setdefault((name, source, value), set()).add(nodeid)
+        if report.skipped and isinstance(report.longrepr, tuple):
+            reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+            if VRAM_SKIP_PATTERN.match(reason):
+                self.vram_skips[nodeid] = reason
+        if report.when != "teardown" or not report.user_properties:
+            return first  # the common case: a test that used neither CUDA nor ct_session
+        if isinstance(props.get(RESIDENT_PROPERTY), dict):
+            # Even from an attempt run again: the next one reuses the model it loaded.
+            self.resident_models.append(dict(props[RESIDENT_PROPERTY]))
+        if nodeid in self._rerun_attempt:
+            return first  # superseded by the next attempt, which reports its own
+        if isinstance(props.get(ATTRIBUTIONS_PROPERTY), list):
+            self.attributions[nodeid] = list(props[ATTRIBUTIONS_PROPERTY])
+        if isinstance(props.get(TIMINGS_PROPERTY), list):
+            self.timings[nodeid] = list(props[TIMINGS_PROPERTY])
+        if HALVINGS_PROPERTY in props:
+            self.halvings[nodeid] = str(props[HALVINGS_PROPERTY])
+        if isinstance(props.get(AUTO_PROPERTY), list):
+            self.auto_choices[nodeid] = list(map(str, props[AUTO_PROPERTY]))
+        outcome = self._outcomes.get(nodeid, "passed")
+        record = _record_from(report, outcome)
+        if record is not None:
+            record.reruns = self.reruns.get(nodeid, 0)
+            self.records[nodeid] = record
+        placement = placement_from(nodeid, outcome, props)
+        if placement is not None:
+            self.placements[nodeid] = placement
+        return first
+
+    def flag(self, leak_threshold: int) -> None:
+        """Attach UNDER-DECLARED, UNMARKED, LEAK and OOM-RECOVERED flags to the records."""
+        for record in self.records.values():
+            flags = []
+            peak = record.peak_reserved_bytes
+            most = record.need_most_gib if record.need_most_gib is not None else record.need_gib
+            if record.need_kind == "estimate":
+                # Against the most the estimate allows (batch_size_max for auto), not the least.
+                if most is not None and peak > most * GIB:
+                    flags.append(
+                        f"ESTIMATE LOW: peak {peak / GIB:.2f} GiB reserved > {most:.1f} GiB, the "
+                        f"most it may take ({record.need_source}); write "
+                        f"{suggested_marker(peak, record.nodeid)}"
+                    )
+            elif most is not None and peak > most * GIB:
+                flags.append(
+                    f"UNDER-DECLARED: peak {peak / GIB:.2f} GiB reserved > declared "
+                    f"{most:.1f} GiB ({record.need_source}); write "
+                    f"{suggested_marker(peak, record.nodeid)}"
+                )
+            if record.need_gib is None and peak > UNMARKED_BYTES:
+                flags.append(
+                    f"UNMARKED: peak {peak / GIB:.2f} GiB reserved and no declared need; "
+                    f"write {suggested_marker(peak, record.nodeid)}"
+                )
+            if record.leaked_bytes > leak_threshold:
+                flags.append(
+                    f"LEAK: {record.leaked_bytes / GIB:.2f} GiB still allocated after "
+                    "teardown and cleanup"
+                )
+            if record.oom_halvings:
+                flags.append(f"OOM RECOVERED: {record.oom_halvings}")
+            record.flags = flags
+
+    def learned(self) -> dict[str, LearnedNeed]:
+        """Needs to remember: the peak reserved of every passed test that used CUDA, except
+        a test that passed only after ct_session halved its batch size (its peak is that of a
+        smaller batch than its key says)."""
+        return {
+            record.memory_key: LearnedNeed(
+                record.peak_reserved_bytes / GIB, record.gpu, record.date
+            )
+            for record in self.records.values()
+            if record.outcome == "passed" and record.memory_key and not record.oom_halvings
+        }
+
+    def is_empty(self) -> bool:
+        return not (
+            self.attributions
+            or self.vram_skips
+            or self.records
+            or self.halvings
+            or self.auto_choices
+            or self.placements
+            or self.resident_models
+            or self.reruns
+            or self.own_settings
+        )
+
+    def slowest_lines(self, top: int) -> list[str]:
+        """The slowest attributions, ``--durations`` style, with their phases and batches."""
+        calls = [(timing, nodeid) for nodeid, timings in self.timings.items() for timing in timings]
+        if not calls:
+            return []
+        calls.sort(key=lambda entry: -float(entry[0].get("total_s", 0.0)))
+        out = [f"slowest attributions (top {min(top, len(calls))} of {len(calls)}):"]
+        for timing, nodeid in calls[:top]:
+            total = timing.get("batches_total")
+            batches = f"{timing.get('batches_done', 0)}" + (f"/{total}" if total else "")
+            out.append(
+                f"  {float(timing.get('total_s', 0.0)):7.2f} s  {nodeid}: batch size "
+                f"{timing.get('batch_size')}, {batches} backward batches; setup "
+                f"{float(timing.get('setup_s', 0.0)):.2f} s, forward "
+                f"{float(timing.get('forward_s', 0.0)):.2f} s, backward "
+                f"{float(timing.get('backward_s', 0.0)):.2f} s"
+            )
+        return out
+
+    def lines(self, settings_lines: list[str], gpu_lines: list[str]) -> list[str]:
+        calls = sum(len(sizes) for sizes in self.attributions.values())
+        sizes = sorted({size for values in self.attributions.values() for size in values})
+        out = [line.removeprefix("ctresources: ") for line in settings_lines]
+        out += gpu_lines
+        if calls:  # a count of nothing is left out
+            out.append(
+                f"attributions: {calls} in {len(self.attributions)} test(s)"
+                + (f", batch size(s) {', '.join(map(str, sizes))}" if sizes else "")
+            )
+        out += [f"  {nodeid}: {text}" for nodeid, text in sorted(self.halvings.items())]
+        for nodeid, choices in sorted(self.auto_choices.items()):
+            out += [f"  {nodeid}: auto {text}" for text in choices]
+        if self.vram_skips:
+            out.append(f"skipped for VRAM: {len(self.vram_skips)} test(s)")
+        out += [f"  {nodeid}: {reason}" for nodeid, reason in sorted(self.vram_skips.items())]
+        for (name, source, value), nodeids in sorted(self.own_settings.items()):
+            out.append(
+                f"{len(nodeids)} test(s) keep their own {name} over "
+                f"{session_value(source, value)}"
+            )
+        out += placement_lines(list(self.placements.values()))
+        out += self.resident_lines()
+        if self.reruns:
+            out.append(
+                f"reruns (another plugin ran failed attempts again): {sum(self.reruns.values())} "
+                f"of {len(self.reruns)} test(s); each is reported by its last attempt"
+            )
+        out += self.slowest_lines(5)
+        return out
+
+    def resident_lines(self) -> list[str]:
+        """The models ct_session kept loaded between tests, per worker and GPU."""
+        if not self.resident_models:
+            return []
+        out = ["resident models (kept loaded between tests by ct_session; not leaks):"]
+        for model in self.resident_models:
+            loaded_by = f", loaded by {model['loaded_by']}" if model.get("loaded_by") else ""
+            out.append(
+                f"  {model.get('worker', 'main')} GPU {model.get('device', '?')}: "
+                f"{model.get('model')} {int(model.get('bytes', 0)) / GIB:.2f} GiB{loaded_by}"
+            )
+        return out
+
+    def vram_lines(
+        self, top: int, capacity_gib: float | None, capacity_note: str
+    ) -> tuple[list[str], list[str]]:
+        """The VRAM table (the top tests by peak), and the lines of every flag."""
+        ranked = sorted(self.records.values(), key=lambda r: -r.peak_reserved_bytes)
+        out = [
+            f"VRAM per test ({capacity_note}); {len(ranked)} test(s) used CUDA"
+            + (f", top {min(top, len(ranked))} by peak reserved:" if ranked else "")
+        ]
+        if ranked:
+            out.append(
+                f"{'peak alloc':>11} {'peak resv':>10} {'declared (source)':>22} "
+                f"{'headroom':>9} {'leaked':>9}  test"
+            )
+        for record in ranked[:top]:
+            declared = (
+                f"{record.need_gib:.1f} GiB ({record.need_kind_name})"
+                if record.need_gib is not None
+                else "-"
+            )
+            headroom = (
+                f"{capacity_gib - record.peak_reserved_bytes / GIB:.2f}"
+                if capacity_gib is not None
+                else "?"
+            )
+            allocated = record.peak_allocated_bytes / GIB
+            reserved = record.peak_reserved_bytes / GIB
+            out.append(
+                f"{allocated:>7.2f} GiB {reserved:>6.2f} GiB {declared:>22} {headroom:>5} GiB "
+                f"{record.leaked_bytes / GIB:>5.2f} GiB  {record.nodeid}"
+            )
+        flags = [
+            f"{flag.split(':', 1)[0]} {record.nodeid}:{flag.split(':', 1)[1]}"
+            for record in ranked
+            for flag in record.flags
+        ]
+        return out, flags
+
+
+class SummaryReporter:
+    """Registered on the controller (or the only process): collects reports, prints the report,
+    writes the JSON and the plot, and remembers the measured needs."""
+
+    name = "ctresources-summary"
+
+    def __init__(self, runtime: Runtime, config: pytest.Config) -> None:
+        self.runtime = runtime
+        self.summary = RunSummary()
+        self.verbose = config.get_verbosity() > 0
+        self.config = config
+        self._finished = False
+        #: Learned needs of tests that no longer exist (found where the tests are collected).
+        self.stale_learned: set[str] = set()
+        #: How many learned needs ``--ct-forget`` cleared (None: not asked).
+        self.forgotten: int | None = None
+        #: The report files written at the end: (what, path).
+        self.written: list[tuple[str, Path]] = []
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: object) -> None:
+        """pytest-xdist: a worker finished; it found stale learned needs while collecting."""
+        output = getattr(node, "workeroutput", None) or {}
+        self.stale_learned.update(output.get(STALE_LEARNED_OUTPUT, ()))
+
+    @property
+    def terminal(self) -> pytest.TerminalReporter:
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        assert reporter is not None  # registered whenever the terminal is in use
+        return reporter  # type: ignore[no-any-return]
+
+    def capacity(self) -> tuple[float | None, str]:
+        """The capacity the report compares with, and how it is described."""
+        gpu = self.runtime.gpu_facts(may_import_torch=False).gpu(0)
+        emulated = self.runtime.settings.vram_capacity_gib
+        if emulated is not None:
+            where = f"{gpu.describe()} " if gpu is not None else ""
+            return emulated.value, f"{where}capacity {emulated.value:.1f} GiB by {emulated.source}"
+        if gpu is not None:
+            return gpu.total_gib, f"{gpu.describe()} {gpu.total_gib:.1f} GiB"
+        return None, "no CUDA GPU detected"
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        first_overrides = self.summary.record(report)
+        if self.verbose:
+            for name, source, value, own, own_source in first_overrides:
+                self.terminal.write_line(
+                    f"ctresources: {report.nodeid} keeps its own {name}={own} ({own_source}) "
+                    f"over {session_value(source, value)}; said once per setting, the summary "
+                    "counts them"
+                )
+        if report.when == "teardown" and self.verbose:
+            closed = dict(report.user_properties).get(FIGURES_PROPERTY)
+            if closed:
+                self.terminal.write_line(
+                    f"ctresources: closed {closed} matplotlib figure(s) "
+                    f"left open by {report.nodeid}"
+                )
+
+    def pytest_sessionfinish(self, exitstatus: int) -> None:
+        # Runs on Ctrl-C and on internal errors too: the JSON report is written whatever happens.
+        self.finish(int(exitstatus))
+
+    def pytest_unconfigure(self) -> None:
+        self.finish(None)
+
+    def finish(self, exitstatus: int | None, signal_name: str | None = None) -> None:
+        """Flag the records, remember the measured needs, write the report files.
+
+        ``signal_name``: the run is being terminated (report_files.SigtermReport); the
+        session may still finish after that, and then writes the files again."""
+        if self._finished:
+            return
+        self._finished = signal_name is None
+        settings = self.runtime.settings
+        self.summary.flag(settings.leak_threshold_bytes.value)
+        measured = self.summary.learned()
+        stale = self.stale_learned
+        if measured or stale:
+            learned = self.runtime.learned()
+            learned.prune(stale)
+            learned.update(measured)
+            learned.save()
+        if settings.report_json is None and settings.report_plot is None:
+            return
+        from pytest_ctresources.report import files as report_files
+
+        self.written = report_files.write_reports(self, exitstatus, signal_name)
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        settings = self.runtime.settings
+        if self.forgotten is not None:
+            terminalreporter.write_line(
+                f"ctresources: --ct-forget cleared {self.forgotten} learned VRAM need(s)"
+            )
+        show_vram = bool(self.summary.records) or settings.report_forced
+        if self.summary.is_empty() and not show_vram and not self.written:
+            return
+        self.summary.flag(settings.leak_threshold_bytes.value)
+        terminalreporter.section("ctresources summary")
+        width = terminalreporter.config.get_terminal_writer().fullwidth
+        # Under -v the header has said the settings and the GPU already.
+        described = not self.verbose
+        settings_lines = settings.header_lines() if described else []
+        gpu_lines = (
+            self.runtime.gpu_facts(may_import_torch=False).summary_lines() if described else []
+        )
+        table: list[str] = []
+        flags: list[str] = []
+        if show_vram:
+            capacity, note = self.capacity()
+            table, flags = self.summary.vram_lines(settings.report_top, capacity, note)
+        here = self.config.invocation_params.dir
+        written = [
+            f"wrote the {what}: {path.relative_to(here) if path.is_relative_to(here) else path}"
+            for what, path in self.written
+        ]
+        for line in self.summary.lines(settings_lines, gpu_lines):
+            self._write_folded(terminalreporter, line, width)
+        for index, line in enumerate(table):  # the rows' columns line up: never folded
+            if index == 0:
+                self._write_folded(terminalreporter, line, width)
+            else:
+                terminalreporter.write_line(line)
+        for line in [*flags, *written]:
+            self._write_folded(terminalreporter, line, width)
+
+    @staticmethod
+    def _write_folded(terminalreporter: pytest.TerminalReporter, line: str, width: int) -> None:
+        for part in wrapped(line, width):
+            terminalreporter.write_line(part)

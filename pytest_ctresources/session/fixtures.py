@@ -1,0 +1,114 @@
+"""The ``ct_config`` and ``ct_session`` fixtures: thin wrappers over public classes."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterator
+
+import pytest
+
+from pytest_ctresources.core.accounting import METER_KEY, SESSION_KEY, halving_summary
+from pytest_ctresources.core.runtime import runtime_of
+from pytest_ctresources.report.summary import (
+    ATTRIBUTIONS_PROPERTY,
+    AUTO_PROPERTY,
+    HALVINGS_PROPERTY,
+    TIMINGS_PROPERTY,
+)
+from pytest_ctresources.session.model_load import ModelLoadError
+from pytest_ctresources.session.progress_line import LiveLine
+from pytest_ctresources.session.progress_line import enabled as progress_on
+from pytest_ctresources.session.session import CtSession
+from pytest_ctresources.settings.config import CircuitTracerConfig
+from pytest_ctresources.settings.markers import MarkerError
+
+
+@pytest.fixture
+def ct_config(request: pytest.FixtureRequest) -> CircuitTracerConfig:
+    """The resolved :class:`~pytest_ctresources.CircuitTracerConfig` of this test.
+
+    Layers, lowest to highest: defaults < ini < experiment YAML (``--ct-config``) < ``CT_*``
+    environment < ``--ct-*`` options < the test's own ``ct_config`` marker (its ``path=`` YAML,
+    then its fields). ``ct_config.source_of("batch_size")`` says where a value came from.
+    """
+    try:
+        return runtime_of(request.config).config_for(request.node)
+    except MarkerError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture
+def ct_session(
+    request: pytest.FixtureRequest, ct_config: CircuitTracerConfig
+) -> Iterator[CtSession]:
+    """A :class:`~pytest_ctresources.CtSession` for this test.
+
+    ``ct_session.cfg`` is the test's config; ``ct_session.load_model()`` builds its
+    ReplacementModel once per session (a different model evicts the previous one);
+    ``ct_session.attribute(prompt)`` runs ``circuit_tracer.attribute`` with the config's
+    arguments. After the test, the per-test cleanup (``ct_cleanup``) returns its memory.
+    """
+    runtime = runtime_of(request.config)
+    node = request.node
+    session = CtSession(
+        ct_config,
+        runtime.model_cache,
+        oom_retry=runtime.settings.oom_retry.value,
+        oom_retry_floor=runtime.settings.oom_retry_floor.value,
+        meter=node.stash.get(METER_KEY, None),
+        auto_budget=runtime.auto_budget(node),
+        estimate_prompt_tokens=runtime.settings.estimate_prompt_tokens.value,
+    )
+    node.stash[SESSION_KEY] = session
+    after = runtime.settings.progress_after_s.value
+    live = (
+        LiveLine(request.config, after)
+        if after is not None and progress_on(request.config)
+        else None
+    )
+    session.progress = live
+    cache = runtime.model_cache
+    cache.current_test = node.nodeid
+    try:
+        with cache.in_use():  # an idle-cache watcher leaves the model alone meanwhile
+            yield session
+    finally:
+        cache.current_test = None
+        if session.calls:
+            node.user_properties.append(
+                (ATTRIBUTIONS_PROPERTY, [call.kwargs["batch_size"] for call in session.calls])
+            )
+            node.user_properties.append(
+                (TIMINGS_PROPERTY, [c.timing.to_dict() for c in session.calls if c.timing])
+            )
+        if session.auto_choices:
+            node.user_properties.append(
+                (AUTO_PROPERTY, [choice.describe() for choice in session.auto_choices])
+            )
+        if session.halvings:
+            node.user_properties.append((HALVINGS_PROPERTY, halving_summary(session)))
+        session.close()
+
+
+class OneLineModelFailures:
+    """A model ``ct_session`` cannot load fails its test with one line (the model, its config
+    source, the cause), not the hub's chained tracebacks, whether the test body or a fixture
+    asked for it (:class:`~pytest_ctresources.session.model_load.ModelLoadError`)."""
+
+    name = "ctresources-model-load"
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+        return (yield from _one_line())
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
+        return (yield from _one_line())
+
+
+def _one_line() -> Generator[None, None, None]:
+    try:
+        return (yield)
+    except ModelLoadError as exc:
+        message = str(exc)
+    # Outside the except block: no "During handling of the above exception" either.
+    pytest.fail(message, pytrace=False)

@@ -1,0 +1,464 @@
+"""CircuitTracerConfig: the typed, frozen settings of one circuit-tracer experiment.
+
+Every field is declared once in ``FIELDS`` with its default, its validation and its YAML
+key; the layers (ini, YAML, marker, environment, option) only ever go through
+:func:`validate_typed` / :func:`parse_text`, so a value is checked the same way wherever it
+comes from. The config remembers the :class:`~pytest_ctresources.settings.sources.Source` of every
+field, and converts to exactly the keyword arguments of ``circuit_tracer.attribute()`` and
+``ReplacementModel.from_pretrained()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import reprlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Literal
+
+from pytest_ctresources.settings.sources import Source
+
+if TYPE_CHECKING:
+    import torch
+
+Backend = Literal["nnsight", "transformerlens"]
+DType = Literal["float32", "bfloat16", "float16"]
+Offload = Literal["cpu", "disk"]
+
+BACKENDS: tuple[str, ...] = ("nnsight", "transformerlens")
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES: Mapping[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+OFFLOADS: tuple[str, ...] = ("cpu", "disk")
+
+
+class ConfigError(ValueError):
+    """A value that does not fit a setting. The message is one line, ready for the user."""
+
+
+#: The most GiB any one setting may name for one GPU (a capacity, a need, a threshold).
+#: The largest cards sold today hold 288 GB; 1 TiB leaves room for a few generations, and
+#: keeps every GiB figure convertible to bytes, ledger units and floats without overflow.
+MAX_GIB = 1024.0
+#: The largest count a setting takes (batch sizes, feature nodes, tokens): a C ``int``,
+#: what the tensor shapes these end up in are safe with, far beyond any real workload.
+MAX_COUNT = 2**31 - 1
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = 40
+_SHOWN.maxlevel = 3
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 4
+_LONG_INT_BITS = 133  # 40 decimal digits
+
+
+def shown(value: object) -> str:
+    """``repr(value)``, short enough to quote in a one-line message.
+
+    Input is quoted back to its author, and input may be hostile: ``repr`` of an integer
+    over 4300 digits raises, of a 5000-character string floods the terminal, and of a YAML
+    alias bomb never finishes. :mod:`reprlib` bounds the work and the length.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value.bit_length() > _LONG_INT_BITS:
+            digits = math.floor(value.bit_length() * math.log10(2)) + 1
+            return f"{'-' if value < 0 else ''}an integer of about {digits} digits"
+        return repr(value)
+    text = _SHOWN.repr(value)
+    if isinstance(value, str) and len(value) > _SHOWN.maxstring:
+        text += f" ({len(value)} characters)"
+    return text
+
+
+# --- value checks shared by every layer --------------------------------------------------
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass; ``BATCH_SIZE: true`` must not mean batch size 1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return _is_int(value) or isinstance(value, float)
+
+
+def bound_text(most: float) -> str:
+    """A bound as a message gives it: ``2147483647``, ``1024``, ``0.5``."""
+    return str(int(most)) if float(most).is_integer() else f"{most:g}"
+
+
+def _at_most(value: float, most: float, unit: str = "") -> None:
+    # Compared before any float(): float(10**400) raises OverflowError, the comparison not.
+    if value > most:
+        raise ConfigError(f"must be at most {bound_text(most)}{unit}, got {shown(value)}")
+
+
+def _positive_int(value: object) -> int:
+    if not _is_int(value) or value <= 0:  # type: ignore[operator]
+        raise ConfigError(f"must be a positive integer, got {shown(value)}")
+    _at_most(value, MAX_COUNT)  # type: ignore[arg-type]
+    return value  # type: ignore[return-value]
+
+
+#: ``BATCH_SIZE: auto``: ct_session.attribute picks the batch size from the VRAM estimate.
+AUTO = "auto"
+
+
+def _batch_size(value: object) -> int | str:
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    if not _is_int(value) or value <= 0:  # type: ignore[operator]
+        raise ConfigError(f"must be a positive integer or 'auto', got {shown(value)}")
+    _at_most(value, MAX_COUNT)  # type: ignore[arg-type]
+    return value  # type: ignore[return-value]
+
+
+def gib_amount(value: object) -> float:
+    """A positive, finite number of GiB, at most :data:`MAX_GIB`; else :class:`ConfigError`."""
+    if not _is_number(value) or not value > 0 or value != value:  # type: ignore[operator]
+        raise ConfigError(f"must be a positive number of GiB, got {shown(value)}")
+    _at_most(value, MAX_GIB, " GiB")  # type: ignore[arg-type]
+    return float(value)  # type: ignore[arg-type]
+
+
+def _probability(value: object) -> float:
+    if not _is_number(value) or not 0 < value <= 1:  # type: ignore[operator]
+        raise ConfigError(f"must be a number in (0, 1], got {shown(value)}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _text(value: object) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"must be a non-empty string, got {shown(value)}")
+    if not value.isprintable():
+        # A name with a newline or a NUL breaks every one-line message and header it is in.
+        raise ConfigError(f"must be one line of printable text, got {shown(value)}")
+    return value
+
+
+def _bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"must be true or false, got {shown(value)}")
+    return value
+
+
+def _choice(
+    choices: tuple[str, ...], aliases: Mapping[str, str] | None = None
+) -> Callable[[object], str]:
+    def check(value: object) -> str:
+        if isinstance(value, str):
+            value = (aliases or {}).get(value, value)
+            if value in choices:
+                return value
+        raise ConfigError(f"must be one of {', '.join(choices)}; got {shown(value)}")
+
+    return check
+
+
+def _offload(value: object) -> str | None:
+    if value is None:
+        return None
+    return _choice(OFFLOADS)(value)
+
+
+def _text_to_int(text: str) -> object:
+    try:
+        return int(text.strip())
+    except ValueError:
+        return text
+
+
+def _text_to_number(text: str) -> object:
+    try:
+        return float(text.strip())
+    except ValueError:
+        return text
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _text_to_bool(text: str) -> object:
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    return text
+
+
+def parse_bool(text: str) -> bool:
+    """``true/false``, ``yes/no``, ``on/off``, ``1/0``; else :class:`ConfigError`."""
+    return _bool(_text_to_bool(text))
+
+
+def _text_to_optional(text: str) -> object:
+    return None if text.strip().lower() in {"", "none", "null"} else text.strip()
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """How one config field is validated, and how its text form (CLI, env, ini) is read."""
+
+    name: str
+    default: object
+    check: Callable[[object], object]
+    from_text: Callable[[str], object] = str.strip
+    nullable: bool = False
+    help: str = ""
+
+    @property
+    def yaml_key(self) -> str:
+        return self.name.upper()
+
+
+FIELDS: Mapping[str, FieldSpec] = {
+    spec.name: spec
+    for spec in (
+        FieldSpec(
+            "model_family",
+            None,
+            _text,
+            nullable=True,
+            help="model family, e.g. gemma2, gemma3, llama (informational)",
+        ),
+        FieldSpec(
+            "model_name",
+            None,
+            _text,
+            nullable=True,
+            help="Hugging Face model id, or a bundled offline model name",
+        ),
+        FieldSpec(
+            "transcoder_set",
+            None,
+            _text,
+            nullable=True,
+            help="circuit-tracer transcoder set name or config path",
+        ),
+        FieldSpec("backend", "nnsight", _choice(BACKENDS), help="nnsight or transformerlens"),
+        FieldSpec(
+            "dtype",
+            "float32",
+            _choice(DTYPES, DTYPE_ALIASES),
+            help="float32, bfloat16 or float16 (aliases fp32, bf16, fp16)",
+        ),
+        FieldSpec(
+            "batch_size",
+            256,
+            _batch_size,
+            _text_to_int,
+            help="source nodes per backward pass in attribute(); 'auto': the largest the "
+            "VRAM estimate fits on the GPU",
+        ),
+        FieldSpec(
+            "batch_size_max",
+            512,
+            _positive_int,
+            _text_to_int,
+            help="the largest batch size 'auto' chooses",
+        ),
+        FieldSpec(
+            "max_feature_nodes",
+            8192,
+            _positive_int,
+            _text_to_int,
+            help="most feature nodes kept in the graph",
+        ),
+        FieldSpec(
+            "max_n_logits", 10, _positive_int, _text_to_int, help="most logit nodes attributed"
+        ),
+        FieldSpec(
+            "desired_logit_prob",
+            0.95,
+            _probability,
+            _text_to_number,
+            help="cumulative probability of the logits kept",
+        ),
+        FieldSpec(
+            "offload",
+            None,
+            _offload,
+            _text_to_optional,
+            nullable=True,
+            help="offload parameters during attribution: cpu, disk or null",
+        ),
+        FieldSpec(
+            "lazy_encoder",
+            False,
+            _bool,
+            _text_to_bool,
+            help="load transcoder encoder weights lazily",
+        ),
+        FieldSpec(
+            "lazy_decoder", True, _bool, _text_to_bool, help="load transcoder decoder rows lazily"
+        ),
+        FieldSpec("verbose", False, _bool, _text_to_bool, help="circuit-tracer progress output"),
+        FieldSpec(
+            "vram_gib",
+            None,
+            gib_amount,
+            _text_to_number,
+            nullable=True,
+            help="declared peak VRAM need in GiB, used in skip decisions",
+        ),
+    )
+}
+
+#: The YAML key that holds experiment parameters that are not ours (prompts, layer lists...).
+PARAMS_KEY = "PARAMS"
+#: The YAML key naming the notebook an experiment config runs (``pytest --nbmake``).
+NOTEBOOK_KEY = "NOTEBOOK"
+
+
+def did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    """`` (did you mean X?)`` for the closest candidate, or an empty string."""
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def validate_typed(name: str, value: object) -> object:
+    """Check a typed value (from YAML or a marker) for field ``name``."""
+    spec = FIELDS[name]
+    if value is None and spec.nullable:
+        return None
+    return spec.check(value)
+
+
+def parse_text(name: str, text: str) -> object:
+    """Read and check the text form of field ``name`` (from an option, env var or ini key)."""
+    spec = FIELDS[name]
+    value = spec.from_text(text)
+    if value is None and spec.nullable:
+        return None
+    return spec.check(value)
+
+
+def _defaults() -> dict[str, Any]:
+    return {name: spec.default for name, spec in FIELDS.items()}
+
+
+@dataclass(frozen=True)
+class CircuitTracerConfig:
+    """The resolved settings of one circuit-tracer experiment, with the source of each.
+
+    Build one with :meth:`defaults` and :meth:`layered`; read a field's provenance with
+    :meth:`source_of`. ``params`` holds the experiment's own parameters (the YAML ``PARAMS``
+    mapping), passed through untouched.
+    """
+
+    model_family: str | None = None
+    model_name: str | None = None
+    transcoder_set: str | None = None
+    backend: Backend = "nnsight"
+    dtype: DType = "float32"
+    batch_size: int | Literal["auto"] = 256
+    batch_size_max: int = 512
+    max_feature_nodes: int = 8192
+    max_n_logits: int = 10
+    desired_logit_prob: float = 0.95
+    offload: Offload | None = None
+    lazy_encoder: bool = False
+    lazy_decoder: bool = True
+    verbose: bool = False
+    vram_gib: float | None = None
+    params: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    sources: Mapping[str, Source] = field(default_factory=lambda: MappingProxyType({}))
+
+    @classmethod
+    def defaults(cls) -> CircuitTracerConfig:
+        """The built-in defaults, every field sourced ``default``."""
+        return cls(
+            **_defaults(),
+            sources=MappingProxyType({name: Source.default() for name in FIELDS}),
+        )
+
+    def layered(
+        self,
+        values: Mapping[str, object],
+        source: Source | Callable[[str], Source],
+        params: Mapping[str, Any] | None = None,
+    ) -> CircuitTracerConfig:
+        """A copy with ``values`` (already validated) laid over this config.
+
+        ``source`` is the source of every value, or a function giving each field's source.
+        """
+        unknown = set(values) - set(FIELDS)
+        if unknown:
+            raise ConfigError(f"unknown config field(s): {', '.join(sorted(unknown))}")
+        source_of = source if callable(source) else (lambda _name: source)
+        sources = dict(self.sources)
+        sources.update({name: source_of(name) for name in values})
+        merged_params = dict(self.params)
+        merged_params.update(params or {})
+        return dataclasses.replace(
+            self,
+            **values,  # type: ignore[arg-type]
+            params=MappingProxyType(merged_params),
+            sources=MappingProxyType(sources),
+        )
+
+    def source_of(self, name: str) -> Source:
+        """Where field ``name`` got its value."""
+        if name not in FIELDS:
+            raise KeyError(
+                f"{name!r} is not a CircuitTracerConfig field{did_you_mean(name, FIELDS)}"
+            )
+        return self.sources.get(name, Source.default())
+
+    def attribute_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``circuit_tracer.attribute(prompt, model, **kwargs)``."""
+        return {
+            "max_n_logits": self.max_n_logits,
+            "desired_logit_prob": self.desired_logit_prob,
+            "batch_size": self.batch_size,
+            "max_feature_nodes": self.max_feature_nodes,
+            "offload": self.offload,
+            "verbose": self.verbose,
+        }
+
+    def from_pretrained_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``circuit_tracer.ReplacementModel.from_pretrained(**kwargs)``.
+
+        Raises :class:`ConfigError` when the model or transcoder set is not configured.
+        """
+        missing = [n.upper() for n in ("model_name", "transcoder_set") if getattr(self, n) is None]
+        if missing:
+            raise ConfigError(
+                f"{' and '.join(missing)} not set: name them in the experiment YAML "
+                "(--ct-config) or with @pytest.mark.ct_config(model_name=..., transcoder_set=...)"
+            )
+        return {
+            "model_name": self.model_name,
+            "transcoder_set": self.transcoder_set,
+            "backend": self.backend,
+            "dtype": self.torch_dtype(),
+            "lazy_encoder": self.lazy_encoder,
+            "lazy_decoder": self.lazy_decoder,
+        }
+
+    def torch_dtype(self) -> torch.dtype:
+        """The ``torch.dtype`` named by ``dtype`` (imports torch)."""
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
+
+    def model_key(self) -> tuple[str | None, str | None, str, str]:
+        """What identifies a loaded model: tests with equal keys share one ReplacementModel."""
+        return (self.model_name, self.transcoder_set, self.backend, self.dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field with its value and source, JSON-ready."""
+        out: dict[str, Any] = {
+            name: {"value": getattr(self, name), "source": str(self.source_of(name))}
+            for name in FIELDS
+        }
+        out["params"] = dict(self.params)
+        return out
+
+    def describe(self) -> list[str]:
+        """``name = value (source)`` lines, one per field."""
+        return [f"{name} = {getattr(self, name)!r} ({self.source_of(name)})" for name in FIELDS]

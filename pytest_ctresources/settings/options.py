@@ -1,0 +1,417 @@
+"""Where the plugin's command-line options, ini keys and environment variables are declared.
+
+Every session setting has up to three spellings: an option ``--ct-*``, an ini key ``ct_*``
+and an environment variable ``CT_*``. :data:`SETTINGS` lists them in one table that
+``pytest_addoption`` and :mod:`pytest_ctresources.settings.resolve` both read, so a new setting is
+added in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from pytest_ctresources.settings.config import (
+    MAX_COUNT,
+    MAX_GIB,
+    ConfigError,
+    bound_text,
+    parse_text,
+    shown,
+)
+
+GROUP = "ctresources"
+DEFAULT_LEAK_THRESHOLD = "256MiB"
+_UNITS = {
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+}
+CLEANUP_MODES: tuple[str, ...] = ("auto", "always", "never")
+DEFAULT_ALLOC_CONF = "expandable_segments:True"
+BINDING_MODES: tuple[str, ...] = ("auto", "off")
+NOTEBOOK_CONFIGS_INI = "ct_notebook_configs"
+
+
+#: The longest a test may wait for its VRAM lease: a week. (Beyond threading.TIMEOUT_MAX, about
+#: 292 years, waits raise OverflowError; a week is longer than any CI job runs.)
+MAX_SECONDS = 7 * 24 * 3600.0
+
+
+def _text(value: object) -> str:
+    # Legacy [tool.pytest.ini_options] hands a TOML list to a "string" ini key unchanged.
+    if not isinstance(value, str):
+        raise ValueError(f"must be a single value, got the {type(value).__name__} {shown(value)}")
+    return value
+
+
+def _number(text: str, *, zero_ok: bool, most: float, unit: str, message: str) -> float:
+    """Parse a finite float, positive (or 0 when ``zero_ok``), at most ``most``; else
+    ``ValueError(message)``."""
+    try:
+        value = float(_text(text))
+    except ValueError:
+        value = -1.0  # nan, too: neither >= 0 nor > 0
+    if not (value >= 0 if zero_ok else value > 0):
+        raise ValueError(f"{message}, got {shown(text)}")
+    if value > most:  # inf (1e400 parses as inf) included
+        raise ValueError(f"must be at most {bound_text(most)}{unit}, got {shown(text)}")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """Parse a positive number of GiB, at most ``MAX_GIB``; raise ``ValueError`` with a
+    user-facing message."""
+    return _number(
+        text, zero_ok=False, most=MAX_GIB, unit=" GiB", message="must be a positive number of GiB"
+    )
+
+
+def positive_count(text: str) -> int:
+    """Parse a positive integer count, at most ``MAX_COUNT``; raise ``ValueError`` with a
+    user-facing message."""
+    try:
+        value = int(_text(text))  # more than 4300 digits: ValueError too
+    except ValueError:
+        raise ValueError(f"must be a positive integer, got {shown(text)}") from None
+    if value <= 0:
+        raise ValueError(f"must be a positive integer, got {shown(text)}")
+    if value > MAX_COUNT:
+        raise ValueError(f"must be at most {MAX_COUNT}, got {shown(text)}")
+    return value
+
+
+def non_negative_gib(text: str) -> float:
+    """Parse a number of GiB that may be 0, at most ``MAX_GIB``."""
+    return _number(
+        text, zero_ok=True, most=MAX_GIB, unit=" GiB", message="must be a number of GiB, 0 or more"
+    )
+
+
+def binding_mode(text: str) -> str:
+    """Parse ``ct_gpu_binding``."""
+    value = _text(text).strip().lower()
+    if value not in BINDING_MODES:
+        raise ValueError(f"must be one of {', '.join(BINDING_MODES)}; got {shown(text)}")
+    return value
+
+
+def cleanup_mode(text: str) -> str:
+    """Parse ``ct_cleanup``."""
+    value = _text(text).strip()
+    if value not in CLEANUP_MODES:
+        raise ValueError(f"must be one of {', '.join(CLEANUP_MODES)}; got {shown(value)}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """Parse a share in [0, 1)."""
+    value = _number(
+        text, zero_ok=True, most=math.inf, unit="", message="must be a number from 0 to below 1"
+    )
+    if value >= 1:
+        raise ValueError(f"must be a number from 0 to below 1, got {shown(text)}")
+    return value
+
+
+def seconds_or_off(text: str) -> float | None:
+    """Parse a number of seconds that may be 0, or ``off`` (None)."""
+    if text.strip().lower() == "off":
+        return None
+    return _number(
+        text,
+        zero_ok=True,
+        most=MAX_SECONDS,
+        unit=" seconds (a week)",
+        message="must be a number of seconds, 0 or more, or off",
+    )
+
+
+def seconds(text: str) -> float:
+    """Parse a positive number of seconds, at most ``MAX_SECONDS``."""
+    return _number(
+        text,
+        zero_ok=False,
+        most=MAX_SECONDS,
+        unit=" seconds (a week)",
+        message="must be a positive number of seconds",
+    )
+
+
+def byte_size(text: str) -> int:
+    """Parse ``256MiB``, ``1GiB``, ``500MB`` or a bare number of MiB into bytes (at most
+    ``MAX_GIB`` GiB)."""
+    cleaned = _text(text).strip().lower().replace(" ", "")
+    number = cleaned.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = cleaned[len(number) :] or "mib"
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or not value >= 0:
+        raise ValueError(
+            f"must be a size such as 256MiB, 1GiB or 500MB (a bare number is MiB), "
+            f"got {shown(text)}"
+        )
+    if value * _UNITS[unit] > MAX_GIB * _UNITS["gib"]:  # inf included
+        raise ValueError(f"must be at most {bound_text(MAX_GIB)}GiB, got {shown(text)}")
+    return int(value * _UNITS[unit])
+
+
+def alloc_conf(text: str) -> str:
+    """Parse ``ct_alloc_conf``: the allocator options torch would accept, or empty."""
+    from pytest_ctresources.gpu.allocator import check_alloc_conf
+
+    return check_alloc_conf(_text(text).strip())
+
+
+def _field_parser(field: str) -> Callable[[str], object]:
+    def parse(text: str) -> object:
+        try:
+            return parse_text(field, _text(text))
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+
+    return parse
+
+
+@dataclass(frozen=True)
+class SettingSpec:
+    """One session setting: its option, ini key, env var, parser and help."""
+
+    dest: str
+    option: str
+    ini: str
+    env: str | None
+    metavar: str
+    help: str
+    parse: Callable[[str], object]
+    field: str | None = None  # the CircuitTracerConfig field it sets, if any
+
+
+SETTINGS: tuple[SettingSpec, ...] = (
+    SettingSpec(
+        "ct_batch_size",
+        "--ct-batch-size",
+        "ct_batch_size",
+        "CT_BATCH_SIZE",
+        "N|auto",
+        "batch size of circuit-tracer attribution for every test (overrides the YAML; a "
+        "test's own ct_config marker overrides it); 'auto' lets ct_session choose the largest "
+        "whose estimated peak fits the GPU",
+        _field_parser("batch_size"),
+        field="batch_size",
+    ),
+    SettingSpec(
+        "ct_batch_size_max",
+        "--ct-batch-size-max",
+        "ct_batch_size_max",
+        "CT_BATCH_SIZE_MAX",
+        "N",
+        "the largest batch size --ct-batch-size auto chooses (default 512)",
+        _field_parser("batch_size_max"),
+        field="batch_size_max",
+    ),
+    SettingSpec(
+        "ct_max_feature_nodes",
+        "--ct-max-feature-nodes",
+        "ct_max_feature_nodes",
+        "CT_MAX_FEATURE_NODES",
+        "N",
+        "max_feature_nodes of circuit-tracer attribution for every test",
+        _field_parser("max_feature_nodes"),
+        field="max_feature_nodes",
+    ),
+    SettingSpec(
+        "ct_config",
+        "--ct-config",
+        "ct_config",
+        "CT_CONFIG",
+        "PATH",
+        "flat experiment YAML (MODEL_NAME, BATCH_SIZE, ...) applied to every test's config",
+        str,
+    ),
+    SettingSpec(
+        "ct_vram_capacity",
+        "--ct-vram-capacity",
+        "ct_vram_capacity",
+        "CT_VRAM_CAPACITY",
+        "GIB",
+        "act as if the GPU had GIB of memory: used in skip decisions, and the CUDA allocator "
+        "of this process is capped at it",
+        positive_number,
+    ),
+)
+
+INI_ONLY: tuple[tuple[str, str, str], ...] = (
+    (
+        "ct_leak_threshold",
+        "CUDA memory still allocated after a test's teardown and cleanup, beyond its baseline, "
+        "above which it is reported as a leak (256MiB, 1GiB, ...)",
+        DEFAULT_LEAK_THRESHOLD,
+    ),
+    (
+        "ct_oom_retry",
+        "ct_session.attribute halves the batch size and retries after CUDA out-of-memory",
+        "true",
+    ),
+    (
+        "ct_oom_retry_floor",
+        "the smallest batch size ct_session.attribute retries with after out-of-memory",
+        "1",
+    ),
+    (
+        "ct_cleanup",
+        "after each test: 'auto' (gc + empty_cache when CUDA was used, close open "
+        "matplotlib figures), 'always' (also gc.collect when CUDA was not used) or 'never'",
+        "auto",
+    ),
+    (
+        "ct_gpu_binding",
+        "under pytest-xdist: 'auto' binds each worker to one GPU of its host, round robin "
+        "over the visible GPUs, before conftests are imported; 'off' leaves "
+        "CUDA_VISIBLE_DEVICES alone",
+        "auto",
+    ),
+    (
+        "ct_leases",
+        "a test with a known VRAM need takes it from its GPU's budget, shared by all of "
+        "this user's pytest runs on the host (xdist or not), and waits while it is taken",
+        "true",
+    ),
+    (
+        "ct_default_vram_gib",
+        "the lease of a test with no declared, configured or learned need (0: no lease)",
+        "0",
+    ),
+    (
+        "ct_lease_timeout",
+        "seconds a test waits for its VRAM lease before it fails",
+        "1800",
+    ),
+    (
+        "ct_auto_margin",
+        "share of the GPU's capacity that --ct-batch-size auto keeps free beyond the "
+        "estimate's peak (reserved margin and CUDA context included)",
+        "0.05",  # autobatch.DEFAULT_AUTO_MARGIN
+    ),
+    (
+        "ct_estimate_prompt_tokens",
+        "prompt length in tokens assumed by the VRAM estimate of a ct_session test with no "
+        "declared need, made before its prompt is known (skip decisions and leases)",
+        "32",
+    ),
+    (
+        "ct_progress_after",
+        "seconds an attribution runs before a live progress line shows its phase and backward "
+        "batches on the terminal (not under -q, -n or without a terminal); 'off' never",
+        "3",
+    ),
+    (
+        "ct_alloc_conf",
+        "PYTORCH_CUDA_ALLOC_CONF set (if unset) before CUDA can initialise; empty disables",
+        DEFAULT_ALLOC_CONF,
+    ),
+)
+
+
+def argparse_type(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """Wrap a parser so argparse reports its message as ``argument --ct-x: message``."""
+
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def add_options(parser: pytest.Parser) -> None:
+    """Declare the ``ctresources`` option group and the ``ct_*`` ini keys."""
+    group = parser.getgroup(GROUP, "circuit-tracer GPU resources (pytest-ctresources)")
+    for spec in SETTINGS:
+        env = f" [env {spec.env}]" if spec.env else ""
+        group.addoption(
+            spec.option,
+            dest=spec.dest,
+            metavar=spec.metavar,
+            type=argparse_type(spec.parse),
+            default=None,
+            help=f"{spec.help}{env}",
+        )
+        parser.addini(spec.ini, f"{spec.help} (same as {spec.option})", type="string", default=None)
+    group.addoption(
+        "--ct-report",
+        action="store_true",
+        default=False,
+        help="print the VRAM report even when no test used CUDA",
+    )
+    group.addoption(
+        "--ct-report-top",
+        dest="ct_report_top",
+        metavar="N",
+        default=10,
+        type=argparse_type(positive_count),
+        help="how many tests (by peak) the VRAM report lists (default 10)",
+    )
+    group.addoption(
+        "--ct-report-json",
+        dest="ct_report_json",
+        metavar="PATH",
+        default=None,
+        help="write every test's VRAM record, the GPU facts and the settings as JSON to PATH",
+    )
+    group.addoption(
+        "--ct-report-plot",
+        dest="ct_report_plot",
+        metavar="PATH",
+        default=None,
+        help="write a bar chart (PNG) of per-test VRAM peaks against capacity to PATH",
+    )
+    group.addoption(
+        "--ct-strict",
+        action="store_true",
+        default=False,
+        help="fail tests that exceed their declared VRAM need, leak above ct_leak_threshold, "
+        "or pass only after ct_session halved the batch size",
+    )
+    group.addoption(
+        "--ct-no-oom-retry",
+        dest="ct_oom_retry",
+        action="store_false",
+        default=None,
+        help="ct_session.attribute does not halve the batch size and retry after OOM",
+    )
+    group.addoption(
+        "--ct-no-leases",
+        dest="ct_leases",
+        action="store_false",
+        default=None,
+        help="run tests without taking VRAM leases (tests of this run's workers and of "
+        "other runs may then exceed a shared GPU's memory)",
+    )
+    group.addoption(
+        "--ct-forget",
+        action="store_true",
+        default=False,
+        help="clear the VRAM needs learned by earlier runs (kept in pytest's cache)",
+    )
+    for name, help_text, default in INI_ONLY:
+        # default=None tells "unset" from "set to the default" (or to empty, for ct_alloc_conf)
+        parser.addini(name, f"{help_text} [default: {default}]", type="string", default=None)
+    parser.addini(
+        NOTEBOOK_CONFIGS_INI,
+        "under --nbmake: experiment YAML files collected as notebook items (files, folders, "
+        "globs; relative to the ini file); a YAML file named on the command line always is",
+        type="linelist",
+        default=[],
+    )

@@ -1,0 +1,311 @@
+"""Where session settings are resolved: once per run, into a frozen :class:`Settings`.
+
+Order, lowest to highest, for the config fields (batch size, max feature nodes):
+built-in default < ini ``ct_*`` < experiment YAML (``--ct-config``) < environment ``CT_*`` <
+command-line ``--ct-*`` < the test's own ``@pytest.mark.ct_config`` (its ``path=`` YAML, then
+its fields; module, then class, then function: the closest wins). As in pytest's own plugins
+(``@pytest.mark.timeout`` over ``--timeout``), a test's own marker beats the session-wide
+option. Session-only settings (the YAML path, the emulated capacity) take the highest of
+ini < environment < option. Each value keeps its
+:class:`~pytest_ctresources.settings.sources.Source`; any bad value raises ``pytest.UsageError``
+naming that source.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pytest_ctresources.gpu.allocator import ALLOC_CONF_ENV, ALLOC_KEY, alloc_conf_in_environment
+from pytest_ctresources.report.files import (
+    JSON_FLAG,
+    PLOT_FLAG,
+    TargetError,
+    check_plot_support,
+    check_target,
+)
+from pytest_ctresources.settings.config import CircuitTracerConfig, ConfigError, parse_bool, shown
+from pytest_ctresources.settings.experiment_yaml import ExperimentFile, load_experiment_yaml
+from pytest_ctresources.settings.options import (
+    INI_ONLY,
+    SETTINGS,
+    SettingSpec,
+    alloc_conf,
+    binding_mode,
+    byte_size,
+    cleanup_mode,
+    fraction,
+    non_negative_gib,
+    positive_count,
+    seconds,
+    seconds_or_off,
+)
+from pytest_ctresources.settings.sources import Source, Sourced
+
+_INI_DEFAULTS = {name: default for name, _help, default in INI_ONLY}
+REPORT_DESTS = (
+    "ct_report",
+    "ct_report_top",
+    "ct_report_json",
+    "ct_report_plot",
+    "ct_strict",
+    "ct_oom_retry",
+    "ct_forget",
+    "ct_leases",
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the plugin was told for this run, each value with its source."""
+
+    ini_layer: Mapping[str, Sourced[object]]
+    experiment: ExperimentFile | None
+    experiment_source: Source | None
+    env_layer: Mapping[str, Sourced[object]]
+    option_layer: Mapping[str, Sourced[object]]
+    vram_capacity_gib: Sourced[float] | None
+    cleanup: Sourced[str]
+    alloc_conf: Sourced[str]
+    leak_threshold_bytes: Sourced[int]
+    oom_retry: Sourced[bool]
+    oom_retry_floor: Sourced[int]
+    gpu_binding: Sourced[str]
+    leases: Sourced[bool]
+    default_vram_gib: Sourced[float]
+    lease_timeout_s: Sourced[float]
+    auto_margin: Sourced[float]
+    estimate_prompt_tokens: Sourced[int]
+    progress_after_s: Sourced[float | None]
+    report_forced: bool = False
+    report_top: int = 10
+    report_json: Path | None = None
+    report_plot: Path | None = None
+    strict: bool = False
+    forget: bool = False
+
+    def session_config(self) -> CircuitTracerConfig:
+        """The session-wide config, defaults < ini < experiment YAML < environment < command
+        line: the config of a test with no ``ct_config`` marker, and the layers a test's own
+        marker (or a notebook item's own experiment config) goes on top of."""
+        cfg = _apply(CircuitTracerConfig.defaults(), self.ini_layer)
+        if self.experiment:
+            cfg = self.experiment.apply(cfg)
+        return _apply(_apply(cfg, self.env_layer), self.option_layer)
+
+    def header_lines(self) -> list[str]:
+        """Lines for the ``pytest -v`` header: effective settings and their sources."""
+        cfg = self.session_config()
+        lines = [
+            "ctresources: "
+            + ", ".join(
+                f"{name}={getattr(cfg, name)} ({cfg.source_of(name)})"
+                for name in ("batch_size", "max_feature_nodes", "dtype", "backend")
+            )
+        ]
+        if self.experiment is not None:
+            lines.append(
+                f"ctresources: experiment config {self.experiment.path} ({self.experiment_source})"
+            )
+        if cfg.model_name:
+            lines.append(
+                f"ctresources: model {cfg.model_name} ({cfg.source_of('model_name')}), "
+                f"transcoders {cfg.transcoder_set}"
+            )
+        capacity = (
+            f"{self.vram_capacity_gib.value:g} GiB ({self.vram_capacity_gib.source})"
+            if self.vram_capacity_gib
+            else "as detected"
+        )
+        alloc = self.alloc_conf.value or "(not set)"
+        source = self.alloc_conf.source
+        variable = source.where.removeprefix("env ") if source.kind == "env" else ALLOC_CONF_ENV
+        lines.append(
+            f"ctresources: vram capacity {capacity}, cleanup={self.cleanup.value} "
+            f"({self.cleanup.source}), {variable}={alloc} ({source})"
+        )
+        return lines
+
+
+def _apply(cfg: CircuitTracerConfig, layer: Mapping[str, Sourced[object]]) -> CircuitTracerConfig:
+    if not layer:
+        return cfg
+    return cfg.layered(
+        {name: item.value for name, item in layer.items()}, lambda name: layer[name].source
+    )
+
+
+def _parse(spec: SettingSpec, text: str, source: Source) -> object:
+    try:
+        return spec.parse(text)
+    except (ValueError, ConfigError) as exc:
+        raise pytest.UsageError(f"{source}: {exc}") from None
+
+
+def resolve_settings(
+    options: Mapping[str, object],
+    ini: Mapping[str, str | None],
+    environ: Mapping[str, str],
+    inifile: str | None,
+    invocation_dir: Path,
+) -> Settings:
+    """Resolve every session setting from its three spellings.
+
+    ``options`` maps option dests to parsed values (None when not given), ``ini`` maps ini
+    keys to their raw text (None when unset). Pure: testable without a pytest run.
+    """
+    for key, raw in ini.items():
+        if raw is not None and not isinstance(raw, str):
+            # Legacy [tool.pytest.ini_options] hands a TOML list to a "string" key unchanged.
+            raise pytest.UsageError(
+                f"{Source.ini(key, inifile)}: must be a single value, got the "
+                f"{type(raw).__name__} {shown(raw)}"
+            )
+    ini_layer: dict[str, Sourced[object]] = {}
+    env_layer: dict[str, Sourced[object]] = {}
+    option_layer: dict[str, Sourced[object]] = {}
+    session: dict[str, Sourced[object]] = {}
+    ini_dir = Path(inifile).parent if inifile else invocation_dir
+    for spec in SETTINGS:
+        layers: list[tuple[dict[str, Sourced[object]], Sourced[object]]] = []
+        raw_ini = (ini.get(spec.ini) or "").strip()
+        if raw_ini:
+            source = Source.ini(spec.ini, inifile)
+            value = _parse(spec, raw_ini, source)
+            if spec.dest == "ct_config":
+                value = str(ini_dir / str(value))
+            layers.append((ini_layer, Sourced(value, source)))
+        raw_env = environ.get(spec.env, "").strip() if spec.env else ""
+        if spec.env and raw_env:
+            source = Source.env(spec.env)
+            layers.append((env_layer, Sourced(_parse(spec, raw_env, source), source)))
+        if options.get(spec.dest) is not None:
+            layers.append((option_layer, Sourced(options[spec.dest], Source.option(spec.option))))
+        for layer, item in layers:
+            if spec.field is not None:
+                layer[spec.field] = item
+        if layers:
+            session[spec.dest] = layers[-1][1]
+
+    experiment = None
+    experiment_source = None
+    if "ct_config" in session:
+        experiment_source = session["ct_config"].source
+        try:
+            experiment = load_experiment_yaml(str(session["ct_config"].value))
+        except ConfigError as exc:
+            raise pytest.UsageError(f"{experiment_source}: {exc}") from None
+
+    cleanup = _ini_or_default(ini, "ct_cleanup", inifile, cleanup_mode)
+    allocator = _ini_or_default(ini, "ct_alloc_conf", inifile, alloc_conf)
+    in_environment = alloc_conf_in_environment(environ)
+    if in_environment is not None:
+        # The user's own variable wins over ct_alloc_conf (which is still checked above).
+        name, value = in_environment
+        allocator = Sourced(value, Source.env(name))
+    capacity = session.get("ct_vram_capacity")
+    leak = _ini_or_default(ini, "ct_leak_threshold", inifile, byte_size)
+    floor = _ini_or_default(ini, "ct_oom_retry_floor", inifile, positive_count)
+    retry = _ini_or_default(ini, "ct_oom_retry", inifile, parse_bool)
+    if options.get("ct_oom_retry") is False:
+        retry = Sourced(False, Source.option("--ct-no-oom-retry"))
+    leases = _ini_or_default(ini, "ct_leases", inifile, parse_bool)
+    if options.get("ct_leases") is False:
+        leases = Sourced(False, Source.option("--ct-no-leases"))
+    binding = _ini_or_default(ini, "ct_gpu_binding", inifile, binding_mode)
+    default_gib = _ini_or_default(ini, "ct_default_vram_gib", inifile, non_negative_gib)
+    timeout = _ini_or_default(ini, "ct_lease_timeout", inifile, seconds)
+    margin = _ini_or_default(ini, "ct_auto_margin", inifile, fraction)
+    prompt_tokens = _ini_or_default(ini, "ct_estimate_prompt_tokens", inifile, positive_count)
+    progress = _ini_or_default(ini, "ct_progress_after", inifile, seconds_or_off)
+    report_json = _writable(options.get("ct_report_json"), JSON_FLAG, invocation_dir)
+    report_plot = _writable(options.get("ct_report_plot"), PLOT_FLAG, invocation_dir)
+    if report_plot is not None:
+        unsupported = check_plot_support()
+        if unsupported is not None:
+            raise pytest.UsageError(f"{PLOT_FLAG}: {unsupported}")
+        if report_json is not None and os.path.abspath(report_json) == os.path.abspath(report_plot):
+            raise pytest.UsageError(f"{PLOT_FLAG}: {report_plot} is also the {JSON_FLAG} path")
+    return Settings(
+        ini_layer=ini_layer,
+        experiment=experiment,
+        experiment_source=experiment_source,
+        env_layer=env_layer,
+        option_layer=option_layer,
+        vram_capacity_gib=Sourced(float(capacity.value), capacity.source)  # type: ignore[arg-type]
+        if capacity
+        else None,
+        cleanup=cleanup,  # type: ignore[arg-type]
+        alloc_conf=allocator,  # type: ignore[arg-type]
+        leak_threshold_bytes=leak,  # type: ignore[arg-type]
+        oom_retry=retry,  # type: ignore[arg-type]
+        oom_retry_floor=floor,  # type: ignore[arg-type]
+        gpu_binding=binding,  # type: ignore[arg-type]
+        leases=leases,  # type: ignore[arg-type]
+        default_vram_gib=default_gib,  # type: ignore[arg-type]
+        lease_timeout_s=timeout,  # type: ignore[arg-type]
+        auto_margin=margin,  # type: ignore[arg-type]
+        estimate_prompt_tokens=prompt_tokens,  # type: ignore[arg-type]
+        progress_after_s=progress,  # type: ignore[arg-type]
+        report_forced=bool(options.get("ct_report")),
+        report_top=int(options.get("ct_report_top") or 10),  # type: ignore[call-overload]
+        report_json=report_json,
+        report_plot=report_plot,
+        strict=bool(options.get("ct_strict")),
+        forget=bool(options.get("ct_forget")),
+    )
+
+
+def _ini_or_default(
+    ini: Mapping[str, str | None],
+    key: str,
+    inifile: str | None,
+    parse: Callable[[str], object],
+) -> Sourced[object]:
+    text = ini.get(key)
+    if text is None:
+        return Sourced(parse(_INI_DEFAULTS[key]), Source.default())
+    source = Source.ini(key, inifile)
+    try:
+        return Sourced(parse(text), source)
+    except ValueError as exc:
+        raise pytest.UsageError(f"{source}: {exc}") from None
+
+
+def _writable(value: object, flag: str, invocation_dir: Path) -> Path | None:
+    """The report path of ``flag``, checked now rather than after an hour of tests."""
+    if value is None:
+        return None
+    try:
+        return check_target(str(value), flag, invocation_dir)
+    except TargetError as exc:
+        raise pytest.UsageError(f"{flag}: {exc}") from None
+
+
+def ini_values(config: pytest.Config) -> dict[str, str | None]:
+    """The raw text of every ``ct_*`` ini key, None where unset."""
+    keys = [spec.ini for spec in SETTINGS] + [name for name, _h, _d in INI_ONLY]
+    return {key: config.getini(key) for key in keys}
+
+
+def settings_from_config(config: pytest.Config) -> Settings:
+    """Resolve :class:`Settings` for a pytest run (raises ``pytest.UsageError``)."""
+    environ: Mapping[str, str] = os.environ
+    applied = config.stash.get(ALLOC_KEY, None)
+    if applied is not None and applied.set_by_us:
+        # The variable the plugin set itself at start-up is the setting's, not the user's.
+        environ = {name: value for name, value in os.environ.items() if name != ALLOC_CONF_ENV}
+    return resolve_settings(
+        options={
+            **{spec.dest: config.getoption(spec.dest) for spec in SETTINGS},
+            **{dest: config.getoption(dest) for dest in REPORT_DESTS},
+        },
+        ini=ini_values(config),
+        environ=environ,
+        inifile=str(config.inipath) if config.inipath else None,
+        invocation_dir=config.invocation_params.dir,
+    )

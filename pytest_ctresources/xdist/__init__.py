@@ -1,0 +1,1 @@
+"""pytest-xdist: binding each worker to a GPU."""
