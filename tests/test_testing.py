@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from pytest_ctresources import testing
+from pytest_ctresources.bundled import catalogue
 from pytest_ctresources.testing import (
     GEMMA_2_2B_DIMS,
     RANDOM_TRANSCODERS,
@@ -338,7 +339,7 @@ def test_gemma_uses_gemmascope_hooks_and_tokenizer_matches(tiny_gemma: Any) -> N
 def test_features_per_token_is_calibrated(tiny_gemma: Any) -> None:
     # On the calibration text the thresholds keep ``features_per_token`` (default 16) features
     # per layer and non-BOS position on average -- exactly, but for rounding at the threshold.
-    tokens = tiny_gemma.ensure_tokenized(testing._CALIBRATION_TEXT)
+    tokens = tiny_gemma.ensure_tokenized(catalogue._CALIBRATION_TEXT)
     _, acts = tiny_gemma.get_activations(tokens)
     n_pos = len(tokens) - 1
     n_active = int((acts[:, 1:] > 0).sum())

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final
 
+from pytest_ctresources.bundled import catalogue
 from pytest_ctresources.estimator.estimate import (
     DEFAULT_ACTIVE_PER_LAYER_TOKEN,
     Estimate,
@@ -301,9 +302,7 @@ def nearest(name: str, known: list[str], most: int = 5) -> str:
 
 
 def known_models() -> list[str]:
-    from pytest_ctresources import testing
-
-    return sorted([*MODELS, *testing.BUNDLED_MODELS])
+    return sorted([*MODELS, *catalogue.BUNDLED_MODELS])
 
 
 def known_transcoder_sets() -> list[str]:
@@ -320,9 +319,7 @@ def model_shape(name: str) -> ModelShape:
     """The registry's (or a bundled random model's) shape of model ``name``."""
     if name in MODELS:
         return MODELS[name]
-    from pytest_ctresources import testing
-
-    if testing.is_bundled_model(name):
+    if catalogue.is_bundled_model(name):
         return _bundled_model(name)
     path = Path(name)
     if path.name == "config.json" or (path.is_dir() and (path / "config.json").is_file()):
@@ -337,11 +334,9 @@ def model_shape(name: str) -> ModelShape:
 def transcoder_info(name: str, model: str | None = None) -> TranscoderSetInfo:
     """The registry's entry for transcoder set ``name`` (an alias, repo or GemmaScope-2
     subfolder); ``model`` is needed for the bundled random set, which fits any model."""
-    from pytest_ctresources import testing
-
-    if name in testing.BUNDLED_TRANSCODER_SETS and model is not None:
-        if testing.is_bundled_model(model):
-            dims = testing.model_dims_of(model)
+    if name in catalogue.BUNDLED_TRANSCODER_SETS and model is not None:
+        if catalogue.is_bundled_model(model):
+            dims = catalogue.model_dims_of(model)
             return _set(
                 name,
                 dims.d_transcoder,
@@ -349,8 +344,8 @@ def transcoder_info(name: str, model: str | None = None) -> TranscoderSetInfo:
                 lazy=False,
                 clt=dims.cross_layer,
                 skip=dims.skip_connection,
-                hook=testing.default_hooks(dims)[0],
-                l0=float(testing.DEFAULT_FEATURES_PER_TOKEN),
+                hook=catalogue.default_hooks(dims)[0],
+                l0=float(catalogue.DEFAULT_FEATURES_PER_TOKEN),
             )
     resolved = ALIASES.get(name, name)
     if resolved in TRANSCODER_SETS:
@@ -358,10 +353,10 @@ def transcoder_info(name: str, model: str | None = None) -> TranscoderSetInfo:
     found = _gemma_scope_2(resolved)
     if found is not None:
         return found
-    if name in testing.BUNDLED_TRANSCODER_SETS:
+    if name in catalogue.BUNDLED_TRANSCODER_SETS:
         raise UnknownShape(
             f"transcoder set {shown(name)} fits only the bundled models "
-            f"({', '.join(sorted(testing.BUNDLED_MODELS))}), not {model!r}"
+            f"({', '.join(sorted(catalogue.BUNDLED_MODELS))}), not {model!r}"
         )
     raise UnknownShape(
         f"unknown transcoder set {shown(name)}{nearest(name, known_transcoder_sets())}; "
@@ -370,9 +365,7 @@ def transcoder_info(name: str, model: str | None = None) -> TranscoderSetInfo:
 
 
 def _bundled_model(name: str) -> ModelShape:
-    from pytest_ctresources import testing
-
-    dims = testing.model_dims_of(name)
+    dims = catalogue.model_dims_of(name)
     return ModelShape(
         name=name,
         family=dims.architecture,

@@ -44,11 +44,11 @@ if TYPE_CHECKING:
 
 def build_model(cfg: CircuitTracerConfig, device: str | torch.device) -> Any:
     """Build the ReplacementModel ``cfg`` names: a bundled offline model, or from the hub."""
-    from pytest_ctresources import testing
+    from pytest_ctresources.bundled import builders, catalogue
 
     kwargs = cfg.from_pretrained_kwargs()
-    if testing.is_bundled_model(kwargs["model_name"]):
-        return testing.build_named_model(
+    if catalogue.is_bundled_model(kwargs["model_name"]):
+        return builders.build_named_model(
             kwargs["model_name"],
             kwargs["transcoder_set"],
             dtype=kwargs["dtype"],
@@ -302,7 +302,7 @@ class CtSession:
 
     def load_model(self, device: str | torch.device | None = None) -> Any:
         """The ReplacementModel of ``cfg``, loaded once per session (see :class:`ModelCache`)."""
-        from pytest_ctresources.testing import default_device
+        from pytest_ctresources.bundled.builders import default_device
 
         return self._cache.get(self.cfg, device if device is not None else default_device())
 

@@ -1,0 +1,425 @@
+"""The bundled models' catalogue: their names, their dimensions, the hooks their transcoders
+use. Importable without torch: the registry (estimator), the model cache and the report read
+it; the builders that turn an entry into a model are :mod:`pytest_ctresources.bundled.builders`,
+and :mod:`pytest_ctresources.testing` is the public module for test authors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Final, Literal
+
+#: Name of the bundled tiny random Gemma-2 model (for ``MODEL_NAME`` in experiment configs).
+TINY_GEMMA2: Final = "ctresources/tiny-gemma-2"
+#: Name of the bundled tiny random Llama model.
+TINY_LLAMA: Final = "ctresources/tiny-llama"
+#: Random weights of real gemma-2-2b dimensions (offline): for capacity tests and benchmarks.
+RANDOM_GEMMA_2_2B: Final = "ctresources/random-gemma-2-2b"
+#: Random gemma-2-2b with one cross-layer transcoder of 16384 features per layer (the size of
+#: circuit-tracer's 426k gemma-2-2b CLT).
+RANDOM_GEMMA_2_2B_CLT: Final = "ctresources/random-gemma-2-2b-clt"
+#: Random weights of real gemma-3-4b (text) dimensions with 16k per-layer transcoders.
+RANDOM_GEMMA_3_4B: Final = "ctresources/random-gemma-3-4b"
+#: Random weights of real Llama-3.2-1B dimensions with 131k-wide skip transcoders.
+RANDOM_LLAMA_3_2_1B: Final = "ctresources/random-llama-3.2-1b"
+#: Name of the bundled random JumpReLU transcoder set (for ``TRANSCODER_SET``); it fits any
+#: bundled model, because its transcoders are generated to match the model's dimensions.
+RANDOM_TRANSCODERS: Final = "ctresources/random-jumprelu"
+
+#: Architectures :func:`build_replacement_model` can build.
+Architecture = Literal["gemma2", "gemma3", "llama", "qwen3"]
+
+_HF_ARCHITECTURE: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "gemma2": "Gemma2ForCausalLM",
+        "gemma3": "Gemma3ForCausalLM",
+        "llama": "LlamaForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+    }
+)
+#: Whether an architecture's random model ties its embeddings when ``ModelDims`` does not say:
+#: Gemma's and Qwen3's small models do; the Llama builder never did (Llama-3.2-1B's measured
+#: points were taken untied).
+_TIED_BY_DEFAULT: Final[Mapping[str, bool]] = MappingProxyType(
+    {"gemma2": True, "gemma3": True, "llama": False, "qwen3": True}
+)
+
+# Hook points the transcoders read from / write to, per architecture. They mirror the public
+# transcoders circuit-tracer ships configs for, so the random models exercise the same nnsight
+# code paths as real runs: GemmaScope (gemma-2-2b) reads the normalised MLP input
+# ("ln2.hook_normalized", resolved through nnsight's ``.source`` tracing inside the RMSNorm);
+# the Llama transcoders read the residual stream before the MLP. Both write the MLP output.
+_DEFAULT_HOOKS: Final[Mapping[str, tuple[str, str]]] = MappingProxyType(
+    {
+        "gemma2": ("ln2.hook_normalized", "hook_mlp_out"),
+        # Gemma-3 (text): the MLP input, as circuit-tracer's Gemma3 mapping names it.
+        "gemma3": ("mlp.hook_in", "hook_mlp_out"),
+        "llama": ("hook_resid_mid", "hook_mlp_out"),
+        # Qwen3: circuit-tracer's mapping knows only the MLP's input and output, which the
+        # mwhanna/qwen3-* transcoders read and write.
+        "qwen3": ("mlp.hook_in", "mlp.hook_out"),
+    }
+)
+
+# circuit-tracer backends the builders support.
+_BACKENDS: Final = ("nnsight", "transformerlens")
+
+# Special tokens and their ids. The ids match Gemma's (pad 0, eos 1, bos 2, unk 3), so code
+# that hard-codes Gemma's special ids behaves the same on the random models. BOS must not be id
+# 0: circuit-tracer picks the token it prepends with ``filter(None, ...)``, which skips id 0.
+_PAD, _EOS, _BOS, _UNK = "<pad>", "<eos>", "<bos>", "<unk>"
+_SPECIAL_TOKENS: Final = (_PAD, _EOS, _BOS, _UNK)
+_PAD_ID, _EOS_ID, _BOS_ID = 0, 1, 2
+
+# Common English words (plus punctuation and digits, which the whitespace pre-tokenizer splits
+# off as separate tokens), so that ordinary prompts in tests tokenise without <unk>.
+_WORDS: Final = tuple(
+    """
+    the a an of and or but to in on at by for with from into about as is are was were be been
+    being am do does did done have has had having will would can could shall should may might
+    must not no yes all any some many much more most few less least each every both either
+    neither other another such same own only very too so than then there here when where why
+    how what which who whom whose that this these those it its he him his she her hers they
+    them their we us our you your i me my mine one two three four five six seven eight nine ten
+    first second third last next new old good bad great small big large long short high low
+    right left early late young little own important public able best better sure free full
+    real whole true false hot cold warm dark light red blue green black white city country
+    capital france paris germany berlin italy rome spain madrid england london japan tokyo
+    china beijing river sea mountain world state house home school water fire earth air sun
+    moon star time year day week month night morning evening man woman child people person
+    family friend name word number part place case point group problem fact hand eye head face
+    door room car book story game money work job life way thing answer question idea reason
+    say said go went gone get got make made know knew think thought take took see saw come
+    came want look use find found give gave tell told ask asked work seem feel try leave call
+    keep let begin began show hear play run move live believe bring happen write sit stand
+    lose pay meet include continue set learn change lead understand watch follow stop create
+    speak read spend grow open walk win offer remember love consider appear buy wait serve die
+    send expect build stay fall cut reach kill remain eat drink sleep sing dance fly swim
+    quick brown fox jumps over lazy dog cat bird fish tree flower apple bread milk tea coffee
+    if because while after before during until since though although up down out off again
+    once now just also still even never always often sometimes well back away together
+    . , ? ! ' " : ; - ( ) 0 1 2 3 4 5 6 7 8 9
+    """.split()
+)
+_CALIBRATION_TEXT: Final = (
+    "the capital of france is paris and the capital of germany is berlin . "
+    "the quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun . "
+    "people often ask why the sea is blue , but few know the answer ."
+)
+
+#: Active transcoder features per layer and token the random transcoders are calibrated to
+#: (:func:`build_replacement_model`'s ``features_per_token``); about what random prompts get.
+DEFAULT_FEATURES_PER_TOKEN: Final = 16
+
+#: Vocabulary size of the bundled tiny models: a power of two above the word list's size, so
+#: every token the tokenizer can produce is a valid model id.
+_TINY_VOCAB_SIZE: Final = 512
+
+
+def _tokenizer_vocab() -> list[str]:
+    """Return the tokenizer's vocabulary in id order: specials first, then unique words."""
+    vocab: list[str] = list(_SPECIAL_TOKENS)
+    seen = set(vocab)
+    for word in _WORDS:
+        if word not in seen:
+            seen.add(word)
+            vocab.append(word)
+    return vocab
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Dimensions of a random model and of its per-layer transcoders.
+
+    Attributes:
+        n_layers: Number of transformer blocks (and of transcoders, one per block).
+        d_model: Width of the residual stream.
+        d_mlp: Hidden width of each (gated) MLP.
+        vocab_size: Model vocabulary size. The generated tokenizer is padded with
+            ``<unusedN>`` tokens up to this size, so tokenizer and model agree (circuit-tracer
+            treats logit ids at or above the tokenizer's size as "virtual" targets).
+        n_heads: Number of attention (query) heads.
+        n_kv_heads: Number of key/value heads (grouped-query attention); divides ``n_heads``.
+        head_dim: Width of each attention head.
+        d_transcoder: Number of features of each transcoder.
+        architecture: ``"gemma2"``, ``"gemma3"`` (text-only ``Gemma3ForCausalLM``, nnsight
+            backend only), ``"llama"`` or ``"qwen3"`` (nnsight backend only).
+        max_position: Maximum sequence length the model is configured for.
+        skip_connection: Whether each transcoder has a linear skip connection
+            (``W_skip``, d_model x d_model), as the llama-3.2-1b 131k transcoders do.
+        cross_layer: One cross-layer transcoder (CLT: the features of layer l write to every
+            later layer) instead of one transcoder per layer.
+        tied_embeddings: Whether the unembedding shares the embedding matrix; None takes the
+            architecture's default (tied for Gemma and Qwen3, untied for Llama).
+    """
+
+    n_layers: int
+    d_model: int
+    d_mlp: int
+    vocab_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_transcoder: int
+    architecture: Architecture
+    max_position: int = 512
+    skip_connection: bool = False
+    cross_layer: bool = False
+    tied_embeddings: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in _HF_ARCHITECTURE:
+            raise ValueError(
+                f"unknown architecture {self.architecture!r}; "
+                f"known: {', '.join(sorted(_HF_ARCHITECTURE))}"
+            )
+        for field_name in (
+            "n_layers",
+            "d_model",
+            "d_mlp",
+            "vocab_size",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "d_transcoder",
+            "max_position",
+        ):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelDims.{field_name} must be a positive int, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.vocab_size < len(_tokenizer_vocab()):
+            # The generated tokenizer always holds the specials and the word list; a smaller
+            # model vocabulary would produce out-of-range token ids (a device-side assert on GPU).
+            raise ValueError(
+                f"vocab_size must be at least {len(_tokenizer_vocab())} (the size of the "
+                f"generated tokenizer), got {self.vocab_size}"
+            )
+
+    @property
+    def ties_embeddings(self) -> bool:
+        """Whether the built model shares its embedding and unembedding matrices."""
+        if self.tied_embeddings is None:
+            return _TIED_BY_DEFAULT[self.architecture]
+        return self.tied_embeddings
+
+    @property
+    def n_model_params(self) -> int:
+        """Number of parameters of the transformer (embeddings counted once if tied)."""
+        attn = self.d_model * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        mlp = 3 * self.d_model * self.d_mlp
+        n_norms = 2 if self.architecture in ("llama", "qwen3") else 4
+        per_layer = attn + mlp + n_norms * self.d_model
+        if self.architecture in ("gemma3", "qwen3"):
+            per_layer += 2 * self.head_dim  # q_norm and k_norm
+        embeddings = self.vocab_size * self.d_model
+        if not self.ties_embeddings:
+            embeddings *= 2
+        return self.n_layers * per_layer + embeddings + self.d_model
+
+    @property
+    def n_transcoder_params(self) -> int:
+        """Number of parameters of all transcoders (encoders, decoders, biases, thresholds)."""
+        n, d_tc, d = self.n_layers, self.d_transcoder, self.d_model
+        # Per layer: encoder, b_enc, threshold, b_dec, and W_skip if any.
+        per_layer = d_tc * d + 2 * d_tc + d + (d * d if self.skip_connection else 0)
+        # Decoders: a CLT's layer-l features write to the n - l layers from l on.
+        decoder_layers = n * (n + 1) // 2 if self.cross_layer else n
+        return n * per_layer + decoder_layers * d_tc * d
+
+
+#: Tiny Gemma-2: attribution on CPU takes a fraction of a second.
+TINY_GEMMA2_DIMS: Final = ModelDims(
+    n_layers=2,
+    d_model=32,
+    d_mlp=64,
+    vocab_size=_TINY_VOCAB_SIZE,
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=16,
+    d_transcoder=128,
+    architecture="gemma2",
+)
+#: Tiny Llama with the same dimensions as :data:`TINY_GEMMA2_DIMS`.
+TINY_LLAMA_DIMS: Final = dataclasses.replace(TINY_GEMMA2_DIMS, architecture="llama")
+#: The real gemma-2-2b dimensions with GemmaScope-sized (16k) transcoders, for GPU tests that
+#: need realistic memory use and speed. About 2.6e9 model plus 2.0e9 transcoder parameters:
+#: ~18 GB in float32, ~9 GB in bfloat16. Never build this on a CPU.
+GEMMA_2_2B_DIMS: Final = ModelDims(
+    n_layers=26,
+    d_model=2304,
+    d_mlp=9216,
+    vocab_size=256000,
+    n_heads=8,
+    n_kv_heads=4,
+    head_dim=256,
+    d_transcoder=16384,
+    architecture="gemma2",
+    max_position=8192,
+)
+
+#: gemma-2-2b with a cross-layer transcoder of 16384 features per layer (426k in all):
+#: 14.2e9 transcoder parameters, ~28 GB in bfloat16. GPU only.
+GEMMA_2_2B_CLT_DIMS: Final = dataclasses.replace(GEMMA_2_2B_DIMS, cross_layer=True)
+#: gemma-3-4b's text model (google/gemma-3-4b-pt ``text_config``) with 16k transcoders.
+#: GPU only.
+GEMMA_3_4B_DIMS: Final = ModelDims(
+    n_layers=34,
+    d_model=2560,
+    d_mlp=10240,
+    vocab_size=262208,
+    n_heads=8,
+    n_kv_heads=4,
+    head_dim=256,
+    d_transcoder=16384,
+    architecture="gemma3",
+    max_position=8192,
+)
+#: Llama-3.2-1B with 131072-wide skip transcoders (about 8.6e9 transcoder parameters). The
+#: random model does not tie its embeddings (the real one does): 0.26e9 more parameters, no
+#: other difference in memory. GPU only.
+LLAMA_3_2_1B_DIMS: Final = ModelDims(
+    n_layers=16,
+    d_model=2048,
+    d_mlp=8192,
+    vocab_size=128256,
+    n_heads=32,
+    n_kv_heads=8,
+    head_dim=64,
+    d_transcoder=131072,
+    architecture="llama",
+    max_position=8192,
+    skip_connection=True,
+)
+
+
+def _published(
+    architecture: Architecture,
+    n_layers: int,
+    d_model: int,
+    d_mlp: int,
+    vocab_size: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    *,
+    tied: bool,
+    d_transcoder: int = 16384,
+) -> ModelDims:
+    """A published model's dimensions (its ``config.json``) with 16k per-layer transcoders."""
+    return ModelDims(
+        n_layers=n_layers,
+        d_model=d_model,
+        d_mlp=d_mlp,
+        vocab_size=vocab_size,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        d_transcoder=d_transcoder,
+        architecture=architecture,
+        max_position=8192,
+        tied_embeddings=tied,
+    )
+
+
+# Published dimensions of the models the estimator is fitted and validated on
+# (docs/estimator.md), with random per-layer transcoders of 16k features unless named
+# otherwise; the sources of every value are in docs/registry-sources.md. All GPU only.
+#: google/gemma-2-9b.
+GEMMA_2_9B_DIMS: Final = _published("gemma2", 42, 3584, 14336, 256000, 16, 8, 256, tied=True)
+#: google/gemma-2-27b (about 27e9 parameters: 54 GB in bfloat16).
+GEMMA_2_27B_DIMS: Final = _published("gemma2", 46, 4608, 36864, 256000, 32, 16, 128, tied=True)
+#: google/gemma-3-270m.
+GEMMA_3_270M_DIMS: Final = _published("gemma3", 18, 640, 2048, 262144, 4, 1, 256, tied=True)
+#: google/gemma-3-1b-pt.
+GEMMA_3_1B_DIMS: Final = _published("gemma3", 26, 1152, 6912, 262144, 4, 1, 256, tied=True)
+#: google/gemma-3-12b-pt's text model.
+GEMMA_3_12B_DIMS: Final = _published("gemma3", 48, 3840, 15360, 262208, 16, 8, 256, tied=True)
+#: meta-llama/Llama-3.2-3B, per-layer transcoders without a skip connection.
+LLAMA_3_2_3B_DIMS: Final = _published("llama", 28, 3072, 8192, 128256, 24, 8, 128, tied=True)
+#: Llama-3.2-3B with a cross-layer transcoder of 8192 features per layer.
+LLAMA_3_2_3B_CLT_DIMS: Final = dataclasses.replace(
+    LLAMA_3_2_3B_DIMS, d_transcoder=8192, cross_layer=True
+)
+#: meta-llama/Llama-3.1-8B (untied embeddings), per-layer transcoders without skip.
+LLAMA_3_1_8B_DIMS: Final = _published("llama", 32, 4096, 14336, 128256, 32, 8, 128, tied=False)
+#: Qwen/Qwen3-0.6B with transcoders as wide as mwhanna/qwen3-0.6b-transcoders-lowl0 (163840).
+QWEN3_0_6B_DIMS: Final = _published(
+    "qwen3", 28, 1024, 3072, 151936, 16, 8, 128, tied=True, d_transcoder=163840
+)
+#: Qwen/Qwen3-1.7B.
+QWEN3_1_7B_DIMS: Final = _published("qwen3", 28, 2048, 6144, 151936, 16, 8, 128, tied=True)
+#: Qwen3-1.7B with a cross-layer transcoder of 4096 features per layer.
+QWEN3_1_7B_CLT_DIMS: Final = dataclasses.replace(
+    QWEN3_1_7B_DIMS, d_transcoder=4096, cross_layer=True
+)
+#: Qwen/Qwen3-4B.
+QWEN3_4B_DIMS: Final = _published("qwen3", 36, 2560, 9728, 151936, 32, 8, 128, tied=True)
+#: Qwen/Qwen3-8B (untied embeddings).
+QWEN3_8B_DIMS: Final = _published("qwen3", 36, 4096, 12288, 151936, 32, 8, 128, tied=False)
+
+#: Bundled model names and their dimensions (read-only).
+BUNDLED_MODELS: Final[Mapping[str, ModelDims]] = MappingProxyType(
+    {
+        TINY_GEMMA2: TINY_GEMMA2_DIMS,
+        TINY_LLAMA: TINY_LLAMA_DIMS,
+        RANDOM_GEMMA_2_2B: GEMMA_2_2B_DIMS,
+        RANDOM_GEMMA_2_2B_CLT: GEMMA_2_2B_CLT_DIMS,
+        RANDOM_GEMMA_3_4B: GEMMA_3_4B_DIMS,
+        RANDOM_LLAMA_3_2_1B: LLAMA_3_2_1B_DIMS,
+        "ctresources/random-gemma-2-9b": GEMMA_2_9B_DIMS,
+        "ctresources/random-gemma-2-27b": GEMMA_2_27B_DIMS,
+        "ctresources/random-gemma-3-270m": GEMMA_3_270M_DIMS,
+        "ctresources/random-gemma-3-1b": GEMMA_3_1B_DIMS,
+        "ctresources/random-gemma-3-12b": GEMMA_3_12B_DIMS,
+        "ctresources/random-llama-3.2-3b": LLAMA_3_2_3B_DIMS,
+        "ctresources/random-llama-3.2-3b-clt": LLAMA_3_2_3B_CLT_DIMS,
+        "ctresources/random-llama-3.1-8b": LLAMA_3_1_8B_DIMS,
+        "ctresources/random-qwen3-0.6b": QWEN3_0_6B_DIMS,
+        "ctresources/random-qwen3-1.7b": QWEN3_1_7B_DIMS,
+        "ctresources/random-qwen3-1.7b-clt": QWEN3_1_7B_CLT_DIMS,
+        "ctresources/random-qwen3-4b": QWEN3_4B_DIMS,
+        "ctresources/random-qwen3-8b": QWEN3_8B_DIMS,
+    }
+)
+#: Bundled transcoder-set names.
+BUNDLED_TRANSCODER_SETS: Final[frozenset[str]] = frozenset({RANDOM_TRANSCODERS})
+
+
+def is_bundled_model(model_name: str) -> bool:
+    """Return whether ``model_name`` names one of the bundled random models."""
+    return model_name in BUNDLED_MODELS
+
+
+def model_dims_of(model_name: str) -> ModelDims:
+    """Return the dimensions of the bundled model ``model_name``.
+
+    Raises:
+        ValueError: ``model_name`` is not a bundled model; the message lists the known names.
+    """
+    try:
+        return BUNDLED_MODELS[model_name]
+    except KeyError:
+        # ``from None``: the KeyError adds nothing; callers want one clear ValueError.
+        raise ValueError(
+            f"unknown bundled model {model_name!r}; known: {', '.join(sorted(BUNDLED_MODELS))}"
+        ) from None
+
+
+def default_hooks(dims: ModelDims) -> tuple[str, str]:
+    """The (input, output) hooks the random transcoders of ``dims`` use, as the public sets
+    of that architecture do."""
+    default_in, default_out = _DEFAULT_HOOKS[dims.architecture]
+    if dims.cross_layer and dims.architecture != "qwen3":
+        # circuit-tracer's CLTs (mntss/clt-gemma-2-2b-426k, clt-llama-3.2-1b-524k) read the
+        # residual stream before the MLP. (Its CLT does not cast its input to its own dtype,
+        # so Gemma-2's float32 normalised MLP input would not work in bfloat16 anyway.)
+        # circuit-tracer's Qwen3 mapping has no such hook; its MLP input is in the model dtype.
+        default_in = "hook_resid_mid"
+    return default_in, default_out
