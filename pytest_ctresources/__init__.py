@@ -12,7 +12,8 @@ Public API (importing this package never imports torch, matplotlib or circuit_tr
 
 from pytest_ctresources.gpu.cleanup import cleanup_python_cuda, safe_clean_cuda
 from pytest_ctresources.gpu.detect import GpuFacts, GpuInfo, detect_gpus
-from pytest_ctresources.session.session import CtSession, ModelCache
+from pytest_ctresources.session.cache import ModelCache
+from pytest_ctresources.session.session import CtSession
 from pytest_ctresources.settings.config import CircuitTracerConfig, ConfigError
 from pytest_ctresources.settings.experiment_yaml import load_experiment_yaml
 from pytest_ctresources.settings.sources import Source

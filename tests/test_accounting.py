@@ -387,7 +387,7 @@ def test_a_test_reads_its_own_figures_through_ct_session(
 RESIDENT_SUITE = """
 import pytest
 from conftest import FAKE
-import pytest_ctresources.session.session as session_module
+import pytest_ctresources.session.cache as session_module
 
 def build(cfg, device):
     FAKE.alloc(9)

@@ -178,7 +178,7 @@ def test_the_batch_size_is_a_number_before_and_after_an_auto_call(
 LOAD_OOM = """
 import pytest
 import torch
-import pytest_ctresources.session.session as session_module
+import pytest_ctresources.session.cache as session_module
 
 CALLS = []
 

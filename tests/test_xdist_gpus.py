@@ -614,7 +614,8 @@ RESIDENT_CONFTEST = (
     FAKE_CUDA_CONFTEST
     + """
 import atexit, fcntl, json, os, threading, time, weakref
-from pytest_ctresources.session import session
+import pytest
+from pytest_ctresources.session import cache
 
 MODEL_GIB = 9
 
@@ -650,7 +651,9 @@ def build(cfg, device):
     weakref.finalize(model, done, MODEL_GIB, "model freed")
     return model
 
-session.build_model = build
+@pytest.fixture(autouse=True)
+def stand_in_builder(monkeypatch):
+    monkeypatch.setattr(cache, "build_model", build)
 
 def mark(name):
     open(name, "w").close()

@@ -23,7 +23,8 @@ from pytest_ctresources.gpu import oom
 from pytest_ctresources.gpu.measure import GIB, VramFigures, VramMeter
 from pytest_ctresources.gpu.skips import skip_reason
 from pytest_ctresources.report.learned import memory_key
-from pytest_ctresources.session.session import CtSession, ResidentModel
+from pytest_ctresources.session.cache import ResidentModel
+from pytest_ctresources.session.session import CtSession
 from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig
 from pytest_ctresources.settings.sources import Source

@@ -23,7 +23,7 @@ from pytest_ctresources.gpu.detect import (
 )
 from pytest_ctresources.leases.leases import WorkerGpu, start_worker_gpu
 from pytest_ctresources.report.learned import LearnedNeeds
-from pytest_ctresources.session.session import ModelCache
+from pytest_ctresources.session.cache import ModelCache
 from pytest_ctresources.settings.config import FIELDS, CircuitTracerConfig
 from pytest_ctresources.settings.markers import layer_markers
 from pytest_ctresources.settings.resolve import Settings, settings_from_config

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from pytest_ctresources.core.runtime import Runtime
     from pytest_ctresources.gpu.detect import GpuInfo, UsedMemory
     from pytest_ctresources.leases.ledger import Lease, VramLedger
-    from pytest_ctresources.session.session import ModelCache, ResidentModel
+    from pytest_ctresources.session.cache import ModelCache, ResidentModel
 
 GIB = 1 << 30
 #: How often a watcher looks for a waiter while its process holds a resident model's lease.
@@ -149,7 +149,7 @@ class IdleCacheWatcher:
 
 class GpuLeases:
     """This process's leases on the GPU its tests run on: the running test's and the
-    resident model's. Observes the run's :class:`~pytest_ctresources.session.session.ModelCache`.
+    resident model's. Observes the run's :class:`~pytest_ctresources.session.cache.ModelCache`.
 
     The ledger is opened at the first test that needs a lease; a ledger that cannot be used
     (no POSIX record locks, an unsafe ledger file) fails leased tests with one line, or, on

@@ -1,0 +1,71 @@
+"""Everything the plugin knows about one test, in one typed object in ``item.stash``.
+
+Each phase writes what it learns and later phases read it: the config (resolved once, at
+collection for a notebook item), the need and the meter (setup), the lease (setup), the
+session's calls (the test), the cleanup's start and the figures (teardown), and the record
+the end-of-run report gets (:class:`~pytest_ctresources.report.record.TestRecord`, written as
+``ct_*`` user properties at the end of the teardown, once). A rerun of the same item
+(pytest-rerunfailures) starts a new attempt: what is per attempt starts afresh, the config
+stays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import pytest
+
+from pytest_ctresources.report.record import TestRecord
+
+if TYPE_CHECKING:
+    from pytest_ctresources.gpu.cleanup_between_tests import TestStart
+    from pytest_ctresources.gpu.measure import VramFigures, VramMeter
+    from pytest_ctresources.leases.leases import TestLease
+    from pytest_ctresources.session.cache import ResidentModel
+    from pytest_ctresources.session.session import CtSession
+    from pytest_ctresources.settings.config import CircuitTracerConfig
+    from pytest_ctresources.settings.markers import VramNeed
+
+
+@dataclass
+class TestState:
+    """One test: what its phases found out, and what it will report."""
+
+    # -- for the item, whatever attempt -------------------------------------------------
+    config: CircuitTracerConfig | None = None
+    """The test's resolved config (tests using ct_config or ct_session; notebook items)."""
+    config_error: str | None = None
+    """A config or metadata problem found at collection; fails the item at setup."""
+    # -- for one attempt ------------------------------------------------------------------
+    meter: VramMeter | None = None
+    need: VramNeed | None = None
+    memory_key: str = ""
+    """The key of its learned need ("": nothing learned, nothing looked up)."""
+    resident_at_start: ResidentModel | None = None
+    resident_bytes_at_start: int = 0
+    cleanup_start: TestStart | None = None
+    lease: TestLease | None = None
+    session: CtSession | None = None
+    figures: VramFigures | None = None
+    """Its CUDA figures after teardown and cleanup."""
+    kernel_figures: VramFigures | None = None
+    """A notebook's figures, measured in its kernel (used instead of the meter's)."""
+    record: TestRecord = field(default_factory=TestRecord)
+
+    def new_attempt(self) -> None:
+        """Forget the previous attempt's findings (the config stays)."""
+        config, config_error = self.config, self.config_error
+        self.__init__()  # type: ignore[misc]
+        self.config, self.config_error = config, config_error
+
+
+STATE_KEY = pytest.StashKey[TestState]()
+
+
+def state_of(item: pytest.Item) -> TestState:
+    """The test's state, created on first use."""
+    state = item.stash.get(STATE_KEY, None)
+    if state is None:
+        state = item.stash[STATE_KEY] = TestState()
+    return state

@@ -1,0 +1,123 @@
+"""The one record a test sends to the end-of-run report: written once, read once.
+
+Under pytest-xdist the test runs in a worker and the report is made on the controller; the
+only channel between them that every report consumer shares (junit XML included) is the
+teardown report's ``user_properties``. So each test attempt's record is written there at the
+end of its teardown, as one flat ``ct_<field>`` property per field that has a value
+(:meth:`TestRecord.to_properties`), and read back on the controller from that report
+(:meth:`TestRecord.from_properties`). The field names are the one list both sides use: rename
+a field and both sides follow. Every field has a default, so a record from a worker of another
+version reads with what it has, and an unknown property is ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: The prefix of every user property the plugin writes: its namespace in junit XML too.
+PROPERTY_PREFIX = "ct_"
+
+
+@dataclass
+class TestRecord:
+    """What one test attempt reports, beyond its outcome (which pytest's report carries)."""
+
+    # -- CUDA memory in the test's process (None: the test used no CUDA) --------------------
+    device: int | None = None
+    """CUDA ordinal the test used."""
+    gpu: str | None = None
+    """That GPU's name."""
+    baseline_bytes: int | None = None
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    after_bytes: int | None = None
+    leaked_bytes: int | None = None
+    resident_bytes: int = 0
+    """What the models ct_session keeps loaded grew by during the test (not a leak)."""
+    others_resident_bytes: int = 0
+    """Another test's resident model, left out of this test's peaks."""
+    memory_key: str | None = None
+    """The learned-need key: node id and the memory-relevant config."""
+    date: str | None = None
+    # -- its need ------------------------------------------------------------------------
+    need_gib: float | None = None
+    need_source: str | None = None
+    need_kind: str | None = None
+    need_most_gib: float | None = None
+    # -- what ct_session did -------------------------------------------------------------
+    attribution_batch_sizes: list[int] = field(default_factory=list)
+    attribution_timings: list[dict[str, Any]] = field(default_factory=list)
+    auto_batch_sizes: list[str] = field(default_factory=list)
+    """One line per call whose batch size ``auto`` chose: the choice and why."""
+    oom_halvings: str | None = None
+    resident_model: dict[str, Any] | None = None
+    """The model this test loaded into ct_session's cache, which stays resident."""
+    own_settings: list[list[str]] = field(default_factory=list)
+    """``[field, session source, session value, own value, own source]`` for each setting
+    the test's own marker (or a notebook's own config) kept over a session-wide one."""
+    # -- cleanup -------------------------------------------------------------------------
+    figures_closed: int = 0
+    # -- where it ran, and its VRAM lease ------------------------------------------------
+    worker: str | None = None
+    """The xdist worker (``gw0``), or ``main`` for a plain run's test that took a lease."""
+    gpu_name: str | None = None
+    gpu_physical_index: int | None = None
+    gpu_uuid: str | None = None
+    lease_gib: float | None = None
+    lease_wait_s: float | None = None
+    """Seconds the test waited for its lease; -1 when it gave up (``ct_lease_timeout``)."""
+    lease_reused_gib: float | None = None
+
+    @property
+    def used_cuda(self) -> bool:
+        return self.peak_allocated_bytes is not None
+
+    @property
+    def placed(self) -> bool:
+        """Whether it carries where it ran (a bound worker's test, or one that took a lease)."""
+        return self.worker is not None
+
+    def to_properties(self) -> list[tuple[str, object]]:
+        """The ``ct_*`` user properties of the fields that differ from their defaults: a test
+        the plugin had nothing to say about carries none (its junit XML is as without it)."""
+        out: list[tuple[str, object]] = []
+        for spec in dataclasses.fields(self):
+            value = getattr(self, spec.name)
+            if value == _default(spec):
+                continue
+            out.append((PROPERTY_PREFIX + spec.name, value))
+        return out
+
+    @classmethod
+    def from_properties(cls, properties: Iterable[tuple[str, object]]) -> TestRecord:
+        """The record a teardown report's ``user_properties`` carry (the last of a name wins;
+        properties that are not the plugin's are ignored)."""
+        names = {spec.name for spec in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in properties:
+            if isinstance(key, str) and key.startswith(PROPERTY_PREFIX):
+                name = key[len(PROPERTY_PREFIX) :]
+                if name in names:
+                    values[name] = value
+        return cls(**values)
+
+    @staticmethod
+    def carries(properties: Iterable[tuple[str, object]]) -> bool:
+        """Whether any of ``properties`` is the plugin's."""
+        return any(
+            isinstance(key, str) and key.startswith(PROPERTY_PREFIX) for key, _value in properties
+        )
+
+    def to_dict(self) -> Mapping[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _default(spec: dataclasses.Field[Any]) -> object:
+    if spec.default is not dataclasses.MISSING:
+        return spec.default
+    if spec.default_factory is not dataclasses.MISSING:
+        return spec.default_factory()
+    return None
