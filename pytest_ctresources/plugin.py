@@ -22,16 +22,13 @@ import pytest
 
 from pytest_ctresources.core import accounting
 from pytest_ctresources.core.runtime import RUNTIME_KEY, runtime_of, start_runtime
+from pytest_ctresources.core.state import state_of
 from pytest_ctresources.gpu.allocator import ALLOC_KEY, AllocConf
 from pytest_ctresources.gpu.cleanup_between_tests import BetweenTests
 from pytest_ctresources.leases import leases
 from pytest_ctresources.report.learned import StaleLearnedNeeds, narrowed_files
-from pytest_ctresources.report.summary import (
-    FIGURES_PROPERTY,
-    PROPERTY_PREFIX,
-    STALE_LEARNED_OUTPUT,
-    SummaryReporter,
-)
+from pytest_ctresources.report.record import PROPERTY_PREFIX
+from pytest_ctresources.report.summary import STALE_LEARNED_OUTPUT, SummaryReporter
 from pytest_ctresources.session.fixtures import OneLineModelFailures, ct_config, ct_session
 from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.options import DEFAULT_ALLOC_CONF, add_options, binding_mode
@@ -39,7 +36,6 @@ from pytest_ctresources.xdist.binding import Binding, bind_worker, is_worker, op
 
 __all__ = ["ct_config", "ct_session"]
 
-_ALLOC_KEY = ALLOC_KEY
 _BINDING_KEY = pytest.StashKey[Binding]()
 
 
@@ -55,7 +51,7 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     value = early_config.getini("ct_alloc_conf")
     alloc = AllocConf(DEFAULT_ALLOC_CONF if value is None else str(value).strip())
     alloc.apply()
-    early_config.stash[_ALLOC_KEY] = alloc
+    early_config.stash[ALLOC_KEY] = alloc
     early_config.add_cleanup(alloc.undo)
     # An xdist worker is bound to its GPU here, before conftests can initialise CUDA.
     # (A bad ct_gpu_binding is left for the settings to report, at configure.)
@@ -90,7 +86,7 @@ def pytest_configure(config: pytest.Config) -> None:
         # PYTEST_XDIST_WORKER. Undo the binding.
         binding.undo(os.environ)
         binding = None
-    runtime = start_runtime(config, config.stash.get(_ALLOC_KEY, None), binding)
+    runtime = start_runtime(config, config.stash.get(ALLOC_KEY, None), binding)
     config.stash[RUNTIME_KEY] = runtime
     config.pluginmanager.register(OneLineModelFailures(), OneLineModelFailures.name)
     if runtime.learned():
@@ -172,11 +168,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     runtime = runtime_of(item.config)
     if runtime.capacity_cap is not None:
         runtime.capacity_cap.arm()
-    # A rerun (pytest-rerunfailures) runs the same item again: its earlier attempt's figures
+    # A rerun (pytest-rerunfailures) runs the same item again: its earlier attempt's findings
     # must not travel with this one's reports.
     item.user_properties[:] = [p for p in item.user_properties if not _ours(p)]
+    state = state_of(item)
+    state.new_attempt()
     if runtime.cleaner is not None:
-        runtime.cleaner.begin(item, runtime.resident_bytes())
+        state.cleanup_start = runtime.cleaner.begin(runtime.resident_bytes())
     try:
         reason = accounting.begin(item, runtime)
     except markers.MarkerError as exc:
@@ -201,17 +199,23 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
         return (yield)
     finally:
         runtime = runtime_of(item.config)
+        state = state_of(item)
         try:
             if runtime.cleaner is not None:
-                closed = runtime.cleaner.finish(
-                    item, accounting.allocated_beyond_baseline(item), runtime.resident_bytes()
+                # Reported through the teardown report: output written here is captured.
+                state.record.figures_closed = runtime.cleaner.finish(
+                    state.cleanup_start,
+                    accounting.allocated_beyond_baseline(item),
+                    runtime.resident_bytes(),
                 )
-                if closed:
-                    # Reported through the teardown report: output written here is captured.
-                    item.user_properties.append((FIGURES_PROPERTY, closed))
             accounting.end(item, runtime)
         finally:
-            leases.give_back(item)  # whatever raised (-W error::CtLeakWarning, ...)
+            try:
+                leases.give_back(item)  # whatever raised (-W error::CtLeakWarning, ...)
+            finally:
+                # The one place the test's record is written: its teardown report carries it
+                # to the controller, the summary and junit XML (report/record.py).
+                item.user_properties.extend(state.record.to_properties())
 
 
 @pytest.hookimpl(wrapper=True)

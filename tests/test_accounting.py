@@ -180,9 +180,7 @@ def test_learned_need_skips_next_run_and_forget_clears_it(
             "*needs 1.5 GiB VRAM (measured 1.5 GiB on NVIDIA GeForce RTX 4090, ????-??-??); GPU 0 (Small card) has 1.0 GiB"
         ]
     )
-    result = project.runpytest(
-        "-p", "no:randomly", "-rs", "-k", "unmarked_big", "--ct-forget"
-    )
+    result = project.runpytest("-p", "no:randomly", "-rs", "-k", "unmarked_big", "--ct-forget")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["ctresources: --ct-forget cleared 5 learned VRAM need(s)"])
 
@@ -265,9 +263,7 @@ def test_oom_retry_halves_and_reports(pytester: pytest.Pytester) -> None:
 
 def test_oom_retry_can_be_turned_off(pytester: pytest.Pytester) -> None:
     retry_project(pytester)
-    pytester.runpytest("--ct-config", "exp.yaml", "--ct-no-oom-retry").assert_outcomes(
-        failed=1
-    )
+    pytester.runpytest("--ct-config", "exp.yaml", "--ct-no-oom-retry").assert_outcomes(failed=1)
     pytester.makeini("[pytest]\nct_oom_retry = false\n")
     pytester.runpytest("--ct-config", "exp.yaml").assert_outcomes(failed=1)
 
@@ -445,10 +441,10 @@ def test_the_resident_model_is_no_leak_and_strict_still_fails_a_real_one(
 
 
 def test_no_need_is_learned_from_a_test_that_passed_only_after_halving() -> None:
-    from pytest_ctresources.report.summary import RunSummary, TestRecord
+    from pytest_ctresources.report.summary import RunSummary, VramRecord
 
-    def record(nodeid: str, halvings: str | None) -> TestRecord:
-        return TestRecord(
+    def record(nodeid: str, halvings: str | None) -> VramRecord:
+        return VramRecord(
             nodeid,
             "passed",
             0,

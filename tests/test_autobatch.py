@@ -569,9 +569,7 @@ def test_under_xdist_auto_fills_its_lease_only(
     at the card) and may fill that lease, not the card."""
     monkeypatch.setenv("CT_FAKE_GPUS", "Shared GPU=60")
     pytester.makepyfile(test_budget=BUDGETS)
-    result = pytester.runpytest(
-        "-n", "2", "-p", "no:randomly", "--junitxml=j.xml", "-rA"
-    )
+    result = pytester.runpytest("-n", "2", "-p", "no:randomly", "--junitxml=j.xml", "-rA")
     result.assert_outcomes(passed=2)
     text = result.stdout.str()
     assert "(its VRAM lease) less 5% margin" in text
@@ -603,10 +601,10 @@ def test_auto_needs_are_never_learned() -> None:
 
 
 def test_estimate_low_compares_with_the_most_the_estimate_allows() -> None:
-    from pytest_ctresources.report.summary import RunSummary, TestRecord
+    from pytest_ctresources.report.summary import RunSummary, VramRecord
 
-    def record(peak_gib: float) -> TestRecord:
-        return TestRecord(
+    def record(peak_gib: float) -> VramRecord:
+        return VramRecord(
             nodeid="t.py::x",
             outcome="passed",
             device=0,
@@ -629,7 +627,9 @@ def test_estimate_low_compares_with_the_most_the_estimate_allows() -> None:
     summary.flag(leak_threshold=1 << 30)
     assert summary.records["within"].flags == []
     (flag,) = summary.records["over"].flags
-    assert flag.startswith("ESTIMATE LOW: peak 25.00 GiB reserved > 20.0 GiB, the most it may take (estimated")
+    assert flag.startswith(
+        "ESTIMATE LOW: peak 25.00 GiB reserved > 20.0 GiB, the most it may take (estimated"
+    )
 
 
 def test_auto_runs_the_setup_pass_once_and_attributes_the_same(

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import sys
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
@@ -78,7 +76,9 @@ def test_a_figure_number_a_closed_module_figure_had_is_the_tests_own(
 ) -> None:
     # matplotlib reuses the number of a closed figure: once the module fixture's figure is
     # gone, figure 1 in another module is that test's own, and closed after it.
-    head = 'import matplotlib\nmatplotlib.use("Agg")\nimport matplotlib.pyplot as plt\nimport pytest\n'
+    head = (
+        'import matplotlib\nmatplotlib.use("Agg")\nimport matplotlib.pyplot as plt\nimport pytest\n'
+    )
     pytester.makepyfile(
         test_a=head
         + "@pytest.fixture(scope='module')\ndef board():\n    f = plt.figure()\n    yield f\n"
@@ -255,9 +255,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> tuple[_FakeCuda, list[str]]:
 
 
 def _finish(cleaner: between.BetweenTests, beyond: int | None, resident: int = 0) -> None:
-    item: Any = SimpleNamespace(stash=pytest.Stash())  # only an item's stash is used
-    cleaner.begin(item, 0)
-    cleaner.finish(item, lambda: beyond, resident)
+    cleaner.finish(cleaner.begin(0), lambda: beyond, resident)
 
 
 def test_gc_runs_before_empty_cache(fake_cuda: tuple[_FakeCuda, list[str]]) -> None:

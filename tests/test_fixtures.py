@@ -134,7 +134,9 @@ def test_a_model_that_fails_to_load_fails_once_in_one_line(pytester: pytest.Pyte
         "Hugging Face cache"
     )
     lines = result.stdout.lines
-    repeated = f"not retried: the same model failed to load earlier in test_load.py::test_first: {first}"
+    repeated = (
+        f"not retried: the same model failed to load earlier in test_load.py::test_first: {first}"
+    )
     assert lines.count(first) == 1  # test_first's failure: one line
     assert lines.count(repeated) == 2  # test_second and the fixture of test_third
     result.stdout.fnmatch_lines(

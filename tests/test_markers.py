@@ -234,8 +234,7 @@ def test_ct_config_marker_layers(
             "(100)*",
             "*ctresources summary*",
             "2 test(s) keep their own batch_size over --ct-batch-size 9",
-            "1 test(s) keep their own max_feature_nodes over "
-            "MAX_FEATURE_NODES in exp.yaml (100)",
+            "1 test(s) keep their own max_feature_nodes over MAX_FEATURE_NODES in exp.yaml (100)",
         ]
     )
     out = result.stdout.str()

@@ -182,8 +182,8 @@ def test_a_full_disk_keeps_the_old_report_and_leaves_no_png(pytester: pytest.Pyt
     assert "1 passed, 2 warnings" in process.stdout
 
 
-def _record(index: int) -> summary_module.TestRecord:
-    return summary_module.TestRecord(
+def _record(index: int) -> summary_module.VramRecord:
+    return summary_module.VramRecord(
         nodeid=f"test_many.py::test_{index}",
         outcome="passed",
         device=0,

@@ -12,7 +12,8 @@ HEAVY = ("torch", "matplotlib", "circuit_tracer", "nnsight", "nbformat", "pynvml
 
 
 @pytest.mark.parametrize(
-    ("as_worker", "verbose"), [(False, False), (False, True), (True, False)],
+    ("as_worker", "verbose"),
+    [(False, False), (False, True), (True, False)],
     ids=["serial", "verbose", "worker"],
 )
 def test_a_run_that_does_not_use_the_plugin_imports_nothing_heavy(

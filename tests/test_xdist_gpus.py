@@ -567,7 +567,10 @@ def test_memory_other_processes_use_counts_against_the_budget(
         if args:
             # Two workers at once: when the 6 GiB waiter gets the turnstile first, the 4 GiB
             # test queues behind it (no overtaking) and times out too; either order is right.
-            assert outcomes.get("errors") in (1, 2) and outcomes.get("passed", 0) == 2 - outcomes["errors"]
+            assert (
+                outcomes.get("errors") in (1, 2)
+                and outcomes.get("passed", 0) == 2 - outcomes["errors"]
+            )
         else:
             result.assert_outcomes(passed=1, errors=1)
         result.stdout.fnmatch_lines(

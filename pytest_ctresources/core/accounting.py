@@ -1,7 +1,9 @@
 """Per-test VRAM accounting: the need a test declares, what it measured, and what follows.
 
-The hooks in :mod:`~pytest_ctresources.plugin` call one function here per phase. Figures travel
-to the controller (and to junit XML) as ``ct_*`` ``user_properties`` of the teardown report.
+The hooks in :mod:`~pytest_ctresources.plugin` call one function here per phase; everything
+found goes into the test's state (:mod:`~pytest_ctresources.core.state`), and what the report
+needs into its record, which travels to the controller (and to junit XML) in the teardown
+report.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from collections.abc import Callable, Generator
 
 import pytest
 
-from pytest_ctresources.core.runtime import CONFIG_KEY, OWN_SETTINGS_PROPERTY, Runtime, own_settings
+from pytest_ctresources.core.runtime import Runtime, own_settings
+from pytest_ctresources.core.state import state_of
 from pytest_ctresources.estimator.auto import counted
 from pytest_ctresources.estimator.estimate import Estimate
 from pytest_ctresources.exceptions import CtLeakWarning
@@ -28,16 +31,6 @@ from pytest_ctresources.session.session import CtSession
 from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig
 from pytest_ctresources.settings.sources import Source
-
-METER_KEY = pytest.StashKey[VramMeter]()
-NEED_KEY = pytest.StashKey["markers.VramNeed | None"]()
-MEMORY_KEY = pytest.StashKey[str]()
-FIGURES_KEY = pytest.StashKey[VramFigures]()
-SESSION_KEY = pytest.StashKey[CtSession]()
-#: The resident model (ct_session's cache) when the test started, and its CUDA bytes.
-RESIDENT_KEY = pytest.StashKey["tuple[ResidentModel | None, int]"]()
-#: Figures measured outside the pytest process (a notebook's kernel), used instead of the meter's.
-KERNEL_FIGURES_KEY = pytest.StashKey[VramFigures]()
 
 CONFIG_FIXTURES = frozenset({"ct_config", "ct_session"})
 UNMARKED_BYTES = 1 << 30
@@ -57,20 +50,20 @@ def begin(item: pytest.Item, runtime: Runtime) -> str | None:
 
     Raises :class:`~pytest_ctresources.settings.markers.MarkerError` for a bad marker.
     """
-    meter = VramMeter()
+    state = state_of(item)
+    state.meter = meter = VramMeter()
     meter.start()
-    item.stash[METER_KEY] = meter
-    item.stash[RESIDENT_KEY] = (runtime.model_cache.resident, runtime.resident_bytes())
-    cfg = item.stash.get(CONFIG_KEY, None)  # set at collection for notebook items
+    state.resident_at_start = runtime.model_cache.resident
+    state.resident_bytes_at_start = runtime.resident_bytes()
+    cfg = state.config  # set at collection for notebook items
     if cfg is not None:
-        overrides = own_settings(runtime.session_config(), cfg)
-        if overrides:  # a notebook's own experiment config over a session-wide value
-            item.user_properties.append((OWN_SETTINGS_PROPERTY, overrides))
+        # a notebook's own experiment config over a session-wide value
+        state.record.own_settings = own_settings(runtime.session_config(), cfg)
     elif CONFIG_FIXTURES.intersection(getattr(item, "fixturenames", ())):
         cfg = runtime.config_for(item)
     capacity = runtime.settings.vram_capacity_gib
     key = memory_key(item.nodeid, cfg, capacity.value if capacity is not None else None)
-    item.stash[MEMORY_KEY] = key
+    state.memory_key = key
     need = markers.vram_need(item)
     if need is None and cfg is not None and cfg.vram_gib is not None:
         need = markers.VramNeed(cfg.vram_gib, cfg.source_of("vram_gib"))
@@ -83,7 +76,7 @@ def begin(item: pytest.Item, runtime: Runtime) -> str | None:
                 need = learned_need_with_retry(need, cfg, runtime)
     if need is None and session and cfg is not None:
         need = estimated_need(cfg, runtime)
-    item.stash[NEED_KEY] = need
+    state.need = need
     if need is None:
         return None
     return skip_reason(
@@ -167,7 +160,7 @@ def estimated_need(cfg: CircuitTracerConfig, runtime: Runtime) -> markers.VramNe
 
 def allocated_beyond_baseline(item: pytest.Item) -> Callable[[], int | None]:
     """What the cleanup asks to decide whether garbage holds CUDA memory: the test's meter."""
-    meter = item.stash.get(METER_KEY, None)
+    meter = state_of(item).meter
     return meter.allocated_beyond_baseline if meter is not None else lambda: None
 
 
@@ -175,19 +168,19 @@ def own_figures(item: pytest.Item, runtime: Runtime, *, finished: bool) -> VramF
     """The test's figures as its own: a notebook's from its kernel; else the meter's, with a
     resident model the test did not use (another test's, still on the card) left out of the
     peaks, and what it made resident (or freed) left out of its leak."""
-    figures = item.stash.get(KERNEL_FIGURES_KEY, None)
-    if figures is not None:
-        return figures
-    meter = item.stash.get(METER_KEY, None)
+    state = state_of(item)
+    if state.kernel_figures is not None:
+        return state.kernel_figures
+    meter = state.meter
     figures = meter.figures(finished=finished) if meter is not None else None
     if figures is None:
         return None
-    resident_then, resident_bytes_then = item.stash.get(RESIDENT_KEY, (None, 0))
+    resident_then = state.resident_at_start
     resident_now = runtime.model_cache.resident
     if finished:
-        growth = runtime.resident_bytes() - resident_bytes_then
+        growth = runtime.resident_bytes() - state.resident_bytes_at_start
         figures = dataclasses.replace(figures, resident_bytes=growth)
-    cfg = item.stash.get(CONFIG_KEY, None)
+    cfg = state.config
     reused = (
         cfg is not None
         and "ct_session" in getattr(item, "fixturenames", ())
@@ -201,44 +194,36 @@ def own_figures(item: pytest.Item, runtime: Runtime, *, finished: bool) -> VramF
 
 def end(item: pytest.Item, runtime: Runtime) -> None:
     """After teardown and cleanup: record the figures, warn about a leak."""
-    resident_then, _bytes_then = item.stash.get(RESIDENT_KEY, (None, 0))
+    state = state_of(item)
     resident_now = runtime.model_cache.resident
     figures = own_figures(item, runtime, finished=True)
     if figures is None:
         return
-    item.stash[FIGURES_KEY] = figures
-    need = item.stash.get(NEED_KEY, None)
+    state.figures = figures
+    need = state.need
     gpu = runtime.gpu_facts().gpu(figures.device)
-    properties: list[tuple[str, object]] = [
-        ("ct_device", figures.device),
-        ("ct_gpu", gpu.name if gpu is not None else "unknown GPU"),
-        ("ct_baseline_bytes", figures.baseline_bytes),
-        ("ct_peak_allocated_bytes", figures.peak_allocated_bytes),
-        ("ct_peak_reserved_bytes", figures.peak_reserved_bytes),
-        ("ct_after_bytes", figures.after_bytes),
-        ("ct_leaked_bytes", figures.leaked_bytes),
-        ("ct_resident_bytes", figures.resident_bytes),
-        ("ct_others_resident_bytes", figures.others_resident_bytes),
-        ("ct_memory_key", item.stash.get(MEMORY_KEY, item.nodeid)),
-        ("ct_date", datetime.date.today().isoformat()),
-    ]
+    record = state.record
+    record.device = figures.device
+    record.gpu = gpu.name if gpu is not None else "unknown GPU"
+    record.baseline_bytes = figures.baseline_bytes
+    record.peak_allocated_bytes = figures.peak_allocated_bytes
+    record.peak_reserved_bytes = figures.peak_reserved_bytes
+    record.after_bytes = figures.after_bytes
+    record.leaked_bytes = figures.leaked_bytes
+    record.resident_bytes = figures.resident_bytes
+    record.others_resident_bytes = figures.others_resident_bytes
+    record.memory_key = state.memory_key
+    record.date = datetime.date.today().isoformat()
     if need is not None:
-        properties += [
-            ("ct_need_gib", need.gib),
-            ("ct_need_source", str(need.source)),
-            ("ct_need_kind", need.source.kind),
-            ("ct_need_most_gib", need.lease_gib),
-        ]
-    if resident_now is not None and resident_now is not resident_then:
-        properties.append((RESIDENT_PROPERTY, resident_record(resident_now, figures.device)))
-    item.user_properties.extend(properties)
+        record.need_gib = need.gib
+        record.need_source = str(need.source)
+        record.need_kind = need.source.kind
+        record.need_most_gib = need.lease_gib
+    if resident_now is not None and resident_now is not state.resident_at_start:
+        record.resident_model = resident_record(resident_now, figures.device)
     threshold = runtime.settings.leak_threshold_bytes.value
     if figures.leaked_bytes > threshold:
         warnings.warn(CtLeakWarning(leak_message(item.nodeid, figures, threshold)), stacklevel=1)
-
-
-#: user_properties key of the model a test loaded into ct_session's cache (kept resident).
-RESIDENT_PROPERTY = "ct_resident_model"
 
 
 def resident_record(resident: ResidentModel, device: int) -> dict[str, object]:
@@ -265,13 +250,13 @@ def explain_oom(item: pytest.Item, runtime: Runtime, exc: BaseException) -> None
     """Attach the ``ctresources: CUDA out of memory`` section to a test that raised OOM."""
     if not oom.is_oom(exc):
         return
-    meter = item.stash.get(METER_KEY, None)
-    figures = meter.figures() if meter is not None else None
+    state = state_of(item)
+    figures = state.meter.figures() if state.meter is not None else None
     item.add_report_section(
         "call",
         "ctresources: CUDA out of memory",
         oom.explain(
-            item.stash.get(CONFIG_KEY, None),
+            state.config,
             runtime.gpu_facts().gpu(figures.device if figures else 0),
             runtime.settings.vram_capacity_gib,
             figures,
@@ -303,7 +288,7 @@ class StrictChecks:
         if when == "call":
             return self.call_problems(item)
         if when == "teardown":
-            figures = item.stash.get(FIGURES_KEY, None)
+            figures = state_of(item).figures
             threshold = self.runtime.settings.leak_threshold_bytes.value
             if figures is not None and figures.leaked_bytes > threshold:
                 return [leak_message(item.nodeid, figures, threshold)]
@@ -311,7 +296,7 @@ class StrictChecks:
 
     def call_problems(self, item: pytest.Item) -> list[str]:
         figures = own_figures(item, self.runtime, finished=False)
-        need = item.stash.get(NEED_KEY, None)
+        need = state_of(item).need
         problems = []
         if (
             figures is not None
@@ -324,7 +309,7 @@ class StrictChecks:
                 f"declared {need.lease_gib:.1f} GiB ({need.source}); write "
                 f"{suggested_marker(figures.peak_reserved_bytes, item.nodeid)}"
             )
-        session = item.stash.get(SESSION_KEY, None)
+        session = state_of(item).session
         if session is not None and session.halvings:
             problems.append(f"passed only after halving the batch size: {halving_summary(session)}")
         return problems

@@ -1,4 +1,4 @@
-"""The plugin's state for one run, in ``config.stash``; per-test state in ``item.stash``."""
+"""The plugin's state for one run, in ``config.stash`` (each test's own: core/state.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from pytest_ctresources.core.state import state_of
 from pytest_ctresources.estimator.auto import Budget
 from pytest_ctresources.exceptions import AllocConfIneffectiveWarning
 from pytest_ctresources.gpu.allocator import ALLOC_CONF_ENV, AllocConf, CapacityCap
@@ -21,7 +22,6 @@ from pytest_ctresources.gpu.detect import (
     detect_gpus,
     parse_fake_gpus,
 )
-from pytest_ctresources.leases.leases import WorkerGpu, start_worker_gpu
 from pytest_ctresources.report.learned import LearnedNeeds
 from pytest_ctresources.session.cache import ModelCache
 from pytest_ctresources.settings.config import FIELDS, CircuitTracerConfig
@@ -40,7 +40,7 @@ class Runtime:
     capacity_cap: CapacityCap | None
     model_cache: ModelCache = field(default_factory=ModelCache)
     cache: pytest.Cache | None = None
-    worker_gpu: WorkerGpu | None = None
+    binding: Binding | None = None
     """The GPU this xdist worker is bound to (None elsewhere)."""
     cleaner: BetweenTests | None = None
     """The between-test cleanup (None under ``ct_cleanup = never``)."""
@@ -103,9 +103,6 @@ class Runtime:
         the ``--ct-vram-capacity`` cap) less the ``ct_auto_margin`` share; no more than the
         test's declared need (a ``vram`` marker or ``VRAM_GIB`` bounds auto), and, in an
         xdist worker sharing its GPU, no more than the VRAM lease it holds."""
-        from pytest_ctresources.core.accounting import NEED_KEY
-        from pytest_ctresources.leases.leases import LEASE_KEY
-
         margin = float(self.settings.auto_margin.value)
         capacity = self.settings.vram_capacity_gib
         gpu = self.test_gpu()
@@ -117,7 +114,8 @@ class Runtime:
             budget = Budget(gpu.total_gib, gpu.describe(), margin)
         if item is None:
             return budget
-        need = item.stash.get(NEED_KEY, None)
+        state = state_of(item)
+        need = state.need
         total = budget.capacity_gib or 0.0
         # The most a need allows (a learned need kept for the OOM retry decides its skip at
         # the retry's floor, but may take its learned peak).
@@ -125,7 +123,9 @@ class Runtime:
             budget = Budget(
                 need.lease_gib, str(need.source), margin, emulated=budget.emulated, shared=True
             )
-        lease = item.stash.get(LEASE_KEY, None)
+        # In an xdist worker bound to a GPU (which its run shares by design) auto fills the
+        # lease; a plain run's auto fits the card, as before plain runs took leases.
+        lease = state.lease if self.binding is not None else None
         if lease is not None and lease.gib < (budget.capacity_gib or 0.0):
             # Leases share the card's memory; each process's context is outside them.
             budget = Budget(lease.gib, "its VRAM lease", margin, emulated=True, shared=True)
@@ -142,21 +142,15 @@ class Runtime:
 
         Raises :class:`~pytest_ctresources.settings.markers.MarkerError` for a bad ``ct_config``.
         """
-        cached = item.stash.get(CONFIG_KEY, None)
-        if cached is not None:
-            return cached
+        state = state_of(item)
+        if state.config is not None:
+            return state.config
         session = self.session_config()
         cfg = layer_markers(item, session)
-        item.stash[CONFIG_KEY] = cfg
-        overrides = own_settings(session, cfg)
-        if overrides:
-            # Said once per setting in -v and the summary, from the setup report.
-            item.user_properties.append((OWN_SETTINGS_PROPERTY, overrides))
+        state.config = cfg
+        # Said once per setting in -v and the summary.
+        state.record.own_settings = own_settings(session, cfg)
         return cfg
-
-
-#: user_properties key of the session-wide values a test's own ct_config marker overrode.
-OWN_SETTINGS_PROPERTY = "ct_own_settings"
 
 
 def own_settings(session: CircuitTracerConfig, cfg: CircuitTracerConfig) -> list[list[str]]:
@@ -199,7 +193,6 @@ def runs_no_tests(config: pytest.Config) -> bool:
 
 
 RUNTIME_KEY = pytest.StashKey[Runtime]()
-CONFIG_KEY = pytest.StashKey[CircuitTracerConfig]()
 
 
 def runtime_of(config: pytest.Config) -> Runtime:
@@ -244,7 +237,7 @@ def start_runtime(
         runtime.gpu_facts(may_import_torch=False)  # clamps the capacity if NVML sees the card
         settings = runtime.settings
     if binding is not None:
-        runtime.worker_gpu = start_worker_gpu(binding)
+        runtime.binding = binding
     if runtime.capacity_cap is not None and not runs_no_tests(config):
         # The emulated card must bind from the first CUDA allocation, whoever imports torch
         # and whenever: importing torch here does not initialise CUDA.

@@ -54,10 +54,13 @@ class TestState:
     record: TestRecord = field(default_factory=TestRecord)
 
     def new_attempt(self) -> None:
-        """Forget the previous attempt's findings (the config stays)."""
+        """Forget the previous attempt's findings; the config stays, and with it the
+        settings it keeps over the session's."""
         config, config_error = self.config, self.config_error
+        own_settings = self.record.own_settings
         self.__init__()  # type: ignore[misc]
         self.config, self.config_error = config, config_error
+        self.record.own_settings = own_settings
 
 
 STATE_KEY = pytest.StashKey[TestState]()

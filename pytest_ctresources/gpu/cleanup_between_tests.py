@@ -64,13 +64,10 @@ POLICY = CleanupPolicy()
 
 @dataclass(frozen=True)
 class TestStart:
-    """What one test started with, taken before its setup."""
+    """What one test started with, taken before its setup (kept in the test's state)."""
 
     figures: frozenset[int]
     resident_bytes: int
-
-
-START_KEY = pytest.StashKey[TestStart]()
 
 
 class BetweenTests:
@@ -112,26 +109,26 @@ class BetweenTests:
         finally:
             self._wider_figures.update(open_figure_numbers() - before)
 
-    def begin(self, item: pytest.Item, resident_bytes: int) -> None:
-        """Before the test's setup: note what is open and resident already."""
+    def begin(self, resident_bytes: int) -> TestStart:
+        """Before the test's setup: what is open and resident already."""
         open_now = open_figure_numbers()
         # A wider-scoped figure closed since frees its number for a test's own figure.
         self._wider_figures &= open_now
-        item.stash[START_KEY] = TestStart(open_now, resident_bytes)
+        return TestStart(open_now, resident_bytes)
 
     def finish(
         self,
-        item: pytest.Item,
+        start: TestStart | None,
         allocated_beyond_baseline: Callable[[], int | None],
         resident_bytes: int,
     ) -> int:
-        """After the test's teardown. ``allocated_beyond_baseline()`` measures the CUDA memory
+        """After the test's teardown (``start``: what :meth:`begin` returned for it, None if
+        it did not run). ``allocated_beyond_baseline()`` measures the CUDA memory
         allocated now beyond what the test started with (None when the test used no CUDA);
         ``resident_bytes``: what the resident models hold now. Returns how many figures it
         closed."""
         policy = POLICY
         figures = 0
-        start = item.stash.get(START_KEY, None)
         if start is not None:
             opened = open_figure_numbers() - start.figures - self._wider_figures
             figures = close_figures(opened) if opened else 0

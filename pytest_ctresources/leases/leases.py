@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from pytest_ctresources.core.state import state_of
 from pytest_ctresources.exceptions import CtResourcesWarning
-from pytest_ctresources.report.placement import PLAIN_RUN_WORKER, WORKER_PROPERTY
-from pytest_ctresources.xdist.binding import Binding, testrun_id
+from pytest_ctresources.report.placement import PLAIN_RUN_WORKER
+from pytest_ctresources.xdist.binding import testrun_id
 
 if TYPE_CHECKING:
     # (imported lazily at run time: fcntl, which ledger uses, is POSIX-only)
@@ -50,17 +51,6 @@ REUSE_GRACE_SECONDS = 0.2
 
 
 @dataclass
-class WorkerGpu:
-    """The GPU this xdist worker is bound to."""
-
-    binding: Binding
-
-
-def start_worker_gpu(binding: Binding) -> WorkerGpu:
-    return WorkerGpu(binding)
-
-
-@dataclass
 class TestLease:
     """A test's lease: the need it covers and the units the test itself holds."""
 
@@ -74,28 +64,20 @@ class TestLease:
     is freed during the test, its units go to the test, which still needs them."""
 
 
-#: The test's lease where ``auto`` fills it rather than the card: in an xdist worker bound to a
-#: GPU, which its run shares by design. (A plain run's auto fits the card, as it did before
-#: plain runs took leases; its lease is kept under :data:`_HELD_KEY` only.)
-LEASE_KEY = pytest.StashKey[TestLease]()
-_HELD_KEY = pytest.StashKey[TestLease]()
-
-
 def record_placement(item: pytest.Item, runtime: Runtime) -> None:
-    """Attach the worker and its GPU to the test's reports (bound workers only)."""
-    worker = runtime.worker_gpu
-    if worker is None:
+    """Put the worker and its GPU in the test's record (bound workers only)."""
+    binding = runtime.binding
+    if binding is None:
         return
-    _add_placement(item, worker.binding.worker, worker.binding.gpu)
+    _add_placement(item, binding.worker, binding.gpu)
 
 
 def _add_placement(item: pytest.Item, worker: str, gpu: GpuInfo) -> None:
-    item.user_properties += [
-        (WORKER_PROPERTY, worker),
-        ("ct_gpu_name", gpu.name),
-        ("ct_gpu_physical_index", gpu.physical_index),
-        ("ct_gpu_uuid", gpu.uuid),
-    ]
+    record = state_of(item).record
+    record.worker = worker
+    record.gpu_name = gpu.name
+    record.gpu_physical_index = gpu.physical_index
+    record.gpu_uuid = gpu.uuid
 
 
 class IdleCacheWatcher:
@@ -177,9 +159,9 @@ class GpuLeases:
     # -- the ledger ------------------------------------------------------------------------
 
     def describe(self) -> str:
-        worker = self.runtime.worker_gpu
-        if worker is not None:
-            return worker.binding.describe()
+        binding = self.runtime.binding
+        if binding is not None:
+            return binding.describe()
         return self._gpu.describe() if self._gpu is not None else "no GPU"
 
     def ledger(self) -> VramLedger | None:
@@ -187,8 +169,8 @@ class GpuLeases:
         if self._opened:
             return self._ledger
         self._opened = True
-        worker = self.runtime.worker_gpu
-        gpu = worker.binding.gpu if worker is not None else self.runtime.test_gpu()
+        binding = self.runtime.binding
+        gpu = binding.gpu if binding is not None else self.runtime.test_gpu()
         if gpu is None:
             return None
         self._gpu = gpu
@@ -288,30 +270,26 @@ class GpuLeases:
             test = TestLease(gib, lease, reused_gib, counted=reused)
             with self._lock:
                 self._test = test
-            item.stash[_HELD_KEY] = test
-            if self.runtime.worker_gpu is not None:
-                item.stash[LEASE_KEY] = test
-            item.user_properties += [
-                ("ct_lease_gib", gib),
-                ("ct_lease_wait_s", round(lease.waited_s, 3)),
-                ("ct_lease_reused_gib", round(reused_gib, 3)),
-            ]
+            state = state_of(item)
+            state.lease = test
+            state.record.lease_gib = gib
+            state.record.lease_wait_s = round(lease.waited_s, 3)
+            state.record.lease_reused_gib = round(reused_gib, 3)
             self._add_placement_if_unbound(item)
             return
-        item.user_properties += [("ct_lease_gib", gib), ("ct_lease_wait_s", -1.0)]
+        record = state_of(item).record
+        record.lease_gib, record.lease_wait_s = gib, -1.0
         self._add_placement_if_unbound(item)
         pytest.fail(failure, pytrace=False)
 
     def _add_placement_if_unbound(self, item: pytest.Item) -> None:
-        if self.runtime.worker_gpu is None and self._gpu is not None:
+        if self.runtime.binding is None and self._gpu is not None:
             _add_placement(item, self.worker, self._gpu)
 
     def _reserve_reused_model(self, item: pytest.Item) -> tuple[ResidentModel | None, float]:
         """The resident model a ``ct_session`` test will reuse, kept from every eviction but
         its own (held in use until the lease is given back), and the GiB its lease covers."""
-        from pytest_ctresources.core.runtime import CONFIG_KEY
-
-        cfg = item.stash.get(CONFIG_KEY, None)
+        cfg = state_of(item).config
         if cfg is None or "ct_session" not in getattr(item, "fixturenames", ()):
             return None, 0.0
         self._reserve.enter_context(self.cache.in_use())  # before looking: no watcher races
@@ -328,15 +306,13 @@ class GpuLeases:
         """After the test's teardown and cleanup: settle the resident model's lease, release
         the test's."""
         self._settle_model(item.nodeid)
-        test = item.stash.get(_HELD_KEY, None)
+        state = state_of(item)
+        test = state.lease
         with self._lock:
             if test is not None and self._ledger is not None:
                 self._ledger.release(test.lease)
             self._test = None
-        if test is not None:
-            del item.stash[_HELD_KEY]
-            if LEASE_KEY in item.stash:
-                del item.stash[LEASE_KEY]
+        state.lease = None
         self._reserve.close()
 
     def _settle_model(self, nodeid: str) -> None:
@@ -417,9 +393,7 @@ class LeaseHooks:
         self.book = book
 
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        from pytest_ctresources.core.accounting import NEED_KEY
-
-        need = item.stash.get(NEED_KEY, None)
+        need = state_of(item).need
         self.book.take(item, need.lease_gib if need is not None else None)
 
 

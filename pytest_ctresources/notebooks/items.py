@@ -31,8 +31,8 @@ from typing import Any
 
 import pytest
 
-from pytest_ctresources.core.accounting import KERNEL_FIGURES_KEY
-from pytest_ctresources.core.runtime import CONFIG_KEY, runtime_of
+from pytest_ctresources.core.runtime import runtime_of
+from pytest_ctresources.core.state import state_of
 from pytest_ctresources.exceptions import CtResourcesWarning
 from pytest_ctresources.notebooks.kernels import kernel_environment, kernel_launch
 from pytest_ctresources.notebooks.params import (
@@ -44,8 +44,6 @@ from pytest_ctresources.notebooks.params import (
 from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig, ConfigError
 from pytest_ctresources.settings.experiment_yaml import ExperimentFile, load_experiment_yaml
 from pytest_ctresources.settings.options import NOTEBOOK_CONFIGS_INI
-
-ERROR_KEY = pytest.StashKey[str]()
 
 YAML_SUFFIXES = (".yaml", ".yml")
 
@@ -105,9 +103,9 @@ def make_item_class() -> type:
                 for experiment in (settings.experiment, self.experiment):
                     if experiment is not None:
                         check_params(experiment.params, experiment.path)
-                self.stash[CONFIG_KEY] = cfg
+                state_of(self).config = cfg
             except ConfigError as exc:
-                self.stash[ERROR_KEY] = str(exc)
+                state_of(self).config_error = str(exc)
                 return
             try:
                 nb = nbformat.read(self.filename, as_version=4)
@@ -119,13 +117,13 @@ def make_item_class() -> type:
                     # Under --strict-markers an unregistered name fails here (pytest.fail).
                     self.add_marker(mark)
             except (ConfigError, pytest.fail.Exception) as exc:
-                self.stash[ERROR_KEY] = str(exc)
+                state_of(self).config_error = str(exc)
                 return
             if need is not None:
                 self.add_marker(pytest.mark.vram(gib=need))
 
         def setup(self) -> None:
-            error = self.stash.get(ERROR_KEY, None)
+            error = state_of(self).config_error
             if error is not None:
                 pytest.fail(error, pytrace=False)
 
@@ -157,7 +155,6 @@ def _resolve_auto(item: Any, runtime: Any, cfg: CircuitTracerConfig) -> CircuitT
     """A notebook passes BATCH_SIZE to attribute() itself, so ``auto`` is resolved before its
     kernel starts, from the estimate of its configured model (no model loaded here)."""
     from pytest_ctresources.estimator.auto import choose_from_config
-    from pytest_ctresources.report.summary import AUTO_PROPERTY
 
     where = shown_path(item.filename, item.config)
     tokens = runtime.settings.estimate_prompt_tokens.value
@@ -173,7 +170,7 @@ def _resolve_auto(item: Any, runtime: Any, cfg: CircuitTracerConfig) -> CircuitT
             "BATCH_SIZE: N in its config)",
             pytrace=False,
         )
-    item.user_properties.append((AUTO_PROPERTY, [choice.describe()]))
+    state_of(item).record.auto_batch_sizes = [choice.describe()]
     return dataclasses.replace(cfg, batch_size=choice.batch_size)
 
 
@@ -188,7 +185,8 @@ def run_notebook(item: Any) -> None:
 
     runtime = runtime_of(item.config)
     option = item.config.option
-    cfg: CircuitTracerConfig = item.stash[CONFIG_KEY]
+    cfg = state_of(item).config
+    assert cfg is not None  # resolved at collection; a config error fails the item's setup
     if cfg.batch_size == AUTO:
         cfg = _resolve_auto(item, runtime, cfg)
     source = Path(item.filename)
@@ -230,7 +228,7 @@ def run_notebook(item: Any) -> None:
                 raise KernelDied(f"the kernel running {source} died: {exc}") from None
     finally:
         if launch is not None and launch.figures is not None:
-            item.stash[KERNEL_FIGURES_KEY] = launch.figures
+            state_of(item).kernel_figures = launch.figures
     if option.overwrite:
         nbformat.write(result.nb, str(source))
     if result.error is not None:
@@ -261,9 +259,7 @@ class NotebookConfigs:
 
     def lists(self, path: Path) -> bool:
         resolved = path.resolve()
-        return resolved in self.files or any(
-            folder in resolved.parents for folder in self.folders
-        )
+        return resolved in self.files or any(folder in resolved.parents for folder in self.folders)
 
 
 class NotebookSupport:
@@ -324,7 +320,7 @@ class ExperimentNotebookFile(pytest.File):
             experiment = load_experiment_yaml(self.path)
         except ConfigError as exc:
             item = item_class.from_parent(self, name=self.path.name, filename=str(self.path))
-            item.stash[ERROR_KEY] = str(exc)
+            state_of(item).config_error = str(exc)
             yield item
             return
         assert experiment.notebook is not None

@@ -1,18 +1,18 @@
 """Where each test ran: worker, GPU, VRAM lease and lease wait.
 
-Workers bound to a GPU attach these as ``ct_*`` properties to every test's reports, other
-processes to every test that took a lease (:mod:`~pytest_ctresources.leases.leases`); the controller
-(or the plain run) turns them into :class:`Placement` records for the summary and the JSON
-report.
+Workers bound to a GPU put these in every test's record, other processes in the record of
+every test that took a lease (:mod:`~pytest_ctresources.leases.leases`); the controller (or
+the plain run) turns them into :class:`Placement` rows for the summary and the JSON report.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-#: user_properties key naming the xdist worker that ran a test (bound workers, leased tests).
-WORKER_PROPERTY = "ct_worker"
+if TYPE_CHECKING:
+    from pytest_ctresources.report.record import TestRecord
+
 #: The worker name of a test that a plain (non-xdist) run leased for.
 PLAIN_RUN_WORKER = "main"
 
@@ -42,22 +42,20 @@ class Placement:
         return asdict(self)
 
 
-def placement_from(nodeid: str, outcome: str, props: dict[str, Any]) -> Placement | None:
-    """The placement carried by a teardown report's properties, if a bound worker ran it."""
-    if WORKER_PROPERTY not in props:
+def placement_from(nodeid: str, outcome: str, record: TestRecord) -> Placement | None:
+    """Where the test ran, if its record says (a bound worker's test, or one that leased)."""
+    if record.worker is None:
         return None
-    physical = props.get("ct_gpu_physical_index")
-    uuid = props.get("ct_gpu_uuid")
     return Placement(
         nodeid=nodeid,
         outcome=outcome,
-        worker=str(props[WORKER_PROPERTY]),
-        gpu_name=str(props.get("ct_gpu_name", "unknown GPU")),
-        gpu_physical_index=int(physical) if physical is not None else None,
-        gpu_uuid=str(uuid) if uuid is not None else None,
-        lease_gib=float(props.get("ct_lease_gib", 0.0)),
-        lease_wait_s=float(props.get("ct_lease_wait_s", 0.0)),
-        lease_reused_gib=float(props.get("ct_lease_reused_gib", 0.0)),
+        worker=record.worker,
+        gpu_name=record.gpu_name or "unknown GPU",
+        gpu_physical_index=record.gpu_physical_index,
+        gpu_uuid=record.gpu_uuid,
+        lease_gib=float(record.lease_gib or 0.0),
+        lease_wait_s=float(record.lease_wait_s or 0.0),
+        lease_reused_gib=float(record.lease_reused_gib or 0.0),
     )
 
 

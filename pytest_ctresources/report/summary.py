@@ -16,27 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_ctresources.core.accounting import RESIDENT_PROPERTY, UNMARKED_BYTES, suggested_marker
-from pytest_ctresources.core.runtime import OWN_SETTINGS_PROPERTY
+from pytest_ctresources.core.accounting import UNMARKED_BYTES, suggested_marker
 from pytest_ctresources.gpu.measure import GIB
 from pytest_ctresources.report.learned import LearnedNeed
 from pytest_ctresources.report.placement import Placement, placement_from, placement_lines
+from pytest_ctresources.report.record import TestRecord
 
 if TYPE_CHECKING:
     from pytest_ctresources.core.runtime import Runtime
 
-#: user_properties key under which ct_session records the batch sizes of its attributions.
-ATTRIBUTIONS_PROPERTY = "ct_attribution_batch_sizes"
-#: user_properties key of the batch sizes ``--ct-batch-size auto`` chose, with reasons.
-AUTO_PROPERTY = "ct_auto_batch_sizes"
-#: user_properties key of each attribution's phase times and backward batches.
-TIMINGS_PROPERTY = "ct_attribution_timings"
-#: user_properties key of the OOM halvings ct_session.attribute recovered from.
-HALVINGS_PROPERTY = "ct_oom_halvings"
 #: xdist ``workeroutput`` key of the learned needs a worker found stale at collection.
 STALE_LEARNED_OUTPUT = "ct_stale_learned"
-#: user_properties key under which the cleanup records how many figures it closed.
-FIGURES_PROPERTY = "ct_figures_closed"
 VRAM_SKIP_PATTERN = re.compile(r"needs [0-9.]+ GiB VRAM")
 
 
@@ -45,14 +35,13 @@ VRAM_SKIP_PATTERN = re.compile(r"needs [0-9.]+ GiB VRAM")
 _OUTCOME_RANK = {"passed": 0, "skipped": 1, "failed": 2}
 #: pytest-rerunfailures' outcome of a failed attempt that it runs again: not final.
 RERUN_OUTCOME = "rerun"
-#: The prefix of every user property the plugin writes (its namespace in junit XML too).
-PROPERTY_PREFIX = "ct_"
 _NEED_KIND_NAMES = {"marker": "marker", "learned": "learned", "estimate": "estimate"}
 
 
 @dataclass
-class TestRecord:
-    """One test that used CUDA: its figures, its declared need, and what the report flags."""
+class VramRecord:
+    """One test that used CUDA, as the summary and the JSON report show it: its figures, its
+    declared need, and what the report flags."""
 
     nodeid: str
     outcome: str
@@ -89,35 +78,30 @@ class TestRecord:
         return asdict(self)
 
 
-def _record_from(report: pytest.TestReport, outcome: str) -> TestRecord | None:
-    props: dict[str, Any] = dict(report.user_properties)
-    if "ct_peak_allocated_bytes" not in props:
+def vram_record(nodeid: str, outcome: str, record: TestRecord) -> VramRecord | None:
+    """The VRAM row of a test's record (None: the test used no CUDA)."""
+    if record.peak_allocated_bytes is None:
         return None
-    need = props.get("ct_need_gib")
-    return TestRecord(
-        nodeid=report.nodeid,
+    return VramRecord(
+        nodeid=nodeid,
         outcome=outcome,
-        device=int(props["ct_device"]),
-        gpu=str(props["ct_gpu"]),
-        date=str(props.get("ct_date", datetime.date.today().isoformat())),
-        memory_key=str(props.get("ct_memory_key", report.nodeid)),
-        baseline_bytes=int(props["ct_baseline_bytes"]),
-        peak_allocated_bytes=int(props["ct_peak_allocated_bytes"]),
-        peak_reserved_bytes=int(props["ct_peak_reserved_bytes"]),
-        after_bytes=int(props["ct_after_bytes"]),
-        leaked_bytes=int(props["ct_leaked_bytes"]),
-        need_gib=float(need) if need is not None else None,
-        need_source=props.get("ct_need_source"),
-        need_kind=props.get("ct_need_kind"),
-        need_most_gib=_float_or_none(props.get("ct_need_most_gib")),
-        oom_halvings=props.get(HALVINGS_PROPERTY),
-        resident_bytes=int(props.get("ct_resident_bytes", 0)),
-        others_resident_bytes=int(props.get("ct_others_resident_bytes", 0)),
+        device=int(record.device or 0),
+        gpu=record.gpu or "unknown GPU",
+        date=record.date or datetime.date.today().isoformat(),
+        memory_key=record.memory_key or nodeid,
+        baseline_bytes=int(record.baseline_bytes or 0),
+        peak_allocated_bytes=int(record.peak_allocated_bytes),
+        peak_reserved_bytes=int(record.peak_reserved_bytes or 0),
+        after_bytes=int(record.after_bytes or 0),
+        leaked_bytes=int(record.leaked_bytes or 0),
+        need_gib=record.need_gib,
+        need_source=record.need_source,
+        need_kind=record.need_kind,
+        need_most_gib=record.need_most_gib,
+        oom_halvings=record.oom_halvings,
+        resident_bytes=int(record.resident_bytes),
+        others_resident_bytes=int(record.others_resident_bytes),
     )
-
-
-def _float_or_none(value: object) -> float | None:
-    return None if value is None else float(value)  # type: ignore[arg-type]
 
 
 def wrapped(line: str, width: int) -> list[str]:
@@ -160,7 +144,7 @@ class RunSummary:
 
     attributions: dict[str, list[int]] = field(default_factory=dict)
     vram_skips: dict[str, str] = field(default_factory=dict)
-    records: dict[str, TestRecord] = field(default_factory=dict)
+    records: dict[str, VramRecord] = field(default_factory=dict)
     halvings: dict[str, str] = field(default_factory=dict)
     auto_choices: dict[str, list[str]] = field(default_factory=dict)
     placements: dict[str, Placement] = field(default_factory=dict)
@@ -186,38 +170,36 @@ class RunSummary:
                 self.reruns[nodeid] = self.reruns.get(nodeid, 0) + 1
         elif report.outcome != "passed":
             self._outcomes[nodeid] = _worse(self._outcomes.get(nodeid, "passed"), report.outcome)
-        props: dict[str, Any] = dict(report.user_properties)
-        if report.when == "setup":
-            overrides: list[list[str]] = props.get(OWN_SETTINGS_PROPERTY, [])
-            for name, source, value, own, own_source in overrides:
-                if (name, source, value) not in self.own_settings:
-                    first.append([name, source, value, own, own_source])
-                self.own_settings.setdefault((name, source, value), set()).add(nodeid)
         if report.skipped and isinstance(report.longrepr, tuple):
             reason = str(report.longrepr[2]).removeprefix("Skipped: ")
             if VRAM_SKIP_PATTERN.match(reason):
                 self.vram_skips[nodeid] = reason
-        if report.when != "teardown" or not report.user_properties:
-            return first  # the common case: a test that used neither CUDA nor ct_session
-        if isinstance(props.get(RESIDENT_PROPERTY), dict):
+        if report.when != "teardown" or not TestRecord.carries(report.user_properties):
+            return first  # the common case: a test the plugin had nothing to say about
+        record = TestRecord.from_properties(report.user_properties)
+        for name, source, value, own, own_source in record.own_settings:
+            if (name, source, value) not in self.own_settings:
+                first.append([name, source, value, own, own_source])
+            self.own_settings.setdefault((name, source, value), set()).add(nodeid)
+        if record.resident_model is not None:
             # Even from an attempt run again: the next one reuses the model it loaded.
-            self.resident_models.append(dict(props[RESIDENT_PROPERTY]))
+            self.resident_models.append(dict(record.resident_model))
         if nodeid in self._rerun_attempt:
             return first  # superseded by the next attempt, which reports its own
-        if isinstance(props.get(ATTRIBUTIONS_PROPERTY), list):
-            self.attributions[nodeid] = list(props[ATTRIBUTIONS_PROPERTY])
-        if isinstance(props.get(TIMINGS_PROPERTY), list):
-            self.timings[nodeid] = list(props[TIMINGS_PROPERTY])
-        if HALVINGS_PROPERTY in props:
-            self.halvings[nodeid] = str(props[HALVINGS_PROPERTY])
-        if isinstance(props.get(AUTO_PROPERTY), list):
-            self.auto_choices[nodeid] = list(map(str, props[AUTO_PROPERTY]))
+        if record.attribution_batch_sizes:
+            self.attributions[nodeid] = list(record.attribution_batch_sizes)
+        if record.attribution_timings:
+            self.timings[nodeid] = list(record.attribution_timings)
+        if record.oom_halvings is not None:
+            self.halvings[nodeid] = record.oom_halvings
+        if record.auto_batch_sizes:
+            self.auto_choices[nodeid] = list(map(str, record.auto_batch_sizes))
         outcome = self._outcomes.get(nodeid, "passed")
-        record = _record_from(report, outcome)
-        if record is not None:
-            record.reruns = self.reruns.get(nodeid, 0)
-            self.records[nodeid] = record
-        placement = placement_from(nodeid, outcome, props)
+        row = vram_record(nodeid, outcome, record)
+        if row is not None:
+            row.reruns = self.reruns.get(nodeid, 0)
+            self.records[nodeid] = row
+        placement = placement_from(nodeid, outcome, record)
         if placement is not None:
             self.placements[nodeid] = placement
         return first
@@ -318,8 +300,7 @@ class RunSummary:
         out += [f"  {nodeid}: {reason}" for nodeid, reason in sorted(self.vram_skips.items())]
         for (name, source, value), nodeids in sorted(self.own_settings.items()):
             out.append(
-                f"{len(nodeids)} test(s) keep their own {name} over "
-                f"{session_value(source, value)}"
+                f"{len(nodeids)} test(s) keep their own {name} over {session_value(source, value)}"
             )
         out += placement_lines(list(self.placements.values()))
         out += self.resident_lines()
@@ -435,7 +416,7 @@ class SummaryReporter:
                     "counts them"
                 )
         if report.when == "teardown" and self.verbose:
-            closed = dict(report.user_properties).get(FIGURES_PROPERTY)
+            closed = TestRecord.from_properties(report.user_properties).figures_closed
             if closed:
                 self.terminal.write_line(
                     f"ctresources: closed {closed} matplotlib figure(s) "

@@ -6,14 +6,9 @@ from collections.abc import Generator, Iterator
 
 import pytest
 
-from pytest_ctresources.core.accounting import METER_KEY, SESSION_KEY, halving_summary
+from pytest_ctresources.core.accounting import halving_summary
 from pytest_ctresources.core.runtime import runtime_of
-from pytest_ctresources.report.summary import (
-    ATTRIBUTIONS_PROPERTY,
-    AUTO_PROPERTY,
-    HALVINGS_PROPERTY,
-    TIMINGS_PROPERTY,
-)
+from pytest_ctresources.core.state import state_of
 from pytest_ctresources.session.model_load import ModelLoadError
 from pytest_ctresources.session.progress_line import LiveLine
 from pytest_ctresources.session.progress_line import enabled as progress_on
@@ -49,16 +44,17 @@ def ct_session(
     """
     runtime = runtime_of(request.config)
     node = request.node
+    state = state_of(node)
     session = CtSession(
         ct_config,
         runtime.model_cache,
         oom_retry=runtime.settings.oom_retry.value,
         oom_retry_floor=runtime.settings.oom_retry_floor.value,
-        meter=node.stash.get(METER_KEY, None),
+        meter=state.meter,
         auto_budget=runtime.auto_budget(node),
         estimate_prompt_tokens=runtime.settings.estimate_prompt_tokens.value,
     )
-    node.stash[SESSION_KEY] = session
+    state.session = session
     after = runtime.settings.progress_after_s.value
     live = (
         LiveLine(request.config, after)
@@ -73,19 +69,12 @@ def ct_session(
             yield session
     finally:
         cache.current_test = None
-        if session.calls:
-            node.user_properties.append(
-                (ATTRIBUTIONS_PROPERTY, [call.kwargs["batch_size"] for call in session.calls])
-            )
-            node.user_properties.append(
-                (TIMINGS_PROPERTY, [c.timing.to_dict() for c in session.calls if c.timing])
-            )
-        if session.auto_choices:
-            node.user_properties.append(
-                (AUTO_PROPERTY, [choice.describe() for choice in session.auto_choices])
-            )
+        record = state.record
+        record.attribution_batch_sizes = [call.kwargs["batch_size"] for call in session.calls]
+        record.attribution_timings = [c.timing.to_dict() for c in session.calls if c.timing]
+        record.auto_batch_sizes = [choice.describe() for choice in session.auto_choices]
         if session.halvings:
-            node.user_properties.append((HALVINGS_PROPERTY, halving_summary(session)))
+            record.oom_halvings = halving_summary(session)
         session.close()
 
 
