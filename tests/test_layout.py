@@ -1,0 +1,176 @@
+"""The package's layout holds: one room per feature, no import cycles, no heavy imports.
+
+These read the source (``ast``) and import each room in a fresh interpreter, so a change that
+breaks the layout fails here rather than in a user's ``pytest --co``.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "pytest_ctresources"
+#: The modules at the top of the package: the wiring, the public API, and what users import.
+TOP_LEVEL = {"__init__", "plugin", "exceptions", "testing"}
+#: What no module may import when it is imported (the plugin loads at every pytest start-up).
+HEAVY = ("torch", "matplotlib", "nbformat", "nbclient", "circuit_tracer", "transformers", "nnsight")
+#: Modules imported only once the feature that needs the library runs: the notebook runner is
+#: imported by a notebook item's ``runtest`` under ``--nbmake``, where nbformat is installed.
+ALLOWED = {"pytest_ctresources.notebooks.run": {"nbformat", "nbclient"}}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+ROOMS = sorted(path.name for path in PACKAGE.iterdir() if (path / "__init__.py").is_file())
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The package's modules that ``path`` imports, at module level or inside functions
+    (an import moved into a function still ties the two modules), except under
+    ``if TYPE_CHECKING:``, which never runs."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                visit_all(child.orelse)
+                continue
+            if isinstance(child, ast.Import):
+                found.update(alias.name for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module is not None:
+                assert child.level == 0, f"{path}: relative import"
+                found.add(child.module)
+                found.update(f"{child.module}.{alias.name}" for alias in child.names)
+            visit(child)
+
+    def visit_all(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            visit(ast.Module(body=[node], type_ignores=[]))
+
+    visit(ast.parse(path.read_text(encoding="utf-8")))
+    return {name for name in found if name in MODULES}
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {name: imported_modules(path) - {name} for name, path in MODULES.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                other = stack.pop()
+                on_stack.discard(other)
+                component.append(other)
+                if other == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_package_import_graph_has_no_cycle() -> None:
+    graph = import_graph()
+    assert len(graph) > 40  # the walk found the package
+    assert cycles(graph) == []
+
+
+def test_every_module_sits_in_a_room() -> None:
+    top = {path.stem for path in PACKAGE.glob("*.py")}
+    assert top == TOP_LEVEL
+    assert set(ROOMS) == {
+        "bundled",
+        "core",
+        "estimator",
+        "gpu",
+        "leases",
+        "notebooks",
+        "report",
+        "session",
+        "settings",
+        "xdist",
+    }
+
+
+def test_production_code_does_not_import_the_test_helpers() -> None:
+    # pytest_ctresources.testing is the public module for test authors; the plugin reads the
+    # bundled models' names from bundled/catalogue.py instead.
+    importers = [
+        name
+        for name, path in MODULES.items()
+        if name != "pytest_ctresources.testing"
+        and "pytest_ctresources.testing" in imported_modules(path)
+    ]
+    assert importers == []
+
+
+_IMPORT_ROOM = """
+import importlib, sys
+heavy = set(sys.argv[2].split(","))
+allowed = dict(a.split("=") for a in sys.argv[3].split(";") if a)
+
+class Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in heavy - BLOCK_EXEMPT:
+            raise ImportError(f"{name} imported while importing {CURRENT}")
+        return None
+
+sys.meta_path.insert(0, Blocked())
+for CURRENT in sys.argv[1].split(","):
+    BLOCK_EXEMPT = set(allowed.get(CURRENT, "").split(",")) - {""}
+    importlib.import_module(CURRENT)
+print("imported", len(sys.argv[1].split(",")))
+"""
+
+
+@pytest.mark.parametrize("room", [*ROOMS, "top"])
+def test_each_room_imports_in_a_fresh_interpreter_without_torch(room: str) -> None:
+    if room == "top":
+        names = [module_name(PACKAGE / f"{name}.py") for name in sorted(TOP_LEVEL)]
+    else:
+        names = sorted(name for name in MODULES if name.startswith(f"pytest_ctresources.{room}"))
+    allowed = ";".join(f"{name}={','.join(sorted(libs))}" for name, libs in ALLOWED.items())
+    result = subprocess.run(
+        [sys.executable, "-c", _IMPORT_ROOM, ",".join(names), ",".join(HEAVY), allowed],
+        capture_output=True,
+        text=True,
+        cwd=PACKAGE.parent,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr.strip().splitlines()[-1:]
+    assert result.stdout.strip() == f"imported {len(names)}"
