@@ -20,6 +20,7 @@ import pytest
 
 from pytest_ctresources.leases.leases import IdleCacheWatcher
 from pytest_ctresources.leases.ledger import (
+    Lease,
     LeaseTimeout,
     LedgerDirError,
     VramLedger,
@@ -47,7 +48,7 @@ HOLDER = """
 import sys
 from pathlib import Path
 from pytest_ctresources.leases.leases import IdleCacheWatcher
-from pytest_ctresources.leases.ledger import VramLedger
+from pytest_ctresources.leases.ledger import Lease, VramLedger
 
 ledger = VramLedger(Path(sys.argv[1]), float(sys.argv[2]), card_gib=float(sys.argv[3])).open()
 leases = []
@@ -63,8 +64,10 @@ for line in sys.stdin:
     command, *args = line.split()
     if command == "take":
         lease = ledger.acquire(float(args[0]), timeout_s=10)
-        if args[1:] == ["resident"]:
-            ledger.mark_resident(lease)
+        if args[1:] == ["resident"]:  # as GpuLeases.model_loaded carves a model's lease
+            model = Lease(0.0, [], 0.0, resident=True)
+            ledger.move(lease, model, lease.gib)
+            lease = model
         leases.append(lease)
         print("held", flush=True)
     elif command == "free":
@@ -141,7 +144,7 @@ def test_leases_in_one_process_never_share_a_unit(tmp_path: Path, holders: list[
         ledger.close()
 
 
-def test_a_split_lease_keeps_its_units_held_throughout(
+def test_a_model_lease_carved_from_a_test_keeps_its_units_held_throughout(
     tmp_path: Path, holders: list[Holder]
 ) -> None:
     path = tmp_path / "gpu.ledger"
@@ -149,7 +152,8 @@ def test_a_split_lease_keeps_its_units_held_throughout(
     watcher = hold(holders, path, 24)
     try:
         test = ledger.acquire(16, timeout_s=1)
-        model = ledger.split(test, 9, resident=True)  # the model the test loaded keeps 9 GiB
+        model = Lease(0.0, [], 0.0, resident=True)
+        ledger.move(test, model, 9)  # the model the test loaded keeps 9 GiB
         assert (len(test.units), len(model.units)) == (7 * 16, 9 * 16)
         ledger.release(test)  # the test ends
         assert watcher.ask("free-gib") == "15.0"

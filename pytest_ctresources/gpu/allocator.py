@@ -178,8 +178,6 @@ class CapacityCap:
 
     capacity_gib: float
     armed: bool = False
-    applied: dict[int, float] = field(default_factory=dict)
-    not_binding: list[int] = field(default_factory=list)
 
     def arm(self, *, import_torch: bool = False) -> None:
         """Queue the cap. ``import_torch``: import torch if no one has yet (this does not
@@ -204,11 +202,8 @@ class CapacityCap:
         for index in range(torch.cuda.device_count()):
             total = torch.cuda.get_device_properties(index).total_memory
             fraction = memory_fraction(capacity, total)
-            if fraction is None:
-                self.not_binding.append(index)
-                continue
-            torch.cuda.set_per_process_memory_fraction(fraction, index)
-            self.applied[index] = fraction
+            if fraction is not None:  # None: the card is no larger than the cap
+                torch.cuda.set_per_process_memory_fraction(fraction, index)
 
 
 #: The AllocConf the plugin applied before conftests were imported (config.stash): the

@@ -74,17 +74,6 @@ def open_figure_numbers() -> frozenset[int]:
     return frozenset(pyplot.get_fignums())
 
 
-def close_open_figures() -> int:
-    """Close every open matplotlib figure, if pyplot is loaded; return how many were open."""
-    pyplot = sys.modules.get("matplotlib.pyplot")
-    if pyplot is None:
-        return 0
-    count = len(pyplot.get_fignums())
-    if count:
-        pyplot.close("all")
-    return count
-
-
 def close_figures(numbers: Iterable[int]) -> int:
     """Close the pyplot figures numbered ``numbers`` that are still open; return how many."""
     pyplot = sys.modules.get("matplotlib.pyplot")

@@ -107,17 +107,6 @@ class GpuInfo:
             "physical_index": self.physical_index,
         }
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, object]) -> GpuInfo:
-        """Inverse of :meth:`to_dict` (``total_gib`` is derived, so it is ignored)."""
-        return cls(
-            index=_want(data, "index", int),
-            name=_want(data, "name", str),
-            total_bytes=_want(data, "total_bytes", int),
-            uuid=_want_optional(data, "uuid", str),
-            physical_index=_want_optional(data, "physical_index", int),
-        )
-
 
 @dataclass(frozen=True)
 class GpuFacts:
@@ -161,7 +150,7 @@ class GpuFacts:
         return f"GPU {gpu.index}: {gpu.name}, {gpu.total_gib:.1f} GiB ({', '.join(where)})"
 
     def to_dict(self) -> dict[str, object]:
-        """JSON-able form, for reports and for passing facts to xdist workers."""
+        """JSON-able form, for the JSON report and ``ct-resources gpus --json``."""
         return {
             "source": self.source,
             "detail": self.detail,
@@ -169,43 +158,6 @@ class GpuFacts:
             "caveats": list(self.caveats),
             "gpus": [gpu.to_dict() for gpu in self.gpus],
         }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, object]) -> GpuFacts:
-        """Inverse of :meth:`to_dict`; raises ``ValueError`` on a malformed mapping."""
-        source = _want(data, "source", str)
-        if source not in ("nvml", "torch", "fake", "none"):
-            raise ValueError(f"GpuFacts: unknown source {source!r}")
-        gpus = _want(data, "gpus", list)
-        caveats = data.get("caveats", [])
-        if not isinstance(caveats, list) or not all(isinstance(c, str) for c in caveats):
-            raise ValueError("GpuFacts: 'caveats' must be a list of strings")
-        infos: list[GpuInfo] = []
-        for item in gpus:
-            if not isinstance(item, Mapping):
-                raise ValueError("GpuFacts: each entry of 'gpus' must be a mapping")
-            infos.append(GpuInfo.from_dict(item))
-        return cls(
-            gpus=tuple(infos),
-            source=source,  # type: ignore[arg-type]  # checked against the Literal above
-            detail=_want(data, "detail", str),
-            cuda_visible_devices=_want_optional(data, "cuda_visible_devices", str),
-            caveats=tuple(caveats),
-        )
-
-
-def _want(data: Mapping[str, object], key: str, kind: type[_T]) -> _T:
-    value = data.get(key)
-    # bool is an int subclass; a bool where a count is expected is a malformed report.
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ValueError(f"GpuFacts: {key!r} must be {kind.__name__}, got {value!r}")
-    return value
-
-
-def _want_optional(data: Mapping[str, object], key: str, kind: type[_T]) -> _T | None:
-    if data.get(key) is None:
-        return None
-    return _want(data, key, kind)
 
 
 # --------------------------------------------------------------------------- parsing

@@ -508,14 +508,6 @@ class VramLedger:
             lease.units = []
             lease.gib = 0.0
 
-    def split(self, lease: Lease, gib: float, resident: bool = False) -> Lease:
-        """Move up to ``gib`` of ``lease``'s units into a new lease, ``resident`` or not (no
-        unit is free in between: a model loaded under its test's lease keeps part of it)."""
-        count = min(units_for(gib), len(lease.units))
-        part = Lease(count / UNITS_PER_GIB, [], 0.0, resident=resident)
-        self._move_units(lease, part, count)
-        return part
-
     def move(self, source: Lease, target: Lease, gib: float) -> None:
         """Move up to ``gib`` of ``source``'s units into ``target`` (a freed model's lease to
         the test that had counted on the model)."""
@@ -534,14 +526,6 @@ class VramLedger:
                     handle.unlock(RESIDENT + unit)
             target.units += moved
             target.gib = len(target.units) / UNITS_PER_GIB
-
-    def mark_resident(self, lease: Lease) -> None:
-        """Mark ``lease`` as a resident model's, so waiters know freeing it would help."""
-        handle = self.file
-        with handle.lock:
-            lease.resident = True
-            for unit in lease.units:
-                handle.try_lock(RESIDENT + unit)
 
     def wanted_elsewhere(self) -> bool:
         """Whether another process waits for units that idle resident models hold."""

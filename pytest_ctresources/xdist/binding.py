@@ -38,8 +38,6 @@ class Binding:
     """The GPU as the host lists it before binding (its index among the visible GPUs)."""
     visible_before: str | None
     """``CUDA_VISIBLE_DEVICES`` before binding (None: unset)."""
-    sharing: int
-    """How many of the run's workers are bound to this GPU (on a host like this one)."""
 
     def undo(self, environ: MutableMapping[str, str]) -> None:
         """Give ``CUDA_VISIBLE_DEVICES`` back its value from before the binding."""
@@ -65,13 +63,6 @@ def choose_gpu(facts: GpuFacts, number: int) -> GpuInfo | None:
     if not facts.gpus:
         return None
     return facts.gpus[number % len(facts.gpus)]
-
-
-def sharing_count(worker_count: int, gpu_count: int, gpu_position: int) -> int:
-    """How many of ``worker_count`` round-robin workers land on visible GPU ``gpu_position``."""
-    if gpu_count <= 0:
-        return 0
-    return len(range(gpu_position, worker_count, gpu_count))
 
 
 def choose_position(number: int, worker_count: int, taken: list[int]) -> int:
@@ -119,7 +110,7 @@ def bind_worker(
     gpu = facts.gpus[position]
     before = environ.get(VISIBLE_DEVICES_ENV)
     environ[VISIBLE_DEVICES_ENV] = gpu.uuid if gpu.uuid is not None else str(gpu.index)
-    return Binding(worker, gpu, before, sharing_count(count, n, position))
+    return Binding(worker, gpu, before)
 
 
 def plan_line(facts: GpuFacts, worker_count: int | None) -> str | None:
