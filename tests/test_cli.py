@@ -149,13 +149,48 @@ def test_config_sets_the_ceiling_and_logits(
     [
         (
             ["--model", "google/gemma-7", "--transcoders", "gemma"],
-            "unknown model 'google/gemma-7' (nearest: google/gemma-2-27b, ",
+            "argument --model: unknown model 'google/gemma-7' (nearest: google/gemma-2-27b, ",
+        ),
+        (
+            ["--model", "gemma-7"],  # a short name the registry lacks: the nearest too
+            "argument --model: unknown model 'gemma-7' (nearest: google/gemma-2-27b, ",
         ),
         (
             ["--model", "google/gemma-2-2b", "--transcoders", "nope"],
-            "unknown transcoder set 'nope'",
+            "argument --transcoders: unknown transcoder set 'nope'",
         ),
-        (["--model", "google/gemma-2-2b"], "name a model and a transcoder set"),
+        (
+            ["--model", "llama"],
+            "argument --model: ambiguous model name 'llama': it could be "
+            "meta-llama/Llama-3.1-8B, meta-llama/Llama-3.1-8B-Instruct, meta-llama/Llama-3.2-1B, ",
+        ),
+        (
+            ["--model", "gemma-2-2b", "--transcoders", "clt"],
+            "argument --transcoders: ambiguous transcoder set 'clt': for google/gemma-2-2b it "
+            "could be mntss/clt-gemma-2-2b-426k, mntss/clt-gemma-2-2b-2.5M; give one of them",
+        ),
+        (
+            ["--model", "Llama-3.2-1B", "--transcoders", "gemma"],
+            "argument --transcoders: transcoder set gemma (mwhanna/gemma-scope-transcoders) was "
+            "made for google/gemma-2-2b, google/gemma-2-2b-it, not for meta-llama/Llama-3.2-1B; "
+            "meta-llama/Llama-3.2-1B's usual set is llama",
+        ),
+        (
+            ["--model", "gemma-2-2b", "--transcoders", "width_16k_l0_small"],
+            "argument --transcoders: transcoder set 'width_16k_l0_small' is a GemmaScope-2 "
+            "variant, made for google/gemma-3-{1b,4b,12b}-{pt,it} (one repository each), not for "
+            "google/gemma-2-2b",
+        ),
+        (
+            ["--model", "gemma-3-4b-it"],
+            "no usual transcoder set for google/gemma-3-4b-it: GemmaScope-2 has several",
+        ),
+        (
+            ["--model", "gemma-2-9b"],
+            "no usual transcoder set for google/gemma-2-9b: the registry knows none; name one "
+            "with --transcoders SET",
+        ),
+        (["--transcoders", "gemma"], "name a model: --model NAME, or MODEL_NAME in the --config"),
         (["--config", "missing.yaml"], "missing.yaml: cannot read experiment config"),
         (
             ["--model", "google/gemma-2-2b", "--transcoders", "gemma", "--batch-size", "auto"],
@@ -270,3 +305,95 @@ def test_active_features_given_are_per_layer_and_token(capsys: pytest.CaptureFix
         "features     10 active per layer and token (--active-features): 5600 in all over 28 "
         "layers x 20 positions after BOS"
     ) in text
+
+
+def test_short_names_and_the_usual_set_estimate_what_the_full_names_do(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    common = ["--dtype", "bf16", "--gpu-gib", "24", "--json"]
+    full = json.loads(
+        run(capsys, "estimate", "--model", "google/gemma-2-2b", "--transcoders", "gemma", *common)
+    )
+    short = json.loads(run(capsys, "estimate", "--model", "GEMMA-2-2B", *common))
+    assert full["transcoders_source"] == "--transcoders"
+    assert short["transcoders_source"] == "google/gemma-2-2b's usual set"
+    assert short["model_source"] == full["model_source"] == "--model"
+    sources = {"transcoders_source"}
+    assert {k: v for k, v in short.items() if k not in sources} == {
+        k: v for k, v in full.items() if k not in sources
+    }
+    text = run(capsys, "estimate", "--model", "gemma-2-2b", "--gpu-gib", "24")
+    assert text.splitlines()[1] == (
+        "transcoders  mwhanna/gemma-scope-transcoders: per-layer, 16384 features per layer "
+        "(google/gemma-2-2b's usual set; --transcoders to choose another)"
+    )
+    named = run(capsys, "estimate", "--model", "gemma-2-2b", "--transcoders", "426k")
+    assert named.splitlines()[1].startswith("transcoders  mntss/clt-gemma-2-2b-426k: cross-layer")
+    assert "usual set" not in named
+
+
+@pytest.mark.parametrize("model", sorted(registry.USUAL_TRANSCODER_SETS))
+def test_model_alone_takes_its_usual_set(capsys: pytest.CaptureFixture[str], model: str) -> None:
+    short = model.split("/")[1].lower()  # what a person types
+    payload = json.loads(run(capsys, "estimate", "--model", short, "--gpu-gib", "80", "--json"))
+    assert payload["model"] == model
+    usual = registry.USUAL_TRANSCODER_SETS[model]
+    assert payload["transcoders"] == registry.transcoder_info(usual).shape.name
+    assert payload["transcoders_source"] == f"{model}'s usual set"
+
+
+@pytest.mark.parametrize(
+    ("yaml", "message"),
+    [
+        (
+            "MODEL_NAME: gemma-2-2b\nTRANSCODER_SET: gemma\n",
+            "MODEL_NAME in {path}: 'gemma-2-2b' is short for google/gemma-2-2b; experiment "
+            "configs take the full name, which circuit-tracer loads (short names work on the "
+            "command line)",
+        ),
+        (
+            "MODEL_NAME: google/gemma-2-2b\nTRANSCODER_SET: 426k\n",
+            "TRANSCODER_SET in {path}: '426k' is short for mntss/clt-gemma-2-2b-426k; ",
+        ),
+        (
+            "MODEL_NAME: google/gemma-2-2b\nTRANSCODER_SET: llama\n",
+            "TRANSCODER_SET in {path}: transcoder set llama (mntss/transcoder-Llama-3.2-1B) was "
+            "made for meta-llama/Llama-3.2-1B, meta-llama/Llama-3.2-1B-Instruct, not for "
+            "google/gemma-2-2b; google/gemma-2-2b's usual set is gemma",
+        ),
+        (
+            "MODEL_NAME: google/gemma-7\nTRANSCODER_SET: gemma\n",
+            "MODEL_NAME in {path}: unknown model 'google/gemma-7' (nearest: ",
+        ),
+    ],
+)
+def test_experiment_yaml_names_are_not_resolved(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, yaml: str, message: str
+) -> None:
+    """The plugin hands MODEL_NAME and TRANSCODER_SET to circuit-tracer as written: a short
+    name there is refused with the full one, and a wrong pair names both, as for the flags."""
+    config = tmp_path / "x.yaml"
+    config.write_text(yaml)
+    err = fail(capsys, "estimate", "--config", str(config), "--gpu-gib", "24")
+    assert err.startswith("ct-resources: error: " + message.format(path=config))
+    assert err.count("\n") == 1
+
+
+def test_flags_resolve_over_a_config_and_its_set_must_fit_the_new_model(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    config = tmp_path / "x.yaml"
+    config.write_text("MODEL_NAME: google/gemma-2-2b\nTRANSCODER_SET: gemma\nDTYPE: bf16\n")
+    flagged = ["estimate", "--config", str(config), "--gpu-gib", "24", "--json"]
+    payload = json.loads(run(capsys, *flagged, "--model", "gemma-2-2b-it"))
+    assert (payload["model"], payload["model_source"]) == ("google/gemma-2-2b-it", "--model")
+    assert payload["transcoders_source"] == f"TRANSCODER_SET in {config}"
+    err = fail(capsys, *flagged, "--model", "qwen3-4b")
+    assert err.startswith(
+        f"ct-resources: error: TRANSCODER_SET in {config}: transcoder set gemma "
+        "(mwhanna/gemma-scope-transcoders) was made for google/gemma-2-2b, google/gemma-2-2b-it, "
+        "not for Qwen/Qwen3-4B; Qwen/Qwen3-4B's usual set is mwhanna/qwen3-4b-transcoders"
+    )
+    # A set named on the command line resolves for the model the config names.
+    payload = json.loads(run(capsys, *flagged, "--transcoders", "clt-gemma-2-2b-426k"))
+    assert payload["transcoders"] == "mntss/clt-gemma-2-2b-426k"

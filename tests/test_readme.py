@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import shlex
 from pathlib import Path
 
@@ -36,3 +37,21 @@ def test_sample_estimate_is_current(
     block = README[start : README.index("```", start)]
     command, _, shown = block.partition("\n")
     assert output_of(capsys, command.removeprefix("$ ")).strip() == shown.strip()
+
+
+def test_sample_errors_are_current(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every ``$ ct-resources ...`` line the README follows with an error is answered so."""
+    monkeypatch.setenv("CT_FAKE_GPUS", "")  # no GPU, whatever the machine has
+    lines = [line.strip() for line in README.splitlines()]
+    samples = [
+        (command.removeprefix("$ "), answer)
+        for command, answer in itertools.pairwise(lines)
+        if command.startswith("$ ct-resources ") and answer.startswith("ct-resources: error: ")
+    ]
+    assert len(samples) >= 3
+    for command, answer in samples:
+        with pytest.raises(SystemExit):
+            main(shlex.split(command)[1:])
+        assert capsys.readouterr().err.strip() == answer, command

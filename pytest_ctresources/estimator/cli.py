@@ -15,7 +15,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -56,6 +56,9 @@ class Request:
     auto_batch: bool
     ceiling: int
     active_source: str
+    model_source: str = "--model"
+    transcoders_source: str = "--transcoders"
+    usual_set: bool = False  # no set was named: the model's usual one
 
 
 def _dtype(text: str) -> str:
@@ -157,9 +160,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The flag each config field comes from, for the sources error messages name.
+_FLAGS: Final = {
+    "model_name": "--model",
+    "transcoder_set": "--transcoders",
+    "dtype": "--dtype",
+    "batch_size": "--batch-size",
+    "max_feature_nodes": "--max-feature-nodes",
+    "batch_size_max": "--ceiling",
+}
+
+
 def resolve(args: argparse.Namespace) -> Request:
     """Turn the flags (and ``--config``) into shapes and a workload: the config's values with
-    the flags laid over them, as the plugin lays options over an experiment YAML."""
+    the flags laid over them, as the plugin lays options over an experiment YAML; short names
+    resolved (:func:`resolve_names`)."""
     cfg = CircuitTracerConfig.defaults()
     if args.config:
         from pytest_ctresources.settings.experiment_yaml import load_experiment_yaml
@@ -178,17 +193,92 @@ def resolve(args: argparse.Namespace) -> Request:
     }
     cfg = cfg.layered(
         {name: value for name, value in flags.items() if value is not None},
-        Source.option("ct-resources"),
+        lambda name: Source.option(_FLAGS[name]),
     )
+    cfg, usual = resolve_names(cfg)
     try:
         model, transcoders = registry.shapes_of_config(cfg)
-    except registry.UnknownShape as exc:
+    except registry.UnknownShape as exc:  # not reached: resolve_names looked both up
         raise CliError(str(exc)) from None
     auto = cfg.batch_size == AUTO
     batch = 1 if auto else int(cfg.batch_size)
     active, source = _active_per_layer_token(args.active_features, cfg)
     workload = registry.workload_of(cfg, args.prompt_tokens, active, batch)
-    return Request(model, transcoders, workload, auto, cfg.batch_size_max, source)
+    return Request(
+        model,
+        transcoders,
+        workload,
+        auto,
+        cfg.batch_size_max,
+        source,
+        model_source=str(cfg.source_of("model_name")),
+        transcoders_source=str(cfg.source_of("transcoder_set")),
+        usual_set=usual,
+    )
+
+
+def _where(cfg: CircuitTracerConfig, field: str) -> str:
+    """A field's source as an error names it: ``argument --model``, ``MODEL_NAME in x.yaml``."""
+    source = cfg.source_of(field)
+    return f"argument {source}" if source.kind == "option" else str(source)
+
+
+def resolve_names(cfg: CircuitTracerConfig) -> tuple[CircuitTracerConfig, bool]:
+    """``cfg`` with the model's and the transcoder set's names as the registry has them, and
+    whether the set is the model's usual one because none was named.
+
+    A flag's short name resolves (``gemma-2-2b`` -> ``google/gemma-2-2b``); an experiment
+    YAML's does not, because the plugin hands MODEL_NAME and TRANSCODER_SET to circuit-tracer
+    as written: there a name the registry would resolve is an error naming the full one.
+
+    Raises:
+        CliError: no model; a name unknown, ambiguous or short in a YAML; a set made for
+            another model. One line, naming where the value came from.
+    """
+    if not cfg.model_name:
+        raise CliError("name a model: --model NAME, or MODEL_NAME in the --config file")
+    model = _resolved(cfg, "model_name", registry.resolve_model_name)
+    try:
+        registry.model_shape(model)
+    except registry.UnknownShape as exc:
+        raise CliError(f"{_where(cfg, 'model_name')}: {exc}") from None
+    cfg = cfg.layered({"model_name": model}, cfg.source_of("model_name"))
+    usual = cfg.transcoder_set is None
+    if usual:
+        try:
+            named = registry.usual_transcoder_set(model)
+        except registry.UnknownShape as exc:
+            raise CliError(f"{exc}; name one with --transcoders SET") from None
+        cfg = cfg.layered({"transcoder_set": named}, Source("default", f"{model}'s usual set"))
+    else:
+        named = _resolved(
+            cfg, "transcoder_set", lambda name: registry.resolve_transcoder_set(name, model)
+        )
+        cfg = cfg.layered({"transcoder_set": named}, cfg.source_of("transcoder_set"))
+    try:
+        registry.transcoder_info(named, model)
+        registry.check_pair(model, named)
+    except registry.UnknownShape as exc:
+        raise CliError(f"{_where(cfg, 'transcoder_set')}: {exc}") from None
+    return cfg, usual
+
+
+def _resolved(cfg: CircuitTracerConfig, field: str, resolve_name: Callable[[str], str]) -> str:
+    """Field ``field`` of ``cfg`` resolved by ``resolve_name``; a YAML's value must need no
+    resolving."""
+    name = str(getattr(cfg, field))
+    where = _where(cfg, field)
+    try:
+        resolved = resolve_name(name)
+    except registry.UnknownShape as exc:
+        raise CliError(f"{where}: {exc}") from None
+    if resolved != name and cfg.source_of(field).kind == "yaml":
+        # The plugin would load this name as written, where it means something else.
+        raise CliError(
+            f"{where}: {shown(name)} is short for {resolved}; experiment configs take the "
+            "full name, which circuit-tracer loads (short names work on the command line)"
+        )
+    return resolved
 
 
 def _active_per_layer_token(given: float | None, cfg: CircuitTracerConfig) -> tuple[float, str]:
@@ -259,6 +349,8 @@ def run_estimate(args: argparse.Namespace, out: Any) -> int:
     )
     if args.json:
         payload = prediction.to_dict() | {
+            "model_source": request.model_source,
+            "transcoders_source": request.transcoders_source,
             "active_source": request.active_source,
             "gpu_gib": gpu_gib,
             "gpu": gpu_text,
@@ -296,12 +388,17 @@ def _print_estimate(
     softcap = f", logit softcap {model.final_logit_softcap:g}" if model.final_logit_softcap else ""
     kind = "cross-layer" if tc.cross_layer else "per-layer"
     skip = ", skip connection" if tc.skip_connection else ""
+    usual = (
+        f" ({request.transcoders_source}; --transcoders to choose another)"
+        if request.usual_set
+        else ""
+    )
     write = out.write
     write(
         f"model        {model.name}: {model.n_params / 1e9:.2f}e9 parameters, {model.n_layers} "
         f"layers, d_model {model.d_model}, vocabulary {model.vocab_size}{softcap}\n"
     )
-    write(f"transcoders  {tc.name}: {kind}, {tc.width} features per layer{skip}\n")
+    write(f"transcoders  {tc.name}: {kind}, {tc.width} features per layer{skip}{usual}\n")
     nodes = "all" if work.max_feature_nodes is None else work.max_feature_nodes
     auto = " (auto)" if request.auto_batch else ""
     write(
