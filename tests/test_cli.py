@@ -204,6 +204,11 @@ def test_config_sets_the_ceiling_and_logits(
             "with --transcoders SET",
         ),
         (["--transcoders", "gemma"], "name a model: --model NAME, or MODEL_NAME in the --config"),
+        (  # no file can have this name: unknown, not an OSError from looking for config.json
+            ["--model", "a" * 5000],
+            "argument --model: unknown model 'aaaaaaaaaaaaaaaaa...aaaaaaaaaaaaaaaaaa' (5000 "
+            "characters); ",
+        ),
         (["--config", "missing.yaml"], "missing.yaml: cannot read experiment config"),
         (
             ["--model", "google/gemma-2-2b", "--transcoders", "gemma", "--batch-size", "auto"],

@@ -329,9 +329,8 @@ def model_shape(name: str) -> ModelShape:
         return MODELS[name]
     if catalogue.is_bundled_model(name):
         return _bundled_model(name)
-    path = Path(name)
-    if path.name == "config.json" or (path.is_dir() and (path / "config.json").is_file()):
-        return model_from_config_json(path)
+    if _is_config_json(name):
+        return model_from_config_json(name)
     raise UnknownShape(
         f"unknown model {shown(name)}{nearest(name, known_models())}; "
         f"{len(known_models())} are known (docs/registry-sources.md), or give the path of a "
@@ -415,8 +414,13 @@ def short_name_matches(short: str, known: list[str]) -> list[str]:
 
 
 def _is_config_json(name: str) -> bool:
+    """Whether ``name`` is a ``config.json`` path or a folder holding one. A name no file can
+    have (too long, a NUL byte) is none: the caller's lookup then names it as unknown."""
     path = Path(name)
-    return path.name == "config.json" or (path.is_dir() and (path / "config.json").is_file())
+    try:
+        return path.name == "config.json" or (path.is_dir() and (path / "config.json").is_file())
+    except (OSError, ValueError):
+        return False
 
 
 def resolve_model_name(name: str) -> str:
