@@ -514,11 +514,12 @@ def resolve_transcoder_set(name: str, model: str | None = None) -> str:
 #: the sets made for the model, the one circuit-tracer's own examples use with it (0.5.0's
 #: README, its demos and tests). gemma-2-2b: ``gemma`` (the README's first example, the
 #: attribution demo); gemma-2-2b-it: ``gemma`` too (gemma_it_demo: base-model transcoders on
-#: the instruct model); Llama-3.2-1B: ``llama`` (the README's CLI example, llama_demo), and
-#: for -Instruct the same, as the registry lists it for both; each Qwen3 model: the one set the
-#: README lists for its size. Gemma-3 has none: the README's only example names a set that does
-#: not exist ("gemma-3") and the tests use different GemmaScope-2 variants (16k and 262k
-#: features, whose estimates differ tenfold), so a Gemma-3 model needs its set named.
+#: the instruct model); Llama-3.2-1B: ``llama`` (the README's CLI example, the attribution
+#: demo's "Llama-3.2-1B, with llama transcoders"), and for -Instruct the same, as the
+#: registry lists it for both; each Qwen3 model: the one set the README lists for its size.
+#: Gemma-3 has none: the README's only example names a set that does not exist ("gemma-3")
+#: and the tests use different GemmaScope-2 variants (16k and 262k features, whose estimates
+#: differ tenfold), so a Gemma-3 model needs its set named.
 USUAL_TRANSCODER_SETS: Final[Mapping[str, str]] = MappingProxyType(
     {
         "google/gemma-2-2b": "gemma",
