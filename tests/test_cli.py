@@ -101,11 +101,23 @@ def test_text_output_has_the_breakdown_and_the_table(capsys: pytest.CaptureFixtu
     )
     for name in ("weights", "transcoders", "setup", "forward", "backward", "CUDA context"):
         assert any(line.startswith(f"  {name} ") for line in lines), name
-    assert "batch size   peak GiB   total GiB   fits 24.0 GiB" in lines
-    assert any(line.endswith("<- this run") for line in lines)
+    # The config's batch size is auto: "fits" is auto's rule, said once, used throughout.
+    assert lines[5] == (
+        "fits         allocated peak and CUDA context within auto's budget 22.8 GiB = 24.0 GiB "
+        "(--gpu-gib 24) less 5% margin (the caching allocator frees its unused cache before it "
+        "runs out, so the reserved peak need not fit)"
+    )
+    assert "batch size   peak GiB   peak + context GiB   fits 22.8 GiB" in lines
+    assert any("yes  <- this run" in line for line in lines)
     assert lines[-2].startswith("largest batch size that fits (up to 512): ")
     assert lines[-1].startswith("auto: batch size ")
     assert lines[-1].endswith("budget 22.8 GiB = 24.0 GiB (--gpu-gib 24) less 5% margin)")
+    fixed = run(capsys, "estimate", "--model", "gemma-2-2b", "--dtype", "bf16", "--gpu-gib", "24")
+    assert (
+        "fits         total on the card (reserved peak and CUDA context) within the card's "
+        "24.0 GiB"
+    ) in fixed.splitlines()
+    assert "batch size   peak GiB   total GiB   fits 24.0 GiB" in fixed.splitlines()
 
 
 def test_auto_batch_size_is_the_plugins_choice(capsys: pytest.CaptureFixture[str]) -> None:
@@ -120,7 +132,8 @@ def test_auto_batch_size_is_the_plugins_choice(capsys: pytest.CaptureFixture[str
     budget = autobatch.Budget(16.0, "--gpu-gib 16", autobatch.DEFAULT_AUTO_MARGIN)
     fitted = autobatch.fit_batch(model, transcoders, work, budget, 512)
     assert fitted is not None
-    assert auto["batch_size"] == fitted[0] < auto["largest_fitting_batch_size"]
+    # Balanced: fewer than the largest that fits, for the same number of backward passes.
+    assert auto["batch_size"] == fitted[0] < fitted[1] == auto["largest_fitting_batch_size"]
     rows = min(8192, work.active_features(model.n_layers))
     assert auto["auto_reason"] == autobatch.reason(fitted[0], fitted[1], 512, rows, budget)
     assert auto["active_source"] == "assumed: the set's L0 is not known"
@@ -149,13 +162,53 @@ def test_config_sets_the_ceiling_and_logits(
     [
         (
             ["--model", "google/gemma-7", "--transcoders", "gemma"],
-            "unknown model 'google/gemma-7' (nearest: google/gemma-2-27b, ",
+            "argument --model: unknown model 'google/gemma-7' (nearest: google/gemma-2-27b, ",
+        ),
+        (
+            ["--model", "gemma-7"],  # a short name the registry lacks: the nearest too
+            "argument --model: unknown model 'gemma-7' (nearest: google/gemma-2-27b, ",
         ),
         (
             ["--model", "google/gemma-2-2b", "--transcoders", "nope"],
-            "unknown transcoder set 'nope'",
+            "argument --transcoders: unknown transcoder set 'nope'",
         ),
-        (["--model", "google/gemma-2-2b"], "name a model and a transcoder set"),
+        (
+            ["--model", "llama"],
+            "argument --model: ambiguous model name 'llama': it could be "
+            "meta-llama/Llama-3.1-8B, meta-llama/Llama-3.1-8B-Instruct, meta-llama/Llama-3.2-1B, ",
+        ),
+        (
+            ["--model", "gemma-2-2b", "--transcoders", "clt"],
+            "argument --transcoders: ambiguous transcoder set 'clt': for google/gemma-2-2b it "
+            "could be mntss/clt-gemma-2-2b-426k, mntss/clt-gemma-2-2b-2.5M; give one of them",
+        ),
+        (
+            ["--model", "Llama-3.2-1B", "--transcoders", "gemma"],
+            "argument --transcoders: transcoder set gemma (mwhanna/gemma-scope-transcoders) was "
+            "made for google/gemma-2-2b, google/gemma-2-2b-it, not for meta-llama/Llama-3.2-1B; "
+            "meta-llama/Llama-3.2-1B's usual set is llama",
+        ),
+        (
+            ["--model", "gemma-2-2b", "--transcoders", "width_16k_l0_small"],
+            "argument --transcoders: transcoder set 'width_16k_l0_small' is a GemmaScope-2 "
+            "variant, made for google/gemma-3-{1b,4b,12b}-{pt,it} (one repository each), not for "
+            "google/gemma-2-2b",
+        ),
+        (
+            ["--model", "gemma-3-4b-it"],
+            "no usual transcoder set for google/gemma-3-4b-it: GemmaScope-2 has several",
+        ),
+        (
+            ["--model", "gemma-2-9b"],
+            "no usual transcoder set for google/gemma-2-9b: the registry knows none; name one "
+            "with --transcoders SET",
+        ),
+        (["--transcoders", "gemma"], "name a model: --model NAME, or MODEL_NAME in the --config"),
+        (  # no file can have this name: unknown, not an OSError from looking for config.json
+            ["--model", "a" * 5000],
+            "argument --model: unknown model 'aaaaaaaaaaaaaaaaa...aaaaaaaaaaaaaaaaaa' (5000 "
+            "characters); ",
+        ),
         (["--config", "missing.yaml"], "missing.yaml: cannot read experiment config"),
         (
             ["--model", "google/gemma-2-2b", "--transcoders", "gemma", "--batch-size", "auto"],
@@ -270,3 +323,169 @@ def test_active_features_given_are_per_layer_and_token(capsys: pytest.CaptureFix
         "features     10 active per layer and token (--active-features): 5600 in all over 28 "
         "layers x 20 positions after BOS"
     ) in text
+
+
+def test_short_names_and_the_usual_set_estimate_what_the_full_names_do(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    common = ["--dtype", "bf16", "--gpu-gib", "24", "--json"]
+    full = json.loads(
+        run(capsys, "estimate", "--model", "google/gemma-2-2b", "--transcoders", "gemma", *common)
+    )
+    short = json.loads(run(capsys, "estimate", "--model", "GEMMA-2-2B", *common))
+    assert full["transcoders_source"] == "--transcoders"
+    assert short["transcoders_source"] == "google/gemma-2-2b's usual set"
+    assert short["model_source"] == full["model_source"] == "--model"
+    sources = {"transcoders_source"}
+    assert {k: v for k, v in short.items() if k not in sources} == {
+        k: v for k, v in full.items() if k not in sources
+    }
+    text = run(capsys, "estimate", "--model", "gemma-2-2b", "--gpu-gib", "24")
+    assert text.splitlines()[1] == (
+        "transcoders  mwhanna/gemma-scope-transcoders: per-layer, 16384 features per layer "
+        "(google/gemma-2-2b's usual set; --transcoders to choose another)"
+    )
+    named = run(capsys, "estimate", "--model", "gemma-2-2b", "--transcoders", "426k")
+    assert named.splitlines()[1].startswith("transcoders  mntss/clt-gemma-2-2b-426k: cross-layer")
+    assert "usual set" not in named
+
+
+@pytest.mark.parametrize("model", sorted(registry.USUAL_TRANSCODER_SETS))
+def test_model_alone_takes_its_usual_set(capsys: pytest.CaptureFixture[str], model: str) -> None:
+    short = model.split("/")[1].lower()  # what a person types
+    payload = json.loads(run(capsys, "estimate", "--model", short, "--gpu-gib", "80", "--json"))
+    assert payload["model"] == model
+    usual = registry.USUAL_TRANSCODER_SETS[model]
+    assert payload["transcoders"] == registry.transcoder_info(usual).shape.name
+    assert payload["transcoders_source"] == f"{model}'s usual set"
+
+
+@pytest.mark.parametrize(
+    ("yaml", "message"),
+    [
+        (
+            "MODEL_NAME: gemma-2-2b\nTRANSCODER_SET: gemma\n",
+            "MODEL_NAME in {path}: 'gemma-2-2b' is short for google/gemma-2-2b; experiment "
+            "configs take the full name, which circuit-tracer loads (short names work on the "
+            "command line)",
+        ),
+        (
+            "MODEL_NAME: google/gemma-2-2b\nTRANSCODER_SET: 426k\n",
+            "TRANSCODER_SET in {path}: '426k' is short for mntss/clt-gemma-2-2b-426k; ",
+        ),
+        (
+            "MODEL_NAME: google/gemma-2-2b\nTRANSCODER_SET: llama\n",
+            "TRANSCODER_SET in {path}: transcoder set llama (mntss/transcoder-Llama-3.2-1B) was "
+            "made for meta-llama/Llama-3.2-1B, meta-llama/Llama-3.2-1B-Instruct, not for "
+            "google/gemma-2-2b; google/gemma-2-2b's usual set is gemma",
+        ),
+        (
+            "MODEL_NAME: google/gemma-7\nTRANSCODER_SET: gemma\n",
+            "MODEL_NAME in {path}: unknown model 'google/gemma-7' (nearest: ",
+        ),
+    ],
+)
+def test_experiment_yaml_names_are_not_resolved(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, yaml: str, message: str
+) -> None:
+    """The plugin hands MODEL_NAME and TRANSCODER_SET to circuit-tracer as written: a short
+    name there is refused with the full one, and a wrong pair names both, as for the flags."""
+    config = tmp_path / "x.yaml"
+    config.write_text(yaml)
+    err = fail(capsys, "estimate", "--config", str(config), "--gpu-gib", "24")
+    assert err.startswith("ct-resources: error: " + message.format(path=config))
+    assert err.count("\n") == 1
+
+
+def test_flags_resolve_over_a_config_and_its_set_must_fit_the_new_model(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    config = tmp_path / "x.yaml"
+    config.write_text("MODEL_NAME: google/gemma-2-2b\nTRANSCODER_SET: gemma\nDTYPE: bf16\n")
+    flagged = ["estimate", "--config", str(config), "--gpu-gib", "24", "--json"]
+    payload = json.loads(run(capsys, *flagged, "--model", "gemma-2-2b-it"))
+    assert (payload["model"], payload["model_source"]) == ("google/gemma-2-2b-it", "--model")
+    assert payload["transcoders_source"] == f"TRANSCODER_SET in {config}"
+    err = fail(capsys, *flagged, "--model", "qwen3-4b")
+    assert err.startswith(
+        f"ct-resources: error: TRANSCODER_SET in {config}: transcoder set gemma "
+        "(mwhanna/gemma-scope-transcoders) was made for google/gemma-2-2b, google/gemma-2-2b-it, "
+        "not for Qwen/Qwen3-4B; Qwen/Qwen3-4B's usual set is mwhanna/qwen3-4b-transcoders"
+    )
+    # A set named on the command line resolves for the model the config names.
+    payload = json.loads(run(capsys, *flagged, "--transcoders", "clt-gemma-2-2b-426k"))
+    assert payload["transcoders"] == "mntss/clt-gemma-2-2b-426k"
+
+
+def _table_rows(text: str) -> list[tuple[int, float, bool, str]]:
+    """The batch-size table of an estimate: (batch size, figure compared, fits, mark)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("batch size   peak GiB"))
+    rows = []
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            break
+        fields, _, mark = line.partition("<-")
+        batch, _peak, figure, fits = fields.split()
+        rows.append((int(batch), float(figure), fits == "yes", mark.strip()))
+    return rows
+
+
+@pytest.mark.parametrize("tokens", ["20", "24", "30", "40", "128"])
+@pytest.mark.parametrize("batch", ["auto", "128"])
+def test_one_output_states_one_largest_batch_size(
+    capsys: pytest.CaptureFixture[str], tokens: str, batch: str
+) -> None:
+    """The table, the "largest batch size that fits" line and auto's reason give one figure
+    (the config's gemma-2-2b-it at 30 tokens once printed 301 in one place and 313 in
+    another): every row fits exactly when it is no larger, its row is marked, and auto's
+    reason names the same."""
+    argv = ["estimate", "--config", str(ROOT / "example_configs" / "gemma-2-2b-it.yaml")]
+    argv += ["--prompt-tokens", tokens, "--gpu-gib", "24", "--batch-size", batch]
+    text = run(capsys, *argv)
+    (stated,) = [line for line in text.splitlines() if line.startswith("largest batch size")]
+    largest = int(stated.rsplit(": ", 1)[1])
+    rows = _table_rows(text)
+    assert all(fits == (size <= largest) for size, _, fits, _ in rows)
+    assert [size for size, _, _, mark in rows if "the largest that fits" in mark] == [largest]
+    (this_run,) = [(size, fits) for size, _, fits, mark in rows if "this run" in mark]
+    payload = json.loads(run(capsys, *argv, "--json"))
+    assert payload["largest_fitting_batch_size"] == largest
+    assert [row["fits"] for row in payload["table"]] == [fits for _, _, fits, _ in rows]
+    if batch == "auto":
+        assert this_run[1]  # auto's choice fits by the rule the output states
+        reason = text.splitlines()[-1]
+        assert f"{largest} is the largest that fits" in reason or f"the ceiling {largest}" in reason
+        assert payload["fit_rule"] == {"counts": "allocated peak and CUDA context", "budget_gib": 22.8}
+        budget = autobatch.Budget(24.0, "--gpu-gib 24", autobatch.DEFAULT_AUTO_MARGIN)
+        for row in payload["table"]:
+            work = est.Workload("bfloat16", row["batch_size"], int(tokens), 1020 / 26)
+            prediction = est.estimate(registry.MODELS["google/gemma-2-2b-it"], GEMMA_SET, work)
+            counted = autobatch.counted_for_fit(prediction, budget)
+            assert row["counted_gib"] == round(counted / GIB, 3)
+    else:
+        assert this_run[0] == 128
+        assert payload["fit_rule"]["counts"] == "total on the card (reserved peak and CUDA context)"
+        assert all(row["counted_gib"] == row["total_gib"] for row in payload["table"])
+
+
+GEMMA_SET = registry.transcoder_info("gemma").loaded()
+
+
+def test_the_readme_table_s_names_are_accepted_and_its_figures_are_the_estimate_s(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every row of `ct-resources table` (the README's table), its short transcoder names
+    as printed, through `ct-resources estimate`: the same largest batch size on each card."""
+    lines = run(capsys, "table").splitlines()
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    cards = [float(cell.removesuffix(" GiB")) for cell in header[5:]]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+    assert {row[1] for row in rows} >= {"gemma", "llama", "width_16k_l0_small"}
+    for model, transcoders, _active, dtype, tokens, *cells in rows:
+        argv = ["estimate", "--model", model, "--transcoders", transcoders, "--dtype", dtype]
+        argv += ["--prompt-tokens", tokens, "--json"]
+        for card, cell in zip(cards, cells, strict=True):
+            payload = json.loads(run(capsys, *argv, "--gpu-gib", f"{card:g}"))
+            largest = payload["largest_fitting_batch_size"]
+            assert cell == ("does not fit" if largest is None else str(largest)), (argv, card)

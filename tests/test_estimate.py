@@ -409,6 +409,173 @@ def test_unknown_names_get_the_nearest_known_ones() -> None:
         registry.transcoder_info(testing.RANDOM_TRANSCODERS, "google/gemma-2-2b")
 
 
+# --- names as people type them (ct-resources) ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("typed", "full"),
+    [
+        ("gemma-2-2b", "google/gemma-2-2b"),  # the part after the owner
+        ("GEMMA-2-2B-IT", "google/gemma-2-2b-it"),  # in any case
+        ("qwen3-4b", "Qwen/Qwen3-4B"),
+        ("Llama-3.2-1B", "meta-llama/Llama-3.2-1B"),
+        ("3.1-8B-Instruct", "meta-llama/Llama-3.1-8B-Instruct"),  # whole parts, one model
+        ("tiny-llama", "ctresources/tiny-llama"),
+        ("google/gemma-2-2b", "google/gemma-2-2b"),
+        ("google/gemma-7", "google/gemma-7"),  # unknown: left for model_shape to refuse
+        ("mma-2-2b", "mma-2-2b"),  # parts match whole, never inside a part
+    ],
+)
+def test_short_model_names_resolve_where_unique(typed: str, full: str) -> None:
+    assert registry.resolve_model_name(typed) == full
+
+
+def test_an_ambiguous_model_name_lists_every_candidate_registry_first() -> None:
+    with pytest.raises(registry.AmbiguousName) as error:
+        registry.resolve_model_name("llama")
+    message = str(error.value)
+    assert message.startswith("ambiguous model name 'llama': it could be meta-llama/")
+    llamas = [name for name in registry.known_models() if "llama" in name.lower()]
+    assert len(llamas) > 6
+    # Every one, once, and the registry's models before the bundled random ones.
+    assert all(message.count(f" {name},") + message.count(f" {name};") == 1 for name in llamas)
+    at = {name: message.index(f" {name}") for name in llamas}
+    real = [at[name] for name in llamas if name in registry.MODELS]
+    bundled = [at[name] for name in llamas if name not in registry.MODELS]
+    assert max(real) < min(bundled)
+    assert message.endswith("; give one of them in full")
+    with pytest.raises(registry.AmbiguousName, match="google/gemma-3-270m, google/gemma-3-270m-it"):
+        registry.resolve_model_name("270m")
+
+
+def test_a_local_config_json_is_taken_before_a_short_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "gemma-2-2b"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert registry.resolve_model_name("gemma-2-2b") == "gemma-2-2b"
+
+
+@pytest.mark.parametrize(
+    ("typed", "model", "full"),
+    [
+        ("gemma", None, "gemma"),  # circuit-tracer's aliases stay: it loads them
+        ("LLAMA", None, "llama"),
+        ("426k", None, "mntss/clt-gemma-2-2b-426k"),
+        ("clt-gemma-2-2b-2.5M", None, "mntss/clt-gemma-2-2b-2.5M"),
+        ("clt", "meta-llama/Llama-3.2-1B", "mntss/clt-llama-3.2-1b-524k"),  # the model's one
+        ("qwen3", "Qwen/Qwen3-4B", "mwhanna/qwen3-4b-transcoders"),
+        ("random-jumprelu", testing.TINY_GEMMA2, testing.RANDOM_TRANSCODERS),
+        (
+            "width_16k_l0_small",
+            "google/gemma-3-4b-it",
+            "mwhanna/gemma-scope-2-4b-it/transcoder_all/width_16k_l0_small",
+        ),
+        (
+            "clt/width_262k_l0_medium_affine",
+            "google/gemma-3-1b-pt",
+            "mwhanna/gemma-scope-2-1b-pt/clt/width_262k_l0_medium_affine",
+        ),
+        ("nope", None, "nope"),  # unknown: left for transcoder_info to refuse
+    ],
+)
+def test_short_transcoder_set_names_resolve_where_unique(
+    typed: str, model: str | None, full: str
+) -> None:
+    resolved = registry.resolve_transcoder_set(typed, model)
+    assert resolved == full
+    if full != "nope":
+        registry.transcoder_info(resolved, model)  # a name the registry knows
+
+
+def test_an_ambiguous_transcoder_set_lists_the_candidates_for_the_model() -> None:
+    with pytest.raises(registry.AmbiguousName) as anywhere:
+        registry.resolve_transcoder_set("clt")
+    assert str(anywhere.value) == (
+        "ambiguous transcoder set 'clt': it could be mntss/clt-gemma-2-2b-426k, "
+        "mntss/clt-gemma-2-2b-2.5M, mntss/clt-llama-3.2-1b-524k; give one of them in full"
+    )
+    with pytest.raises(registry.AmbiguousName) as for_gemma:
+        registry.resolve_transcoder_set("clt", "google/gemma-2-2b")
+    assert str(for_gemma.value) == (
+        "ambiguous transcoder set 'clt': for google/gemma-2-2b it could be "
+        "mntss/clt-gemma-2-2b-426k, mntss/clt-gemma-2-2b-2.5M; give one of them in full"
+    )
+
+
+def test_a_gemma_scope_2_variant_needs_a_gemma_3_model() -> None:
+    with pytest.raises(registry.UnknownShape) as no_model:
+        registry.resolve_transcoder_set("width_16k_l0_small")
+    assert not isinstance(no_model.value, registry.MismatchedSet)
+    assert "and no model is named" in str(no_model.value)
+    with pytest.raises(registry.MismatchedSet) as other:
+        registry.resolve_transcoder_set("width_16k_l0_small", "google/gemma-2-2b")
+    assert str(other.value).startswith(
+        "transcoder set 'width_16k_l0_small' is a GemmaScope-2 variant, made for "
+        "google/gemma-3-{1b,4b,12b}-{pt,it} (one repository each), not for google/gemma-2-2b"
+    )
+
+
+def test_every_model_a_set_was_made_for_has_a_usual_set_made_for_it() -> None:
+    made_for = {model for info in registry.TRANSCODER_SETS.values() for model in info.models}
+    assert set(registry.USUAL_TRANSCODER_SETS) == made_for
+    for model, usual in registry.USUAL_TRANSCODER_SETS.items():
+        assert registry.usual_transcoder_set(model) == usual
+        registry.check_pair(model, usual)
+    for name in testing.BUNDLED_MODELS:
+        assert registry.usual_transcoder_set(name) == testing.RANDOM_TRANSCODERS
+        registry.check_pair(name, testing.RANDOM_TRANSCODERS)
+
+
+def test_models_without_a_usual_set_say_what_to_name() -> None:
+    with pytest.raises(registry.UnknownShape) as gemma_3:
+        registry.usual_transcoder_set("google/gemma-3-4b-it")
+    assert str(gemma_3.value) == (
+        "no usual transcoder set for google/gemma-3-4b-it: GemmaScope-2 has several for it "
+        "and circuit-tracer's examples settle on none (e.g. width_16k_l0_small, short for "
+        "mwhanna/gemma-scope-2-4b-it/transcoder_all/width_16k_l0_small)"
+    )
+    with pytest.raises(registry.UnknownShape, match=r"the registry knows none$"):
+        registry.usual_transcoder_set("google/gemma-2-9b")
+
+
+@pytest.mark.parametrize(
+    ("model", "set_name", "message"),
+    [
+        (
+            "meta-llama/Llama-3.2-1B",
+            "gemma",
+            "transcoder set gemma (mwhanna/gemma-scope-transcoders) was made for "
+            "google/gemma-2-2b, google/gemma-2-2b-it, not for meta-llama/Llama-3.2-1B; "
+            "meta-llama/Llama-3.2-1B's usual set is llama",
+        ),
+        (
+            "google/gemma-3-4b-it",
+            "mwhanna/gemma-scope-2-4b-pt/transcoder_all/width_16k_l0_small",
+            "transcoder set mwhanna/gemma-scope-2-4b-pt/transcoder_all/width_16k_l0_small was "
+            "made for google/gemma-3-4b-pt, not for google/gemma-3-4b-it",
+        ),
+        (
+            testing.TINY_GEMMA2,
+            "mntss/clt-gemma-2-2b-426k",
+            "transcoder set mntss/clt-gemma-2-2b-426k was made for google/gemma-2-2b, "
+            f"google/gemma-2-2b-it, not for {testing.TINY_GEMMA2}; {testing.TINY_GEMMA2}'s "
+            f"usual set is {testing.RANDOM_TRANSCODERS}",
+        ),
+    ],
+)
+def test_a_set_made_for_another_model_names_both(model: str, set_name: str, message: str) -> None:
+    with pytest.raises(registry.MismatchedSet) as error:
+        registry.check_pair(model, set_name)
+    assert str(error.value) == message
+
+
+def test_a_local_config_json_is_not_checked_against_the_set(tmp_path: Path) -> None:
+    registry.check_pair(str(tmp_path / "config.json"), "gemma")  # nothing to compare with
+
+
 def test_shapes_of_a_loaded_model() -> None:
     """Dimensions read from a ReplacementModel agree with the registry's for the same model."""
     for name in (testing.TINY_GEMMA2, testing.TINY_LLAMA):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import re
 import shlex
 from pathlib import Path
 
@@ -27,12 +29,33 @@ def test_guidance_table_is_what_ct_resources_table_prints(
     assert table.strip() in README, "regenerate the README's table with `ct-resources table`"
 
 
-def test_sample_estimate_is_current(
+def test_sample_estimates_are_current(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.chdir(ROOT)  # the command names example_configs/ relative to the repo
-    marker = "$ ct-resources estimate "
-    start = README.index(marker)
-    block = README[start : README.index("```", start)]
-    command, _, shown = block.partition("\n")
-    assert output_of(capsys, command.removeprefix("$ ")).strip() == shown.strip()
+    """Every text block that is one ``$ ct-resources estimate ...`` and its output."""
+    monkeypatch.chdir(ROOT)  # the commands name example_configs/ relative to the repo
+    marker = "```text\n$ ct-resources estimate "
+    starts = [found.start() for found in re.finditer(re.escape(marker), README)]
+    assert len(starts) >= 2
+    for start in starts:
+        block = README[start + len("```text\n") : README.index("```", start + len(marker))]
+        command, _, shown = block.partition("\n")
+        assert output_of(capsys, command.removeprefix("$ ")).strip() == shown.strip(), command
+
+
+def test_sample_errors_are_current(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every ``$ ct-resources ...`` line the README follows with an error is answered so."""
+    monkeypatch.setenv("CT_FAKE_GPUS", "")  # no GPU, whatever the machine has
+    lines = [line.strip() for line in README.splitlines()]
+    samples = [
+        (command.removeprefix("$ "), answer)
+        for command, answer in itertools.pairwise(lines)
+        if command.startswith("$ ct-resources ") and answer.startswith("ct-resources: error: ")
+    ]
+    assert len(samples) >= 3
+    for command, answer in samples:
+        with pytest.raises(SystemExit):
+            main(shlex.split(command)[1:])
+        assert capsys.readouterr().err.strip() == answer, command

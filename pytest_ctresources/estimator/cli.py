@@ -4,6 +4,7 @@
     ct-resources estimate --config example_configs/gemma-2-2b-it.yaml --prompt-tokens 40
     ct-resources estimate --model google/gemma-2-2b --transcoders gemma \\
         --dtype bfloat16 --batch-size 256 --gpu-gib 24 [--json]
+    ct-resources estimate --model gemma-2-2b --gpu-gib 24   # a short name, its usual set
     ct-resources table --cards 24,48,80 --prompt-tokens 32,128   # the README's guidance
 
 Nothing here imports torch unless GPU detection has to fall back to it.
@@ -15,13 +16,18 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 from pytest_ctresources.estimator import estimate as est
 from pytest_ctresources.estimator import registry
-from pytest_ctresources.estimator.auto import DEFAULT_AUTO_MARGIN, Budget, fit_batch
+from pytest_ctresources.estimator.auto import (
+    DEFAULT_AUTO_MARGIN,
+    Budget,
+    counted_for_fit,
+    fit_batch,
+)
 from pytest_ctresources.estimator.auto import reason as auto_reason_text
 from pytest_ctresources.settings.config import (
     AUTO,
@@ -56,6 +62,9 @@ class Request:
     auto_batch: bool
     ceiling: int
     active_source: str
+    model_source: str = "--model"
+    transcoders_source: str = "--transcoders"
+    usual_set: bool = False  # no set was named: the model's usual one
 
 
 def _dtype(text: str) -> str:
@@ -107,8 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     source = estimate.add_argument_group("what to estimate (a config, or a model and a set)")
     source.add_argument("--config", metavar="YAML", help="experiment config (MODEL_NAME, ...)")
-    source.add_argument("--model", help="model name (see the registry) or a config.json path")
-    source.add_argument("--transcoders", metavar="SET", help="transcoder set name or alias")
+    source.add_argument(
+        "--model",
+        help="model name, full or short where unique (gemma-2-2b), or a config.json path",
+    )
+    source.add_argument(
+        "--transcoders",
+        metavar="SET",
+        help="transcoder set, full or short where unique (default: the model's usual set)",
+    )
     estimate.add_argument("--dtype", type=_dtype, help="bfloat16 or float32 (default: config's)")
     estimate.add_argument(
         "--batch-size", type=_batch, metavar="N|auto", help="default: config's, else 256"
@@ -157,9 +173,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The flag each config field comes from, for the sources error messages name.
+_FLAGS: Final = {
+    "model_name": "--model",
+    "transcoder_set": "--transcoders",
+    "dtype": "--dtype",
+    "batch_size": "--batch-size",
+    "max_feature_nodes": "--max-feature-nodes",
+    "batch_size_max": "--ceiling",
+}
+
+
 def resolve(args: argparse.Namespace) -> Request:
     """Turn the flags (and ``--config``) into shapes and a workload: the config's values with
-    the flags laid over them, as the plugin lays options over an experiment YAML."""
+    the flags laid over them, as the plugin lays options over an experiment YAML; short names
+    resolved (:func:`resolve_names`)."""
     cfg = CircuitTracerConfig.defaults()
     if args.config:
         from pytest_ctresources.settings.experiment_yaml import load_experiment_yaml
@@ -178,17 +206,92 @@ def resolve(args: argparse.Namespace) -> Request:
     }
     cfg = cfg.layered(
         {name: value for name, value in flags.items() if value is not None},
-        Source.option("ct-resources"),
+        lambda name: Source.option(_FLAGS[name]),
     )
+    cfg, usual = resolve_names(cfg)
     try:
         model, transcoders = registry.shapes_of_config(cfg)
-    except registry.UnknownShape as exc:
+    except registry.UnknownShape as exc:  # not reached: resolve_names looked both up
         raise CliError(str(exc)) from None
     auto = cfg.batch_size == AUTO
     batch = 1 if auto else int(cfg.batch_size)
     active, source = _active_per_layer_token(args.active_features, cfg)
     workload = registry.workload_of(cfg, args.prompt_tokens, active, batch)
-    return Request(model, transcoders, workload, auto, cfg.batch_size_max, source)
+    return Request(
+        model,
+        transcoders,
+        workload,
+        auto,
+        cfg.batch_size_max,
+        source,
+        model_source=str(cfg.source_of("model_name")),
+        transcoders_source=str(cfg.source_of("transcoder_set")),
+        usual_set=usual,
+    )
+
+
+def _where(cfg: CircuitTracerConfig, field: str) -> str:
+    """A field's source as an error names it: ``argument --model``, ``MODEL_NAME in x.yaml``."""
+    source = cfg.source_of(field)
+    return f"argument {source}" if source.kind == "option" else str(source)
+
+
+def resolve_names(cfg: CircuitTracerConfig) -> tuple[CircuitTracerConfig, bool]:
+    """``cfg`` with the model's and the transcoder set's names as the registry has them, and
+    whether the set is the model's usual one because none was named.
+
+    A flag's short name resolves (``gemma-2-2b`` -> ``google/gemma-2-2b``); an experiment
+    YAML's does not, because the plugin hands MODEL_NAME and TRANSCODER_SET to circuit-tracer
+    as written: there a name the registry would resolve is an error naming the full one.
+
+    Raises:
+        CliError: no model; a name unknown, ambiguous or short in a YAML; a set made for
+            another model. One line, naming where the value came from.
+    """
+    if not cfg.model_name:
+        raise CliError("name a model: --model NAME, or MODEL_NAME in the --config file")
+    model = _resolved(cfg, "model_name", registry.resolve_model_name)
+    try:
+        registry.model_shape(model)
+    except registry.UnknownShape as exc:
+        raise CliError(f"{_where(cfg, 'model_name')}: {exc}") from None
+    cfg = cfg.layered({"model_name": model}, cfg.source_of("model_name"))
+    usual = cfg.transcoder_set is None
+    if usual:
+        try:
+            named = registry.usual_transcoder_set(model)
+        except registry.UnknownShape as exc:
+            raise CliError(f"{exc}; name one with --transcoders SET") from None
+        cfg = cfg.layered({"transcoder_set": named}, Source("default", f"{model}'s usual set"))
+    else:
+        named = _resolved(
+            cfg, "transcoder_set", lambda name: registry.resolve_transcoder_set(name, model)
+        )
+        cfg = cfg.layered({"transcoder_set": named}, cfg.source_of("transcoder_set"))
+    try:
+        registry.transcoder_info(named, model)
+        registry.check_pair(model, named)
+    except registry.UnknownShape as exc:
+        raise CliError(f"{_where(cfg, 'transcoder_set')}: {exc}") from None
+    return cfg, usual
+
+
+def _resolved(cfg: CircuitTracerConfig, field: str, resolve_name: Callable[[str], str]) -> str:
+    """Field ``field`` of ``cfg`` resolved by ``resolve_name``; a YAML's value must need no
+    resolving."""
+    name = str(getattr(cfg, field))
+    where = _where(cfg, field)
+    try:
+        resolved = resolve_name(name)
+    except registry.UnknownShape as exc:
+        raise CliError(f"{where}: {exc}") from None
+    if resolved != name and cfg.source_of(field).kind == "yaml":
+        # The plugin would load this name as written, where it means something else.
+        raise CliError(
+            f"{where}: {shown(name)} is short for {resolved}; experiment configs take the "
+            "full name, which circuit-tracer loads (short names work on the command line)"
+        )
+    return resolved
 
 
 def _active_per_layer_token(given: float | None, cfg: CircuitTracerConfig) -> tuple[float, str]:
@@ -212,64 +315,123 @@ def _gpu_budget(args: argparse.Namespace) -> tuple[float | None, str]:
     return gpu.total_gib, f"{gpu.name}, {gpu.total_gib:.1f} GiB ({facts.source})"
 
 
-def _table_sizes(ceiling: int, chosen: int) -> list[int]:
-    sizes = {1 << power for power in range(0, 20) if 1 << power <= ceiling}
-    sizes.add(chosen)
-    return sorted(size for size in sizes if size >= 8 or size == chosen)
+def _table_sizes(ceiling: int, *marked: int) -> list[int]:
+    """Powers of two from 8 up to the ceiling, and the batch sizes the output names."""
+    sizes = {1 << power for power in range(3, 20) if 1 << power <= ceiling}
+    return sorted(sizes | set(marked))
+
+
+@dataclass(frozen=True)
+class FitRule:
+    """What "fits" means in one output: one figure of each estimate against one budget, so
+    the table, the largest batch size and auto's reason never disagree.
+
+    A fixed batch size fits when its total on the card (the reserved peak and the CUDA
+    context) fits the card, as the plugin's estimated needs and ``ct-resources table`` count
+    it; under ``auto`` a batch size fits when what auto fits (:func:`counted_for_fit`: the
+    allocated peak and the context) fits auto's budget, the card less the margin. Two rules,
+    because they answer two questions; one output asks one of them.
+    """
+
+    budget_bytes: int
+    counts: str  # what of an estimate is compared, for the output and the JSON
+    column: str  # the table's column of that figure
+    budget_text: str
+    description: str
+    counted: Callable[[est.Estimate], int]
+
+    def fits(self, prediction: est.Estimate) -> bool:
+        return self.counted(prediction) <= self.budget_bytes
+
+    @classmethod
+    def fixed(cls, gpu_gib: float) -> FitRule:
+        counts = "total on the card (reserved peak and CUDA context)"
+        return cls(
+            int(gpu_gib * GIB),
+            counts,
+            "total GiB",
+            f"{gpu_gib:.1f} GiB",
+            f"{counts} within the card's {gpu_gib:.1f} GiB",
+            lambda prediction: prediction.total_bytes,
+        )
+
+    @classmethod
+    def auto(cls, budget: Budget) -> FitRule:
+        counts = "allocated peak and CUDA context"
+        return cls(
+            budget.budget_bytes,
+            counts,
+            "peak + context GiB",
+            f"{budget.budget_bytes / GIB:.1f} GiB",
+            f"{counts} within auto's {budget.describe()} (the caching allocator frees its "
+            "unused cache before it runs out, so the reserved peak need not fit)",
+            lambda prediction: counted_for_fit(prediction, budget),
+        )
 
 
 def run_estimate(args: argparse.Namespace, out: Any) -> int:
     request = resolve(args)
     gpu_gib, gpu_text = _gpu_budget(args)
     workload = request.workload
-    choice = None
-    if gpu_gib is not None:
-        choice = est.largest_fitting_batch(
-            request.model,
-            request.transcoders,
-            workload,
-            int(gpu_gib * GIB),
-            ceiling=request.ceiling,
-        )
+    rule = None
+    largest = None
     auto_reason = None
     if request.auto_batch:
+        if gpu_gib is None:
+            raise CliError(f"--batch-size auto needs a GPU size (--gpu-gib): {gpu_text}")
         # The choice ct_session would make on this card, before loading anything.
         budget = Budget(gpu_gib, gpu_text, DEFAULT_AUTO_MARGIN)
-        fitted = (
-            None
-            if gpu_gib is None
-            else fit_batch(request.model, request.transcoders, workload, budget, request.ceiling)
-        )
+        rule = FitRule.auto(budget)
+        fitted = fit_batch(request.model, request.transcoders, workload, budget, request.ceiling)
         if fitted is None:
             raise CliError(
-                "--batch-size auto needs a GPU size (--gpu-gib) and a workload that fits it at "
-                "batch size 1"
+                f"--batch-size auto: not even batch size 1 is predicted to fit the "
+                f"{budget.describe()}"
             )
         workload = est.with_batch(workload, fitted[0])
+        largest = fitted[1]
         nodes = workload.max_feature_nodes
         feature_rows = workload.active_features(request.model.n_layers)
         feature_rows = feature_rows if nodes is None else min(feature_rows, nodes)
-        auto_reason = auto_reason_text(fitted[0], fitted[1], request.ceiling, feature_rows, budget)
+        auto_reason = auto_reason_text(fitted[0], largest, request.ceiling, feature_rows, budget)
+    elif gpu_gib is not None:
+        rule = FitRule.fixed(gpu_gib)
+        found = est.largest_fitting_batch(
+            request.model,
+            request.transcoders,
+            workload,
+            rule.budget_bytes,
+            ceiling=request.ceiling,
+            counted=rule.counted,
+        )
+        largest = None if found is None else found[0]
     prediction = est.estimate(request.model, request.transcoders, workload)
+    marked = [workload.batch_size] + ([] if largest is None else [largest])
     rows = est.batch_table(
         request.model,
         request.transcoders,
         workload,
-        _table_sizes(request.ceiling, workload.batch_size),
+        _table_sizes(request.ceiling, *marked),
     )
     if args.json:
         payload = prediction.to_dict() | {
+            "model_source": request.model_source,
+            "transcoders_source": request.transcoders_source,
             "active_source": request.active_source,
             "gpu_gib": gpu_gib,
             "gpu": gpu_text,
-            "largest_fitting_batch_size": choice[0] if choice else None,
+            "fit_rule": None
+            if rule is None
+            else {"counts": rule.counts, "budget_gib": round(rule.budget_bytes / GIB, 3)},
+            "largest_fitting_batch_size": largest,
             "auto_reason": auto_reason,
             "table": [
                 {
                     "batch_size": row.workload.batch_size,
                     "peak_gib": round(row.peak_gib, 3),
                     "total_gib": round(row.total_gib, 3),
-                    "fits": None if gpu_gib is None else row.total_gib <= gpu_gib,
+                    "counted_gib": None if rule is None else round(rule.counted(row) / GIB, 3),
+                    "fits": None if rule is None else rule.fits(row),
                 }
                 for row in rows
             ],
@@ -277,7 +439,7 @@ def run_estimate(args: argparse.Namespace, out: Any) -> int:
         json.dump(payload, out, indent=2)
         out.write("\n")
         return 0
-    _print_estimate(out, prediction, rows, gpu_gib, gpu_text, choice, request)
+    _print_estimate(out, prediction, rows, rule, gpu_text, largest, request)
     if auto_reason is not None:
         out.write(f"auto: batch size {workload.batch_size} ({auto_reason})\n")
     return 0
@@ -287,21 +449,26 @@ def _print_estimate(
     out: Any,
     prediction: est.Estimate,
     rows: Sequence[est.Estimate],
-    gpu_gib: float | None,
+    rule: FitRule | None,
     gpu_text: str,
-    choice: tuple[int, est.Estimate] | None,
+    largest: int | None,
     request: Request,
 ) -> None:
     model, tc, work = prediction.model, prediction.transcoders, prediction.workload
     softcap = f", logit softcap {model.final_logit_softcap:g}" if model.final_logit_softcap else ""
     kind = "cross-layer" if tc.cross_layer else "per-layer"
     skip = ", skip connection" if tc.skip_connection else ""
+    usual = (
+        f" ({request.transcoders_source}; --transcoders to choose another)"
+        if request.usual_set
+        else ""
+    )
     write = out.write
     write(
         f"model        {model.name}: {model.n_params / 1e9:.2f}e9 parameters, {model.n_layers} "
         f"layers, d_model {model.d_model}, vocabulary {model.vocab_size}{softcap}\n"
     )
-    write(f"transcoders  {tc.name}: {kind}, {tc.width} features per layer{skip}\n")
+    write(f"transcoders  {tc.name}: {kind}, {tc.width} features per layer{skip}{usual}\n")
     nodes = "all" if work.max_feature_nodes is None else work.max_feature_nodes
     auto = " (auto)" if request.auto_batch else ""
     write(
@@ -313,8 +480,10 @@ def _print_estimate(
         f"({request.active_source}): {prediction.active_features} in all over "
         f"{model.n_layers} layers x {max(work.prompt_tokens - 1, 0)} positions after BOS\n"
     )
-    write(f"GPU          {gpu_text}\n\n")
-    write("breakdown                GiB\n")
+    write(f"GPU          {gpu_text}\n")
+    if rule is not None:
+        write(f"fits         {rule.description}\n")
+    write("\nbreakdown                GiB\n")
     for term in prediction.terms:
         write(f"  {term.name:<20} {term.gib:>7.2f}  {term.note}\n")
     write(
@@ -323,20 +492,27 @@ def _print_estimate(
     )
     write(f"  {'peak reserved':<20} {prediction.peak_reserved_bytes / GIB:>7.2f}\n")
     write(f"  {'total on the card':<20} {prediction.total_gib:>7.2f}\n\n")
-    fits_header = f"fits {gpu_gib:.1f} GiB" if gpu_gib is not None else "fits"
-    write(f"batch size   peak GiB   total GiB   {fits_header}\n")
+    column = "total GiB" if rule is None else rule.column
+    fits_header = "fits" if rule is None else f"fits {rule.budget_text}"
+    write(f"batch size   peak GiB   {column}   {fits_header}\n")
     for row in rows:
-        fits = "-" if gpu_gib is None else ("yes" if row.total_gib <= gpu_gib else "no")
-        mark = "  <- this run" if row.workload.batch_size == work.batch_size else ""
+        batch = row.workload.batch_size
+        figure = row.total_bytes if rule is None else rule.counted(row)
+        fits = "-" if rule is None else ("yes" if rule.fits(row) else "no")
+        marks = [
+            *(["this run"] if batch == work.batch_size else []),
+            *(["the largest that fits"] if batch == largest else []),
+        ]
+        mark = f"  <- {', '.join(marks)}" if marks else ""
         write(
-            f"{row.workload.batch_size:>10} {row.peak_gib:>10.2f} {row.total_gib:>11.2f}   "
+            f"{batch:>10} {row.peak_gib:>10.2f} {figure / GIB:>{len(column) + 2}.2f}   "
             f"{fits}{mark}\n"
         )
-    if gpu_gib is not None:
-        if choice is None:
-            write(f"\nnot even batch size 1 fits {gpu_gib:.1f} GiB\n")
+    if rule is not None:
+        if largest is None:
+            write(f"\nnot even batch size 1 fits {rule.budget_text}\n")
         else:
-            write(f"\nlargest batch size that fits (up to {request.ceiling}): {choice[0]}\n")
+            write(f"\nlargest batch size that fits (up to {request.ceiling}): {largest}\n")
 
 
 #: The pairs the README's table covers: circuit-tracer's own examples.

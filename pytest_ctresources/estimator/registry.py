@@ -33,6 +33,14 @@ class UnknownShape(LookupError):
     """A model or transcoder set the registry does not know; the message lists the known."""
 
 
+class AmbiguousName(UnknownShape):
+    """A short name that stands for more than one registry name; the message lists them."""
+
+
+class MismatchedSet(UnknownShape):
+    """A transcoder set made for other models than the one named with it."""
+
+
 def count_params(
     *,
     family: str,
@@ -321,9 +329,8 @@ def model_shape(name: str) -> ModelShape:
         return MODELS[name]
     if catalogue.is_bundled_model(name):
         return _bundled_model(name)
-    path = Path(name)
-    if path.name == "config.json" or (path.is_dir() and (path / "config.json").is_file()):
-        return model_from_config_json(path)
+    if _is_config_json(name):
+        return model_from_config_json(name)
     raise UnknownShape(
         f"unknown model {shown(name)}{nearest(name, known_models())}; "
         f"{len(known_models())} are known (docs/registry-sources.md), or give the path of a "
@@ -361,6 +368,223 @@ def transcoder_info(name: str, model: str | None = None) -> TranscoderSetInfo:
     raise UnknownShape(
         f"unknown transcoder set {shown(name)}{nearest(name, known_transcoder_sets())}; "
         f"{len(known_transcoder_sets())} are known (docs/registry-sources.md)"
+    )
+
+
+# --- names as people type them ------------------------------------------------------------
+# ct-resources takes short names (``gemma-2-2b``, ``qwen3-4b``, ``width_16k_l0_small``) and
+# resolves them here to the registry's full names. Experiment YAML does not: MODEL_NAME and
+# TRANSCODER_SET go to circuit-tracer and Hugging Face as written, where a short name is a
+# different hub id or a local folder (README, "Know before you run").
+
+#: What separates the parts of a name: a short name matches whole parts only, so ``gemma``
+#: matches ``google/gemma-2-2b`` but ``mma`` does not.
+_SEPARATORS: Final = frozenset("/-_.")
+
+
+def _matches_whole_parts(short: str, name: str) -> bool:
+    """Whether ``short`` occurs in ``name`` (case-insensitively) between separators or the
+    ends of ``name``."""
+    needle, text = short.lower(), name.lower()
+    start = text.find(needle)
+    while start != -1 and needle:
+        end = start + len(needle)
+        if (start == 0 or text[start - 1] in _SEPARATORS) and (
+            end == len(text) or text[end] in _SEPARATORS
+        ):
+            return True
+        start = text.find(needle, start + 1)
+    return False
+
+
+def short_name_matches(short: str, known: list[str]) -> list[str]:
+    """The names in ``known`` that ``short`` may stand for, most specific rule first: the name
+    itself in any case; else the names whose last part (after the owner's ``/``) it is; else
+    the names it is a run of whole parts of (``llama``, ``Llama-3.2``)."""
+    lowered = short.lower()
+    for rule in (
+        lambda name: name.lower() == lowered,
+        lambda name: name.rsplit("/", 1)[-1].lower() == lowered,
+        lambda name: _matches_whole_parts(short, name),
+    ):
+        found = [name for name in known if rule(name)]
+        if found:
+            return found
+    return []
+
+
+def _is_config_json(name: str) -> bool:
+    """Whether ``name`` is a ``config.json`` path or a folder holding one. A name no file can
+    have (too long, a NUL byte) is none: the caller's lookup then names it as unknown."""
+    path = Path(name)
+    try:
+        return path.name == "config.json" or (path.is_dir() and (path / "config.json").is_file())
+    except (OSError, ValueError):
+        return False
+
+
+def resolve_model_name(name: str) -> str:
+    """The registry's full name for model ``name`` as a person types it: a full name (any
+    case) or a short one that stands for one model only (``gemma-2-2b``, ``qwen3-4b``). A
+    local ``config.json`` (or a folder holding one) is taken as it is, before any short name;
+    a name nothing matches comes back unchanged, for :func:`model_shape` to refuse with the
+    nearest names.
+
+    Raises:
+        AmbiguousName: the short name stands for several models (the message lists them).
+    """
+    known = known_models()
+    if name in known or _is_config_json(name):
+        return name
+    # The registry's models before the bundled random ones: those are what people mean.
+    found = sorted(short_name_matches(name, known), key=catalogue.is_bundled_model)
+    if len(found) > 1:
+        raise AmbiguousName(
+            f"ambiguous model name {shown(name)}: it could be {', '.join(found)}; "
+            "give one of them in full"
+        )
+    return found[0] if found else name
+
+
+#: A GemmaScope-2 variant without its repository (``width_16k_l0_small``, as the README's
+#: table prints it, or ``clt/width_262k_l0_medium_affine``): the model says which repository.
+_GEMMA_SCOPE_2_VARIANT = re.compile(
+    r"(?:(?P<layout>transcoder_all|clt)/)?(?P<variant>width_\d+k\w*)"
+)
+_GEMMA_3_MODEL = re.compile(r"google/gemma-3-(?P<size>1b|4b|12b)-(?P<kind>pt|it)")
+
+
+def _gemma_scope_2_of(variant: re.Match[str], model: str | None) -> str:
+    """The GemmaScope-2 set of ``variant`` made for ``model``."""
+    layout = variant["layout"] or "transcoder_all"
+    example = f"mwhanna/gemma-scope-2-4b-it/{layout}/{variant['variant']}"
+    gemma_3 = None if model is None else _GEMMA_3_MODEL.fullmatch(model)
+    if gemma_3 is None:
+        error = UnknownShape if model is None else MismatchedSet
+        raise error(
+            f"transcoder set {shown(variant.string)} is a GemmaScope-2 variant, made for "
+            "google/gemma-3-{1b,4b,12b}-{pt,it} (one repository each), "
+            + ("and no model is named" if model is None else f"not for {model}")
+            + f": name a Gemma-3 model with it, or the set in full ({example})"
+        )
+    repo = f"mwhanna/gemma-scope-2-{gemma_3['size']}-{gemma_3['kind']}"
+    return f"{repo}/{layout}/{variant['variant']}"
+
+
+def _models_of(set_name: str) -> tuple[str, ...]:
+    info = TRANSCODER_SETS.get(ALIASES.get(set_name, set_name)) or _gemma_scope_2(set_name)
+    return () if info is None else info.models
+
+
+def resolve_transcoder_set(name: str, model: str | None = None) -> str:
+    """The registry's name for transcoder set ``name`` as a person types it, given the model
+    it goes with (a full name, or None): circuit-tracer's aliases (``gemma``, ``llama``) and
+    full names stay as they are; a GemmaScope-2 variant (``width_16k_l0_small``) becomes the
+    one of ``model``'s repository; a short name stands for the sets it matches
+    (:func:`short_name_matches`), and where several do, for those made for ``model``. A name
+    nothing matches comes back unchanged, for :func:`transcoder_info` to refuse.
+
+    Raises:
+        AmbiguousName: the short name stands for several sets (the message lists them).
+        MismatchedSet: a GemmaScope-2 variant with a model that is not a Gemma-3 one.
+    """
+    bundled = sorted(catalogue.BUNDLED_TRANSCODER_SETS)
+    if name in ALIASES or name in TRANSCODER_SETS or name in bundled or _gemma_scope_2(name):
+        return name
+    variant = _GEMMA_SCOPE_2_VARIANT.fullmatch(name)
+    if variant is not None:
+        return _gemma_scope_2_of(variant, model)
+    alias = [key for key in ALIASES if key == name.lower()]
+    if alias:
+        return alias[0]
+    found = short_name_matches(name, [*TRANSCODER_SETS, *bundled])
+    made_for_model = [set_name for set_name in found if model in _models_of(set_name)]
+    if len(found) > 1 and made_for_model:
+        found = made_for_model
+    if len(found) > 1:
+        scope = f"for {model} " if made_for_model else ""
+        raise AmbiguousName(
+            f"ambiguous transcoder set {shown(name)}: {scope}it could be {', '.join(found)}; "
+            "give one of them in full"
+        )
+    return found[0] if found else name
+
+
+#: The transcoder set ``ct-resources estimate --model NAME`` uses when none is named: among
+#: the sets made for the model, the one circuit-tracer's own examples use with it (0.5.0's
+#: README, its demos and tests). gemma-2-2b: ``gemma`` (the README's first example, the
+#: attribution demo); gemma-2-2b-it: ``gemma`` too (gemma_it_demo: base-model transcoders on
+#: the instruct model); Llama-3.2-1B: ``llama`` (the README's CLI example, the attribution
+#: demo's "Llama-3.2-1B, with llama transcoders"), and for -Instruct the same, as the
+#: registry lists it for both; each Qwen3 model: the one set the README lists for its size.
+#: Gemma-3 has none: the README's only example names a set that does not exist ("gemma-3")
+#: and the tests use different GemmaScope-2 variants (16k and 262k features, whose estimates
+#: differ tenfold), so a Gemma-3 model needs its set named.
+USUAL_TRANSCODER_SETS: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "google/gemma-2-2b": "gemma",
+        "google/gemma-2-2b-it": "gemma",
+        "meta-llama/Llama-3.2-1B": "llama",
+        "meta-llama/Llama-3.2-1B-Instruct": "llama",
+        "Qwen/Qwen3-0.6B": "mwhanna/qwen3-0.6b-transcoders-lowl0",
+        "Qwen/Qwen3-1.7B": "mwhanna/qwen3-1.7b-transcoders-lowl0",
+        "Qwen/Qwen3-4B": "mwhanna/qwen3-4b-transcoders",
+        "Qwen/Qwen3-8B": "mwhanna/qwen3-8b-transcoders",
+        "Qwen/Qwen3-14B": "mwhanna/qwen3-14b-transcoders-lowl0",
+    }
+)
+
+
+def usual_transcoder_set(model: str) -> str:
+    """The set :data:`USUAL_TRANSCODER_SETS` names for ``model`` (the bundled random set for
+    a bundled model).
+
+    Raises:
+        UnknownShape: the registry has no usual set for ``model``; the message says what to
+            name instead.
+    """
+    if catalogue.is_bundled_model(model):
+        return catalogue.RANDOM_TRANSCODERS
+    if model in USUAL_TRANSCODER_SETS:
+        return USUAL_TRANSCODER_SETS[model]
+    gemma_3 = _GEMMA_3_MODEL.fullmatch(model)
+    if gemma_3 is not None:
+        repo = f"mwhanna/gemma-scope-2-{gemma_3['size']}-{gemma_3['kind']}"
+        raise UnknownShape(
+            f"no usual transcoder set for {model}: GemmaScope-2 has several for it and "
+            "circuit-tracer's examples settle on none (e.g. width_16k_l0_small, short for "
+            f"{repo}/transcoder_all/width_16k_l0_small)"
+        )
+    made_for = [name for name, info in TRANSCODER_SETS.items() if model in info.models]
+    sets = (
+        f" (the registry knows {', '.join(made_for)})" if made_for else ": the registry knows none"
+    )
+    raise UnknownShape(f"no usual transcoder set for {model}{sets}")
+
+
+def check_pair(model: str, set_name: str) -> None:
+    """Refuse a transcoder set made for other models than ``model``. Only models the
+    registry names are checked: a local ``config.json`` says nothing of its transcoders.
+
+    Raises:
+        MismatchedSet: the message names the set, the models it was made for, ``model`` and
+            the set usually used with ``model``.
+        UnknownShape: ``set_name`` is not known.
+    """
+    if model not in MODELS and not catalogue.is_bundled_model(model):
+        return
+    info = transcoder_info(set_name, model)
+    if model in info.models:
+        return
+    # Both names are known by now (the registry's own), so they are quoted whole.
+    full = "" if info.shape.name == set_name else f" ({info.shape.name})"
+    try:
+        usual = f"; {model}'s usual set is {usual_transcoder_set(model)}"
+    except UnknownShape:
+        usual = ""
+    raise MismatchedSet(
+        f"transcoder set {set_name}{full} was made for {', '.join(info.models)}, "
+        f"not for {model}{usual}"
     )
 
 
