@@ -28,11 +28,12 @@ from pytest_ctresources.gpu.cleanup_between_tests import BetweenTests
 from pytest_ctresources.leases import leases
 from pytest_ctresources.report.learned import StaleLearnedNeeds, narrowed_files
 from pytest_ctresources.report.record import PROPERTY_PREFIX
-from pytest_ctresources.report.summary import STALE_LEARNED_OUTPUT, SummaryReporter
+from pytest_ctresources.report.summary import SummaryReporter
 from pytest_ctresources.session.fixtures import OneLineModelFailures, ct_config, ct_session
 from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.options import DEFAULT_ALLOC_CONF, add_options, binding_mode
 from pytest_ctresources.xdist.binding import Binding, bind_worker, is_worker, open_seats, plan_line
+from pytest_ctresources.xdist.learned_exchange import LearnedNeedsExchange, send_stale
 
 __all__ = ["ct_config", "ct_session"]
 
@@ -107,6 +108,11 @@ def pytest_configure(config: pytest.Config) -> None:
         if runtime.settings.forget:
             reporter.forgotten = runtime.learned().forget()
         config.pluginmanager.register(reporter, SummaryReporter.name)
+        if config.pluginmanager.hasplugin("xdist"):
+            config.pluginmanager.register(
+                LearnedNeedsExchange(runtime.learned, reporter.stale_learned.update),
+                LearnedNeedsExchange.name,
+            )
         if runtime.settings.report_json is not None:
             from pytest_ctresources.report.files import on_sigterm
 
@@ -126,7 +132,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _report_stale(config: pytest.Config, stale: set[str]) -> None:
     if hasattr(config, "workerinput"):  # an xdist worker: the controller prunes
-        config.workeroutput[STALE_LEARNED_OUTPUT] = sorted(stale)  # type: ignore[attr-defined]
+        send_stale(config, stale)
         return
     reporter = config.pluginmanager.get_plugin(SummaryReporter.name)
     if reporter is not None:

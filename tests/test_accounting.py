@@ -185,6 +185,34 @@ def test_learned_need_skips_next_run_and_forget_clears_it(
     result.stdout.fnmatch_lines(["ctresources: --ct-forget cleared 5 learned VRAM need(s)"])
 
 
+#: A worker on another host (``--tx ssh``) has no cache of the project's; these workers have
+#: theirs taken away before the plugin configures.
+NO_CACHE_IN_WORKERS = """
+import os
+import pytest
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):
+        config.cache = None
+"""
+
+
+def test_workers_decide_from_the_learned_needs_the_controller_ships(
+    project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project.runpytest("-p", "no:randomly").assert_outcomes(passed=6, warnings=1)
+    conftest = project.path / "conftest.py"
+    conftest.write_text(conftest.read_text() + NO_CACHE_IN_WORKERS)
+    monkeypatch.setenv("CT_FAKE_GPUS", "Small card=1.0")
+    result = project.runpytest("-n", "2", "-rs", "-k", "unmarked_big")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*needs 1.5 GiB VRAM (measured 1.5 GiB on *) has 1.0 GiB"])
+    # After --ct-forget the controller ships nothing: the workers know no need.
+    result = project.runpytest("-n", "2", "-k", "unmarked_big", "--ct-forget")
+    result.assert_outcomes(passed=1)
+
+
 def test_merged_report_under_xdist(project: pytest.Pytester) -> None:
     result = project.runpytest("-n", "2", "--ct-report-json", "r.json")
     result.assert_outcomes(passed=6, warnings=1)

@@ -114,8 +114,7 @@ def test_text_output_has_the_breakdown_and_the_table(capsys: pytest.CaptureFixtu
     assert lines[-1].endswith("budget 22.8 GiB = 24.0 GiB (--gpu-gib 24) less 5% margin)")
     fixed = run(capsys, "estimate", "--model", "gemma-2-2b", "--dtype", "bf16", "--gpu-gib", "24")
     assert (
-        "fits         total on the card (reserved peak and CUDA context) within the card's "
-        "24.0 GiB"
+        "fits         total on the card (reserved peak and CUDA context) within the card's 24.0 GiB"
     ) in fixed.splitlines()
     assert "batch size   peak GiB   total GiB   fits 24.0 GiB" in fixed.splitlines()
 
@@ -456,7 +455,10 @@ def test_one_output_states_one_largest_batch_size(
         assert this_run[1]  # auto's choice fits by the rule the output states
         reason = text.splitlines()[-1]
         assert f"{largest} is the largest that fits" in reason or f"the ceiling {largest}" in reason
-        assert payload["fit_rule"] == {"counts": "allocated peak and CUDA context", "budget_gib": 22.8}
+        assert payload["fit_rule"] == {
+            "counts": "allocated peak and CUDA context",
+            "budget_gib": 22.8,
+        }
         budget = autobatch.Budget(24.0, "--gpu-gib 24", autobatch.DEFAULT_AUTO_MARGIN)
         for row in payload["table"]:
             work = est.Workload("bfloat16", row["batch_size"], int(tokens), 1020 / 26)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -29,6 +31,7 @@ from pytest_ctresources.settings.markers import layer_markers
 from pytest_ctresources.settings.resolve import Settings, settings_from_config
 from pytest_ctresources.settings.sources import Source, Sourced
 from pytest_ctresources.xdist.binding import Binding
+from pytest_ctresources.xdist.learned_exchange import shipped_needs
 
 
 @dataclass
@@ -40,6 +43,9 @@ class Runtime:
     capacity_cap: CapacityCap | None
     model_cache: ModelCache = field(default_factory=ModelCache)
     cache: pytest.Cache | None = None
+    shipped_learned: Mapping[str, Any] | None = None
+    """In an xdist worker: the learned needs its controller shipped (read instead of the
+    cache)."""
     binding: Binding | None = None
     """The GPU this xdist worker is bound to (None elsewhere)."""
     cleaner: BetweenTests | None = None
@@ -81,7 +87,7 @@ class Runtime:
     def learned(self) -> LearnedNeeds:
         """VRAM needs measured by earlier runs (pytest's cache), loaded on first use."""
         if self._learned is None:
-            self._learned = LearnedNeeds(self.cache)
+            self._learned = LearnedNeeds(self.cache, self.shipped_learned)
         return self._learned
 
     def resident_bytes(self) -> int:
@@ -230,6 +236,7 @@ def start_runtime(
         alloc_conf=alloc,
         capacity_cap=None,
         cache=getattr(config, "cache", None),  # None under -p no:cacheprovider
+        shipped_learned=shipped_needs(config),
     )
     capacity = settings.vram_capacity_gib
     if capacity is not None:

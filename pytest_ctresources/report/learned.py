@@ -2,7 +2,8 @@
 
 A need is keyed by the test's node id and the config values that change its memory, so
 running with another batch size or model does not reuse a peak measured under a different
-one. The controller writes; every process (xdist workers too) reads.
+one. The controller reads and writes the cache; xdist workers get the controller's needs
+(:mod:`~pytest_ctresources.xdist.learned_exchange`).
 """
 
 from __future__ import annotations
@@ -93,10 +94,21 @@ class LearnedNeed:
 class LearnedNeeds:
     """The learned needs of this project, loaded once per process."""
 
-    def __init__(self, cache: pytest.Cache | None) -> None:
-        self._cache = cache
-        raw = cache.get(CACHE_KEY, {}) if cache is not None else {}
+    def __init__(
+        self, cache: pytest.Cache | None, shipped: Mapping[str, Any] | None = None
+    ) -> None:
+        """From ``cache``; or, in an xdist worker, from the needs its controller ``shipped``
+        (then nothing is saved here: the controller saves)."""
+        self._cache = cache if shipped is None else None
+        if shipped is not None:
+            raw: object = dict(shipped)
+        else:
+            raw = cache.get(CACHE_KEY, {}) if cache is not None else {}
         self._needs: dict[str, dict[str, Any]] = raw if isinstance(raw, dict) else {}
+
+    def to_mapping(self) -> dict[str, dict[str, Any]]:
+        """The needs as the cache keeps them (what a controller ships to its workers)."""
+        return {key: dict(entry) for key, entry in self._needs.items() if isinstance(entry, dict)}
 
     def __bool__(self) -> bool:
         return bool(self._needs)

@@ -25,8 +25,6 @@ from pytest_ctresources.report.record import TestRecord
 if TYPE_CHECKING:
     from pytest_ctresources.core.runtime import Runtime
 
-#: xdist ``workeroutput`` key of the learned needs a worker found stale at collection.
-STALE_LEARNED_OUTPUT = "ct_stale_learned"
 VRAM_SKIP_PATTERN = re.compile(r"needs [0-9.]+ GiB VRAM")
 
 
@@ -382,12 +380,6 @@ class SummaryReporter:
         self.forgotten: int | None = None
         #: The report files written at the end: (what, path).
         self.written: list[tuple[str, Path]] = []
-
-    @pytest.hookimpl(optionalhook=True)
-    def pytest_testnodedown(self, node: Any, error: object) -> None:
-        """pytest-xdist: a worker finished; it found stale learned needs while collecting."""
-        output = getattr(node, "workeroutput", None) or {}
-        self.stale_learned.update(output.get(STALE_LEARNED_OUTPUT, ()))
 
     @property
     def terminal(self) -> pytest.TerminalReporter:
