@@ -172,6 +172,8 @@ def test_a_long_node_id_is_cut_on_the_plot_and_whole_in_the_json_report(
     pytester.makepyfile(test_long=LONG)
     result = pytester.runpytest("--ct-report-json", "r.json", "--ct-report-plot", "p.png")
     result.assert_outcomes(passed=1)
+    # The summary names what it wrote.
+    result.stdout.fnmatch_lines(["wrote the JSON report: r.json", "wrote the VRAM plot: p.png"])
     (test,) = json.loads((pytester.path / "r.json").read_text())["tests"]
     nodeid = test["nodeid"]
     assert nodeid == (
