@@ -240,3 +240,21 @@ def test_padded_figures_sort_as_numbers_in_pytest_htmls_string_order() -> None:
     assert sorted(texts) == texts
     assert {len(html.unescape(text)) for text in texts} == {html_module.FIGURE_WIDTH}
     assert "" < texts[0]  # a test without figures sorts below every figure
+
+
+def test_nothing_heavy_is_imported_before_the_summary_draws(pytester: pytest.Pytester) -> None:
+    # In a process of its own: this suite has torch and matplotlib imported already.
+    # (The conftest's sessionfinish runs before pytest-html's, which asks for the summary.)
+    pytester.makeconftest(
+        """
+        import sys
+        def pytest_sessionfinish(session):
+            loaded = [m for m in ("torch", "matplotlib") if m in sys.modules]
+            print("HEAVY:" + ",".join(loaded) + ":END")
+        """
+    )
+    pytester.makepyfile("def test_cpu(): pass")
+    result = pytester.runpytest_subprocess("-s", "-p", "no:nbmake", "--html", "report.html")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*HEAVY::END*"])
+    assert "data:image/png;base64," in (pytester.path / "report.html").read_text()
