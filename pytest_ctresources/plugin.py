@@ -113,6 +113,11 @@ def pytest_configure(config: pytest.Config) -> None:
                 LearnedNeedsExchange(runtime.learned, reporter.stale_learned.update),
                 LearnedNeedsExchange.name,
             )
+        # pytest-html's hooks exist only where it is loaded; it writes on this process only.
+        if config.pluginmanager.hasplugin("html") and config.getoption("htmlpath", None):
+            from pytest_ctresources.report.html import HtmlReport
+
+            config.pluginmanager.register(HtmlReport(reporter), HtmlReport.name)
         if runtime.settings.report_json is not None:
             from pytest_ctresources.report.files import on_sigterm
 

@@ -5,7 +5,7 @@ The suite exercises what the plugin's per-test work could break: a failed attemp
 pytest-rerunfailures runs again (outcome ``rerun``), a module-scoped yield fixture whose caught
 exception a failure chains to (its suspended generator frame sits in the failure's traceback),
 a figure a module-scoped fixture keeps open, a timeout marker, pytest-randomly's shuffling and
-reseeding, and coverage measurement.
+reseeding, coverage measurement, and pytest-html's report.
 """
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ COMBINATIONS = {
     "randomly": ["-p", "randomly", "--randomly-seed", "1234"],
     "timeout": ["--timeout", "120"],
     "cov": ["--cov", "test_suite", "--cov-report", "term"],
+    # The plugin adds its VRAM columns and plot to pytest-html's report (report/html.py).
+    "html": ["--html", "report.html"],
 }
 
 

@@ -199,8 +199,8 @@ def _record(index: int) -> summary_module.VramRecord:
 
 
 def test_a_plot_of_thousands_of_tests_draws_the_highest_peaks(tmp_path: Path) -> None:
-    # 0.45 inch a bar at 100 dpi: 1600 bars would pass matplotlib's 2**16-pixel limit.
-    summary = summary_module.RunSummary(records={str(i): _record(i) for i in range(1600)})
+    # 0.3 inch a bar at 100 dpi: 2400 bars would pass matplotlib's 2**16-pixel limit.
+    summary = summary_module.RunSummary(records={str(i): _record(i) for i in range(2400)})
     report_files.write_plot(tmp_path / "p.png", summary, 139.8, "H200")
     assert (tmp_path / "p.png").read_bytes().startswith(PNG_MAGIC)
 

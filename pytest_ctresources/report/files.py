@@ -28,7 +28,6 @@ from typing import IO, TYPE_CHECKING, Any
 import pytest
 
 from pytest_ctresources.exceptions import ReportFileWarning
-from pytest_ctresources.gpu.measure import GIB
 from pytest_ctresources.settings.config import shown
 
 if TYPE_CHECKING:
@@ -40,9 +39,6 @@ SCHEMA_VERSION = 2
 JSON_FLAG = "--ct-report-json"
 PLOT_FLAG = "--ct-report-plot"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-#: The most tests the plot draws (the top ones by peak): matplotlib refuses images over
-#: 2**16 pixels a side, which 0.45 inch per bar at 100 dpi reaches at about 1450 bars.
-MOST_PLOTTED = 1000
 
 
 class TargetError(ValueError):
@@ -215,50 +211,11 @@ def write_json(path: Path, document: dict[str, Any]) -> None:
 def write_plot(
     path: Path, summary: RunSummary, capacity_gib: float | None, capacity_note: str
 ) -> None:
-    """A horizontal bar chart of per-test peaks (allocated, reserved) against the capacity.
+    """The VRAM plot (report/plot.py) as a PNG at ``path`` (:func:`write_file`)."""
+    from pytest_ctresources.report import plot
 
-    Uses matplotlib's object API with the Agg canvas, so the user's pyplot state and backend
-    are left alone; matplotlib is imported only here, when a plot was asked for. At most
-    :data:`MOST_PLOTTED` tests are drawn, the highest peaks.
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    ranked = sorted(summary.records.values(), key=lambda r: r.peak_reserved_bytes)
-    records = ranked[-MOST_PLOTTED:]
-    height = max(2.5, 0.45 * len(records) + 1.5)
-    figure = Figure(figsize=(10, height))
-    FigureCanvasAgg(figure)
-    axes = figure.add_subplot()
-    labels = [record.nodeid.rsplit("::", 1)[-1] for record in records]
-    positions = range(len(records))
-    axes.barh(
-        positions,
-        [r.peak_reserved_bytes / GIB for r in records],
-        color="#9ecae1",
-        label="peak reserved",
-    )
-    axes.barh(
-        positions,
-        [r.peak_allocated_bytes / GIB for r in records],
-        height=0.4,
-        color="#3182bd",
-        label="peak allocated",
-    )
-    for position, record in zip(positions, records, strict=True):
-        if record.need_gib is not None:
-            axes.plot([record.need_gib] * 2, [position - 0.4, position + 0.4], color="black")
-    if capacity_gib is not None:
-        axes.axvline(capacity_gib, color="#de2d26", linestyle="--", label="capacity")
-    axes.set_yticks(list(positions), labels)
-    peaks = [r.peak_reserved_bytes / GIB for r in records] + [r.need_gib or 0 for r in records]
-    axes.set_xlim(0, 1.08 * max([*peaks, capacity_gib or 0, 1]))
-    axes.set_xlabel(f"GiB — {capacity_note}; black tick: declared need", fontsize=8)
-    drawn = f", the {len(records)} highest of {len(ranked)}" if len(ranked) > len(records) else ""
-    axes.set_title(f"VRAM per test (pytest-ctresources){drawn}")
-    axes.legend(loc="lower right")
-    figure.tight_layout()
-    write_file(path, lambda handle: figure.savefig(handle, format="png", dpi=100))
+    drawn = plot.figure(summary, capacity_gib, capacity_note)
+    write_file(path, lambda handle: drawn.savefig(handle, format="png", dpi=plot.DPI))
 
 
 def _reason(exc: BaseException, path: Path) -> str:
