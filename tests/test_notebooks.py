@@ -501,12 +501,36 @@ def test_one_item_per_experiment_config_that_is_ours(pytester: pytest.Pytester) 
     result = pytester.runpytest_subprocess("--nbmake", "configs", "--ct-max-feature-nodes", "500")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(
-        ["2 test(s) keep their own max_feature_nodes over --ct-max-feature-nodes 500"]
+        [
+            "2 test(s) keep their own max_feature_nodes over --ct-max-feature-nodes 500",
+            # A notebook-only run ends with the values each item ran with, and their source.
+            "notebook items ran with (injected; the rest as each notebook sets it):",
+            "  configs/large.yaml::exp.ipynb: MAX_FEATURE_NODES=50 (configs/large.yaml);"
+            " PROMPT='the large' (PARAMS in configs/large.yaml)",
+            "  configs/small.yaml::exp.ipynb: MAX_FEATURE_NODES=10 (configs/small.yaml);"
+            " PROMPT='the small' (PARAMS in configs/small.yaml)",
+        ]
     )
-    # Under xdist each worker reads the ini key and collects the same items.
-    pytester.runpytest_subprocess("--nbmake", "configs", "pipeline", "-n", "2").assert_outcomes(
-        passed=2
+    # Under xdist each worker reads the ini key and collects the same items; the values
+    # reach the controller's report.
+    result = pytester.runpytest_subprocess(
+        "--nbmake",
+        "configs",
+        "pipeline",
+        "-n",
+        "2",
+        "--ct-batch-size",
+        "7",
+        "--ct-report-json",
+        "r.json",
     )
+    result.assert_outcomes(passed=2)
+    values = json.loads((pytester.path / "r.json").read_text())["notebook_values"]
+    assert values["configs/small.yaml::exp.ipynb"] == [
+        {"name": "BATCH_SIZE", "value": "7", "source": "--ct-batch-size"},
+        {"name": "MAX_FEATURE_NODES", "value": "10", "source": "configs/small.yaml"},
+        {"name": "PROMPT", "value": "'the small'", "source": "PARAMS in configs/small.yaml"},
+    ]
     # Named on the command line, a YAML file is taken to be ours (as pytest collects a test
     # file named there whatever python_files says), and checked as ours.
     result = pytester.runpytest_subprocess("--nbmake", "pipeline/job.yaml")

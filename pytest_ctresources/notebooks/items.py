@@ -40,6 +40,7 @@ from pytest_ctresources.notebooks.params import (
     inject_parameters,
     injected_values,
     notebook_metadata,
+    values_with_sources,
 )
 from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig, ConfigError
 from pytest_ctresources.settings.experiment_yaml import ExperimentFile, load_experiment_yaml
@@ -194,14 +195,23 @@ def run_notebook(item: Any) -> None:
     # reports (its own message for one that is not JSON).
     nb = nbformat.read(str(source), as_version=4)
     values = injected_values(cfg)
+    settings = runtime.settings
+    experiment = item.experiment or settings.experiment
+    params_from = {
+        key: str(layer.path)
+        for layer in (settings.experiment, item.experiment)  # the item's own wins
+        if layer is not None
+        for key in layer.params
+    }
+    state_of(item).record.notebook_values = values_with_sources(
+        cfg, values, params_from, lambda path: shown_path(path, item.config)
+    )
     if values:
         note = inject_parameters(nb, values)
         if note:
             warnings.warn(
                 NotebookWarning(f"{shown_path(source, item.config)} {note}"), stacklevel=1
             )
-    settings = runtime.settings
-    experiment = item.experiment or settings.experiment
     capacity = settings.vram_capacity_gib
     env = kernel_environment(
         cfg,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import keyword
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pytest_ctresources.settings.config import FIELDS, CircuitTracerConfig, ConfigError
@@ -118,6 +118,29 @@ def injected_values(cfg: CircuitTracerConfig) -> dict[str, Any]:
     }
     values.update(cfg.params)
     return values
+
+
+def values_with_sources(
+    cfg: CircuitTracerConfig,
+    values: Mapping[str, Any],
+    params_from: Mapping[str, str],
+    show: Callable[[str], str] = str,
+) -> list[list[str]]:
+    """What a notebook item received, as the summary shows it: ``[NAME, literal, where]``
+    per injected value (``where``: the experiment YAML, the option or the variable it came
+    from; ``params_from`` names the YAML each ``PARAMS`` key came from; ``show`` turns a
+    file's path into how messages show it)."""
+    field_of = {spec.yaml_key: name for name, spec in FIELDS.items()}
+    out = []
+    for key, value in values.items():
+        name = field_of.get(key)
+        if name is None:
+            where = f"PARAMS in {show(params_from[key])}" if key in params_from else "PARAMS"
+        else:
+            source = cfg.source_of(name)
+            where = show(source.path) if source.kind == "yaml" and source.path else str(source)
+        out.append([key, python_literal(value), where])
+    return out
 
 
 def injected_source(values: Mapping[str, Any]) -> str:

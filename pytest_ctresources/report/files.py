@@ -168,6 +168,12 @@ def build_report(
         "resident_models": summary.resident_models,
         "attribution_timings": summary.timings,
         "reruns": summary.reruns,
+        "notebook_values": {
+            nodeid: [
+                {"name": name, "value": value, "source": where} for name, value, where in entries
+            ]
+            for nodeid, entries in summary.notebook_values.items()
+        },
     }
 
 

@@ -58,6 +58,8 @@ class TestRecord:
     own_settings: list[list[str]] = field(default_factory=list)
     """``[field, session source, session value, own value, own source]`` for each setting
     the test's own marker (or a notebook's own config) kept over a session-wide one."""
+    notebook_values: list[list[str]] = field(default_factory=list)
+    """A notebook item's injected values: ``[NAME, Python literal, where from]`` each."""
     # -- cleanup -------------------------------------------------------------------------
     figures_closed: int = 0
     # -- where it ran, and its VRAM lease ------------------------------------------------

@@ -151,6 +151,8 @@ class RunSummary:
     timings: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     own_settings: dict[tuple[str, str, str], set[str]] = field(default_factory=dict)
     """(field, session-wide source, its value) -> the tests whose own marker overrode it."""
+    notebook_values: dict[str, list[list[str]]] = field(default_factory=dict)
+    """Notebook item -> the values injected into it (``[NAME, literal, where from]``)."""
     _outcomes: dict[str, str] = field(default_factory=dict)
     _rerun_attempt: set[str] = field(default_factory=set)
 
@@ -192,6 +194,10 @@ class RunSummary:
             self.halvings[nodeid] = record.oom_halvings
         if record.auto_batch_sizes:
             self.auto_choices[nodeid] = list(map(str, record.auto_batch_sizes))
+        if record.notebook_values:
+            self.notebook_values[nodeid] = [
+                list(map(str, entry)) for entry in record.notebook_values
+            ]
         outcome = self._outcomes.get(nodeid, "passed")
         row = vram_record(nodeid, outcome, record)
         if row is not None:
@@ -259,6 +265,7 @@ class RunSummary:
             or self.resident_models
             or self.reruns
             or self.own_settings
+            or self.notebook_values
         )
 
     def slowest_lines(self, top: int) -> list[str]:
@@ -300,6 +307,7 @@ class RunSummary:
             out.append(
                 f"{len(nodeids)} test(s) keep their own {name} over {session_value(source, value)}"
             )
+        out += self.notebook_lines()
         out += placement_lines(list(self.placements.values()))
         out += self.resident_lines()
         if self.reruns:
@@ -308,6 +316,24 @@ class RunSummary:
                 f"of {len(self.reruns)} test(s); each is reported by its last attempt"
             )
         out += self.slowest_lines(5)
+        return out
+
+    def notebook_lines(self) -> list[str]:
+        """The values each notebook item ran with (what the header's session-wide settings do
+        not show: an item's own experiment config beats them)."""
+        if not self.notebook_values:
+            return []
+        out = ["notebook items ran with (injected; the rest as each notebook sets it):"]
+        for nodeid, entries in sorted(self.notebook_values.items()):
+            groups: list[tuple[str, list[str]]] = []
+            for name, literal, where in entries:
+                shown = literal if len(literal) <= 40 else literal[:37] + "..."
+                if groups and groups[-1][0] == where:
+                    groups[-1][1].append(f"{name}={shown}")
+                else:
+                    groups.append((where, [f"{name}={shown}"]))
+            text = "; ".join(f"{', '.join(values)} ({where})" for where, values in groups)
+            out.append(f"  {nodeid}: {text}")
         return out
 
     def resident_lines(self) -> list[str]:
