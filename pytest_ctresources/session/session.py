@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -87,6 +88,27 @@ class CtSession:
         self.oom_retry_floor = oom_retry_floor
         self._cache = cache if cache is not None else ModelCache()
         self._meter = meter if meter is not None else VramMeter()
+
+    @classmethod
+    def from_yaml(
+        cls,
+        path: str | os.PathLike[str] | None = None,
+        cache: ModelCache | None = None,
+        **overrides: Any,
+    ) -> CtSession:
+        """A session outside pytest (a notebook, a script), its config layered as a test's:
+        defaults < the experiment YAML ``path`` (None: ``CT_CONFIG``'s, if set) < the
+        ``CT_*`` environment < ``overrides``, which are
+        :class:`~pytest_ctresources.CircuitTracerConfig` fields
+        (``CtSession.from_yaml("exp.yaml", batch_size=32)``).
+
+        ``cache`` keeps models between sessions (default: a new one). Raises
+        :class:`~pytest_ctresources.ConfigError`, one line naming the file, the variable or
+        the keyword at fault.
+        """
+        from pytest_ctresources.settings.standalone import config_outside_pytest
+
+        return cls(config_outside_pytest(path, overrides), cache)
 
     @property
     def batch_size(self) -> int:

@@ -1,0 +1,72 @@
+"""The plugin's config layering outside pytest, for a notebook or a script.
+
+Built-in defaults < the experiment YAML (the path given, else ``CT_CONFIG``) < the ``CT_*``
+environment < keyword overrides: the layers a test's config has, less the ini file and the
+command line, which exist only in a pytest run. Each value keeps its source, as in a test
+(``cfg.source_of("batch_size")``). What :meth:`~pytest_ctresources.CtSession.from_yaml`
+builds on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from pytest_ctresources.settings.config import (
+    FIELDS,
+    CircuitTracerConfig,
+    ConfigError,
+    did_you_mean,
+    shown,
+    validate_typed,
+)
+from pytest_ctresources.settings.experiment_yaml import load_experiment_yaml
+from pytest_ctresources.settings.options import SETTINGS
+from pytest_ctresources.settings.sources import Source
+
+#: The variable naming the experiment YAML when no path is given (``--ct-config``'s).
+CONFIG_ENV = "CT_CONFIG"
+
+
+def config_outside_pytest(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    caller: str = "CtSession.from_yaml",
+) -> CircuitTracerConfig:
+    """The config of ``path`` with the environment and ``overrides`` (field names of
+    :class:`~pytest_ctresources.CircuitTracerConfig`) laid over it.
+
+    Raises :class:`~pytest_ctresources.ConfigError`, one line naming the source: the file,
+    the variable, or ``caller``'s keyword.
+    """
+    env = os.environ if environ is None else environ
+    cfg = CircuitTracerConfig.defaults()
+    if path is None and env.get(CONFIG_ENV, "").strip():
+        path = env[CONFIG_ENV].strip()
+    if path is not None:
+        cfg = load_experiment_yaml(Path(path)).apply(cfg)
+    for spec in SETTINGS:
+        raw = env.get(spec.env, "").strip() if spec.env else ""
+        if spec.field is None or spec.env is None or not raw:
+            continue
+        source = Source.env(spec.env)
+        try:
+            value = spec.parse(raw)
+        except (ValueError, ConfigError) as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+        cfg = cfg.layered({spec.field: value}, source)
+    for name, value in (overrides or {}).items():
+        if name not in FIELDS:
+            raise ConfigError(
+                f"{caller}: unknown field {shown(name)}{did_you_mean(name, FIELDS)}; "
+                f"fields: {', '.join(FIELDS)}"
+            )
+        try:
+            checked = validate_typed(name, value)
+        except ConfigError as exc:
+            raise ConfigError(f"{caller}: {name} {exc}") from None
+        cfg = cfg.layered({name: checked}, Source("option", f"{caller}({name}=...)"))
+    return cfg
