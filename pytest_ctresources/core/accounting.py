@@ -148,9 +148,10 @@ def estimated_need(cfg: CircuitTracerConfig, runtime: Runtime) -> markers.VramNe
     def gib(prediction: Estimate) -> float:
         return round(counted(prediction, budget) / GIB, 2)
 
+    # The lease is capped at the card (never below the least), the text says the estimate.
     ceiling = budget.capacity_gib
-    most_gib = gib(most) if ceiling is None else min(gib(most), ceiling)
-    most_text = "" if most_batch == least_batch else f", {most_gib:.1f} GiB at batch {most_batch}"
+    most_gib = gib(most) if ceiling is None else max(gib(least), min(gib(most), ceiling))
+    most_text = "" if most_batch == least_batch else f", {gib(most):.1f} GiB at batch {most_batch}"
     what = (
         f"{cfg.model_name}, {cfg.dtype}, batch {least_batch}{why}{most_text}, {tokens} prompt "
         "tokens"
