@@ -59,3 +59,20 @@ def test_sample_errors_are_current(
         with pytest.raises(SystemExit):
             main(shlex.split(command)[1:])
         assert capsys.readouterr().err.strip() == answer, command
+
+
+pytest_plugins = ["pytester"]
+
+
+def test_every_option_and_ini_key_is_in_the_settings_table(pytester: pytest.Pytester) -> None:
+    """What ``pytest --help`` lists of the plugin's is in the README's settings table."""
+    helped = pytester.runpytest("--help").stdout.str()
+    options = set(re.findall(r"^\s+(--ct-[a-z-]+)", helped, re.M))
+    ini_keys = set(re.findall(r"^\s+(ct_[a-z_]+) \(", helped, re.M))
+    assert len(options) > 10 and len(ini_keys) > 10
+    start = README.index("## Settings and where they come from")
+    table = README[start : README.index("For one option the highest layer wins", start)]
+    rows = [line for line in table.splitlines() if line.startswith("|")]
+    missing_options = {name for name in options if not any(f"`{name}" in row for row in rows)}
+    missing_ini = {name for name in ini_keys if not any(f"`{name}`" in row for row in rows)}
+    assert (missing_options, missing_ini) == (set(), set())

@@ -325,14 +325,11 @@ class RunSummary:
             return []
         out = ["notebook items ran with (injected; the rest as each notebook sets it):"]
         for nodeid, entries in sorted(self.notebook_values.items()):
-            groups: list[tuple[str, list[str]]] = []
+            groups: dict[str, list[str]] = {}  # by source, in the order they first appear
             for name, literal, where in entries:
                 shown = literal if len(literal) <= 40 else literal[:37] + "..."
-                if groups and groups[-1][0] == where:
-                    groups[-1][1].append(f"{name}={shown}")
-                else:
-                    groups.append((where, [f"{name}={shown}"]))
-            text = "; ".join(f"{', '.join(values)} ({where})" for where, values in groups)
+                groups.setdefault(where, []).append(f"{name}={shown}")
+            text = "; ".join(f"{', '.join(values)} ({where})" for where, values in groups.items())
             out.append(f"  {nodeid}: {text}")
         return out
 
