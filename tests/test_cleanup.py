@@ -76,6 +76,11 @@ def test_a_figure_number_a_closed_module_figure_had_is_the_tests_own(
 ) -> None:
     # matplotlib reuses the number of a closed figure: once the module fixture's figure is
     # gone, figure 1 in another module is that test's own, and closed after it.
+    # The run is in-process: figure numbers start at 1 only if this worker has none open
+    # (figures another test opened before this one are not this test's, so they stay).
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
     head = (
         'import matplotlib\nmatplotlib.use("Agg")\nimport matplotlib.pyplot as plt\nimport pytest\n'
     )
