@@ -9,6 +9,7 @@ import pytest
 from pytest_ctresources.gpu import cleanup
 from pytest_ctresources.gpu import cleanup_between_tests as between
 from pytest_ctresources.gpu.allocator import AllocConf, memory_fraction
+from tests.conftest import TINY_YAML
 from tests.fake_cuda import FAKE_CUDA_CONFTEST
 
 pytest_plugins = ["pytester"]
@@ -218,6 +219,100 @@ def test_a_cycle_holding_cuda_memory_is_freed_before_the_next_setup(
     result.assert_outcomes(passed=2 if freed else 1, errors=0 if freed else 1)
 
 
+# The same after a test that swapped ct_session's resident model for a smaller one: the
+# evicted model no longer counts in the baseline, so the cycle still shows as memory beyond it.
+GARBAGE_AFTER_A_MODEL_SWAP = """
+import gc, weakref
+import pytest
+from conftest import FAKE
+import pytest_ctresources.session.cache as session_module
+
+SIZES = {"big/model": 9, "small/model": 2}
+REFS = []
+
+class Model:
+    def __init__(self, gib):
+        FAKE.alloc(gib)
+        self.gib = gib
+
+    def __del__(self):
+        FAKE.free(self.gib)
+
+class Holder(Model):
+    def __init__(self, gib):
+        super().__init__(gib)
+        self.me = self
+
+def build(cfg, device):
+    return Model(SIZES[cfg.model_name])
+
+@pytest.fixture(autouse=True)
+def stand_in_builder(monkeypatch):
+    monkeypatch.setattr(session_module, "build_model", build)
+
+@pytest.fixture(scope="session", autouse=True)
+def no_automatic_collections():
+    gc.disable()
+    yield
+    gc.enable()
+
+@pytest.mark.ct_config(model_name="big/model")
+def test_loads_the_big_model(ct_session):
+    ct_session.load_model(device="cuda")
+
+@pytest.mark.ct_config(model_name="small/model")
+def test_swaps_it_and_leaves_a_cycle(ct_session):
+    ct_session.load_model(device="cuda")
+    REFS.append(weakref.ref(Holder(1.0)))
+
+@pytest.fixture
+def next_setup():
+    assert REFS[0]() is None, "the cycle is still alive at the next test's setup"
+
+def test_next(next_setup):
+    pass
+"""
+
+
+def test_a_cycle_is_freed_after_a_test_that_swapped_the_resident_model(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makeconftest(FAKE_CUDA_CONFTEST)
+    pytester.makefile(".yaml", exp=TINY_YAML)
+    pytester.makepyfile(test_swap=GARBAGE_AFTER_A_MODEL_SWAP)
+    result = pytester.runpytest(
+        "--ct-config", "exp.yaml", "-W", "ignore::pytest_ctresources.exceptions.CtLeakWarning"
+    )
+    result.assert_outcomes(passed=3)
+
+
+# Under ct_cleanup = always, CPU garbage too is collected after every test, in whichever
+# generation it sits: the first test's included (nothing of it may be frozen for the run).
+OLD_CPU_GARBAGE = """
+import gc, weakref
+
+REFS = []
+
+class Node:
+    pass
+
+def test_leaves_a_cycle_in_the_oldest_generation():
+    node = Node()
+    node.me = node
+    REFS.append(weakref.ref(node))
+    gc.collect()  # alive here: it survives into the oldest generation, then becomes garbage
+
+def test_next():
+    assert REFS[0]() is None, "the first test's cycle is still alive"
+"""
+
+
+def test_always_collects_the_first_tests_old_garbage(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nct_cleanup = always\n")
+    pytester.makepyfile(test_old=OLD_CPU_GARBAGE)
+    pytester.runpytest().assert_outcomes(passed=2)
+
+
 def test_cleanup_python_cuda_collects_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     monkeypatch.setattr(cleanup.gc, "collect", lambda: calls.append("gc") or 0)
@@ -309,15 +404,20 @@ def test_auto_without_cuda_does_not_collect_and_always_does(
     )
     _finish(between.BetweenTests("auto"), beyond=None)
     assert log == []
+    if between.gc.get_freeze_count():
+        pytest.skip("something in this process froze objects already")
     always = between.BetweenTests("always")
     try:
-        # The run's first collection: the young generations, then the rest is frozen; later
-        # ones are full (and cost what the tests allocated since).
+        # What exists before the first test is frozen at its start; every collection is full
+        # (the first test's garbage included) and costs what the tests allocated since.
+        always.begin(0)
+        assert between.gc.get_freeze_count() > 0
         _finish(always, beyond=None)
         _finish(always, beyond=None)
     finally:
         always.close()
-    assert log == ["gc1", "gc2"]
+    assert log == ["gc2", "gc2"]
+    assert between.gc.get_freeze_count() == 0
 
 
 def test_a_slow_collection_freezes_the_long_lived_and_close_unfreezes(

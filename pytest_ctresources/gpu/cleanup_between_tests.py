@@ -39,9 +39,10 @@ class CleanupPolicy:
             resident): then something a collection could free holds CUDA memory. False: collect
             after every test that used CUDA.
         freeze: ``gc.freeze()`` the long-lived objects, so that collections cost what the
-            tests themselves allocate: at the first collection of the run (then only the young
-            generations are collected first, unless CUDA memory says the test's garbage holds
-            some), and after any collection that took longer than ``freeze_after_s`` (many
+            tests themselves allocate: under ``always`` before the first test; otherwise at the
+            first collection of the run (then only the young generations are collected first,
+            unless CUDA memory says the test's garbage holds some, which takes a full
+            collection), and after any collection that took longer than ``freeze_after_s`` (many
             long-lived objects joined the heap: imports, a model). Undone at the end of the
             run, unless something else in the process had frozen objects before it (gc cannot
             unfreeze only some).
@@ -111,6 +112,13 @@ class BetweenTests:
 
     def begin(self, resident_bytes: int) -> TestStart:
         """Before the test's setup: what is open and resident already."""
+        if self.mode == "always" and POLICY.freeze and not self._froze:
+            # ``always`` collects after every test, the first one included: what is alive
+            # before any test ran is long-lived (imports, collection), so it is frozen now,
+            # and each test's garbage, in whichever generation, stays collectable.
+            gc.freeze()
+            self._froze = True
+            self._unfrozen_seen = cleanup.unfrozen_and_left
         open_now = open_figure_numbers()
         # A wider-scoped figure closed since frees its number for a test's own figure.
         self._wider_figures &= open_now
@@ -137,10 +145,12 @@ class BetweenTests:
         # A trace an exception aborted (in the test, a fixture, or caught by the test itself)
         # can leave nnsight threads blocked with its tensors; a no-op unless nnsight is loaded.
         release_quietly()
-        # What the test made resident (a model ct_session keeps loaded) is no garbage.
+        # What the test made resident (a model ct_session keeps loaded) is no garbage; a
+        # model it evicted (a test of another model) no longer counts in the baseline, so
+        # ``resident_bytes`` (the change in resident bytes) may be negative.
         beyond = allocated_beyond_baseline()
         cuda = beyond is not None
-        garbage_held = cuda and beyond > max(0, resident_bytes)  # type: ignore[operator]
+        garbage_held = _above(beyond, resident_bytes)
         if self.mode == "always":
             collect = True
         elif not cuda:
@@ -200,5 +210,7 @@ class BetweenTests:
         self._froze = False
 
 
-def _above(beyond: int | None, resident_bytes: int) -> bool:
-    return beyond is not None and beyond > max(0, resident_bytes)
+def _above(beyond: int | None, resident_change: int) -> bool:
+    """Whether CUDA memory allocated beyond the test's baseline is more than the change in
+    what the resident models hold: then something else, garbage or a leak, holds it."""
+    return beyond is not None and beyond > resident_change
