@@ -40,9 +40,12 @@ def project(pytester: pytest.Pytester) -> pytest.Pytester:
     return pytester
 
 
-def test_option_auto_on_cpu_fits_the_host_memory(project: pytest.Pytester) -> None:
+def test_option_auto_on_cpu_fits_the_host_memory(
+    project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Without CUDA the model runs on the CPU: auto fits the host's available memory (the
     tiny model's call fits it at the ceiling) and says so."""
+    monkeypatch.setenv("COLUMNS", "500")  # the choice's line, unfolded
     result = project.runpytest(
         "--ct-config",
         "exp.yaml",
@@ -62,7 +65,7 @@ def test_option_auto_on_cpu_fits_the_host_memory(project: pytest.Pytester) -> No
             "*batch_size=auto (--ct-batch-size)*",
             "attributions: 1 in 1 test(s), batch size(s) 40",
             "  test_auto.py::test_attribution: auto batch size 40 (6 prompt tokens, * active "
-            "features, predicted * GiB; the model is not on a CUDA GPU: it fits the host's "
+            "features in all (* per layer and token), predicted * GiB; the model is not on a CUDA GPU: it fits the host's "
             "available memory, * GiB (*) less 5% margin; the ceiling 48; 40 needs the same 1 "
             "backward passes over 40 feature rows)",
         ]
@@ -326,6 +329,13 @@ def test_the_measured_peak_corrects_later_calls(monkeypatch: pytest.MonkeyPatch)
     assert seen.choice is not None
     assert seen.choice.measured_gib == pytest.approx(measured / GIB)
     assert f"measured {measured / GIB:.2f} GiB" in seen.choice.describe()
+    # Active features mean one thing everywhere: the count in all, and per layer and token.
+    active = int(model.setup_attribution(model.ensure_tokenized(prompt)).activation_matrix._nnz())
+    tokens = int(model.ensure_tokenized(prompt).numel())
+    layers = registry.shapes_of_loaded(model)[0].n_layers
+    per = active / (layers * (tokens - 1))
+    assert first.active_features == active
+    assert f"{active} active features in all ({per:.1f} per layer and token)" in first.describe()
 
     second = autobatch.choose(model, prompt, cfg, budget)
     assert second.batch_size < first.batch_size

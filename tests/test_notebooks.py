@@ -303,7 +303,8 @@ PROBE_CELLS = (
     "import json, os, sys\nimport matplotlib\nimport matplotlib.pyplot as plt\n"
     "plt.plot([1, 2, 3])\nplt.show()",
     # defined by the project's IPython start-up file
-    "assert project_helper() == 'from the project profile'",
+    "assert project_helper() == 'from the project profile'\n"
+    "assert profile_exec_file == 'ran' and profile_exec_line == 1",
     "json.dump({'env': dict(os.environ), 'backend': matplotlib.get_backend(),\n"
     "           'names': sorted(n for n in globals() if not n.startswith('_')),\n"
     "           'argv': sys.argv}, open(os.environ['PROBE_OUT'], 'w'))",
@@ -328,6 +329,13 @@ def test_a_notebook_with_nothing_to_receive_runs_as_under_nbmake_alone(
     startup.mkdir(parents=True)
     (startup / "00-project.py").write_text(
         "def project_helper():\n    return 'from the project profile'\n"
+    )
+    # The profile's own exec_files and exec_lines (a list on the kernel's command line would
+    # replace them).
+    (ipython_dir / "exec_me.py").write_text("profile_exec_file = 'ran'\n")
+    (ipython_dir / "profile_default" / "ipython_kernel_config.py").write_text(
+        f"c.IPKernelApp.exec_files = [{str(ipython_dir / 'exec_me.py')!r}]\n"
+        "c.IPKernelApp.exec_lines = ['profile_exec_line = 1']\n"
     )
     monkeypatch.setenv("IPYTHONDIR", str(ipython_dir))
     runs = {}
@@ -753,8 +761,9 @@ def test_auto_batch_size_is_resolved_before_the_kernel_starts(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A notebook passes BATCH_SIZE to attribute() itself: auto becomes a number first, from
-    the estimate of its configured model (on a GPU) or the ceiling (without one)."""
-    from pytest_ctresources.estimator.auto import Budget, choose_from_config
+    the estimate of its configured model, within what the GPU has free (other processes'
+    memory counts) or, without one, the host's available memory."""
+    from pytest_ctresources.estimator.auto import Budget, choose_from_config, kernel_room
 
     write(
         pytester.path / "nb.ipynb",
@@ -786,7 +795,29 @@ def test_auto_batch_size_is_resolved_before_the_kernel_starts(
             f"  nb.ipynb::nb.ipynb: auto batch size {choice.batch_size} (32 prompt tokens, * estimated before the kernel starts*"
         ]
     )
-    # Without a GPU: the ceiling.
+    # Another process holds 6 GiB of the card: the kernel gets what is free, not the card.
+    monkeypatch.setenv("CT_FAKE_GPUS_USED", "6")
+    monkeypatch.setenv("COLUMNS", "600")  # the choice's line, unfolded
+    result = pytester.runpytest_subprocess(
+        "--nbmake", "--ct-config", "gemma.yaml", "-p", "no:randomly"
+    )
+    result.assert_outcomes(passed=1)
+    squeezed = choose_from_config(
+        cfg,
+        Budget(24.0, "GPU 0 (Card)", 0.05),
+        32,
+        room=kernel_room(18 * 2**30, Budget(24.0, "GPU 0 (Card)", 0.05)),
+    )
+    assert squeezed is not None and 1 < squeezed.batch_size < choice.batch_size
+    result.stdout.fnmatch_lines(
+        [
+            f"  nb.ipynb::nb.ipynb: auto batch size {squeezed.batch_size} (32 prompt tokens, "
+            "* room 17.1 GiB = 18.0 GiB free on the device (NVML: other processes' memory "
+            "counts) less 5% margin)"
+        ]
+    )
+    monkeypatch.delenv("CT_FAKE_GPUS_USED")
+    # Without a GPU: the host's available memory (the kernel runs on this host).
     monkeypatch.setenv("CT_FAKE_GPUS", "")
     result = pytester.runpytest_subprocess(
         "--nbmake", "--ct-config", "gemma.yaml", "--ct-batch-size-max", "24"
@@ -794,7 +825,8 @@ def test_auto_batch_size_is_resolved_before_the_kernel_starts(
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(
         [
-            "  nb.ipynb::nb.ipynb: auto batch size 24 (32 prompt tokens; no CUDA GPU detected: the ceiling 24)"
+            "  nb.ipynb::nb.ipynb: auto batch size * (32 prompt tokens, * it fits the host's "
+            "available memory, * GiB (*) less 5% margin*"
         ]
     )
     # Issue 14: on a GPU, a model the estimator does not know was an NBMAKE INTERNAL ERROR

@@ -131,6 +131,8 @@ class AutoChoice:
     predicted_gib: float | None
     reason: str
     measured_gib: float | None = None
+    #: The model's layers, to say the active features per layer and token as well as in all.
+    n_layers: int | None = None
     _key: tuple[Any, ...] | None = field(default=None, repr=False, compare=False)
     _resident_bytes: int = field(default=0, repr=False, compare=False)
     _estimated_call_bytes: int = field(default=0, repr=False, compare=False)
@@ -141,6 +143,10 @@ class AutoChoice:
         facts = f"{self.prompt_tokens} prompt tokens"
         if self.active_features is not None:
             facts += f", {self.active_features} active features"
+            if self.n_layers:
+                # Per layer and token, as everywhere else: position 0 (BOS) has none.
+                per = self.active_features / (self.n_layers * max(self.prompt_tokens - 1, 1))
+                facts += f" in all ({per:.1f} per layer and token)"
         if self.predicted_gib is not None:
             facts += f", predicted {self.predicted_gib:.2f} GiB"
         if self.measured_gib is not None:
@@ -268,6 +274,21 @@ def device_room(free: int, reserved: int, total: int, budget: Budget) -> Room:
     return Room(room + context, text)
 
 
+def kernel_room(free: int, budget: Budget) -> Room:
+    """The room bound for a process not started yet (a notebook's kernel): what the device has
+    free now (NVML: every process's memory counts), less the margin's share. The kernel's CUDA
+    context will come out of that free memory; :func:`counted_for_fit` counts it on a real
+    card, and here it is taken off where the fit does not count it (under a capacity cap)."""
+    room = int(free * (1 - budget.margin))
+    text = (
+        f"room {room / GIB:.1f} GiB = {free / GIB:.1f} GiB free on the device (NVML: other "
+        f"processes' memory counts) less {100 * budget.margin:g}% margin"
+    )
+    if budget.emulated:
+        room -= est.CALIBRATION.context_bytes
+    return Room(max(room, 0), text)
+
+
 def _first_call_margin(family: str, budget: Budget) -> float:
     """The margin of a first call on a model: ``budget``'s, and never less than the family's
     worst under-prediction on the validation points."""
@@ -336,6 +357,7 @@ def _choice(
         active_features,
         predicted,
         assumed + why,
+        n_layers=model_shape.n_layers,
         _estimated_call_bytes=prediction.call_bytes,
         _predicted_call_bytes=prediction.call_bytes + excess,
         _room_call_bytes=room_call,
@@ -360,7 +382,9 @@ def _host_choice(
     available = host_available()
     if available is None:
         why = f"{where}, and the host's available memory is unknown: the ceiling {ceiling}"
-        return AutoChoice(ceiling, tokens, active_features, None, why)
+        return AutoChoice(
+            ceiling, tokens, active_features, None, why, n_layers=model_shape.n_layers
+        )
     free, source = available
     room = int(free * (1 - budget.margin))
     text = (
@@ -378,13 +402,18 @@ def _host_choice(
     )
     if found is None:
         why = f"{text}; not even batch size 1 is predicted to fit; trying 1"
-        return AutoChoice(1, tokens, active_features, None, why)
+        return AutoChoice(1, tokens, active_features, None, why, n_layers=model_shape.n_layers)
     largest = found[0]
     batch = est.balanced_batch(largest, _feature_rows(workload, model_shape))
     prediction = est.estimate(model_shape, transcoders, est.with_batch(workload, batch))
     what = reason(batch, largest, ceiling, _feature_rows(workload, model_shape), None)
     return AutoChoice(
-        batch, tokens, active_features, prediction.call_bytes / GIB, f"{text}; {what}"
+        batch,
+        tokens,
+        active_features,
+        prediction.call_bytes / GIB,
+        f"{text}; {what}",
+        n_layers=model_shape.n_layers,
     )
 
 
@@ -557,15 +586,20 @@ def _same_tokens(a: Any, b: Any) -> bool:
 
 
 def choose_from_config(
-    cfg: CircuitTracerConfig, budget: Budget, prompt_tokens: int, *, host: bool = False
+    cfg: CircuitTracerConfig,
+    budget: Budget,
+    prompt_tokens: int,
+    *,
+    host: bool = False,
+    room: Room | None = None,
 ) -> AutoChoice | None:
     """auto's choice before any model is loaded (a notebook's kernel will load it, or a
     ``ct_session`` test asks ``ct_session.batch_size`` before its first call): from the
     registry's shapes, ``prompt_tokens`` and the transcoder set's active features per layer
     and token (its L0, or the documented default). None when the registry does not know the
     model or its transcoder set. Without a GPU: with ``host``, the host's available memory
-    (weights included) as ``ct_session``'s own auto fits it; else the ceiling (a notebook's
-    kernel is another process, whose memory nothing here can say)."""
+    (weights included), as ``ct_session``'s own auto fits it; else the ceiling. On a GPU,
+    ``room`` (see :func:`kernel_room`) bounds the fit besides the budget."""
     ceiling = cfg.batch_size_max
     if budget.capacity_gib is None and not host:
         return AutoChoice(
@@ -588,4 +622,6 @@ def choose_from_config(
         "token; "
     )
     active = workload.active_features(model_shape.n_layers)
-    return _choice(model_shape, transcoders, workload, budget, ceiling, None, active, assumed)
+    return _choice(
+        model_shape, transcoders, workload, budget, ceiling, None, active, assumed, room=room
+    )

@@ -27,7 +27,7 @@ import glob
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -45,6 +45,10 @@ from pytest_ctresources.notebooks.params import (
 from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig, ConfigError
 from pytest_ctresources.settings.experiment_yaml import ExperimentFile, load_experiment_yaml
 from pytest_ctresources.settings.options import NOTEBOOK_CONFIGS_INI
+
+if TYPE_CHECKING:
+    from pytest_ctresources.core.runtime import Runtime
+    from pytest_ctresources.estimator.auto import Budget, Room
 
 YAML_SUFFIXES = (".yaml", ".yml")
 
@@ -154,13 +158,18 @@ def make_item_class() -> type:
 
 def _resolve_auto(item: Any, runtime: Any, cfg: CircuitTracerConfig) -> CircuitTracerConfig:
     """A notebook passes BATCH_SIZE to attribute() itself, so ``auto`` is resolved before its
-    kernel starts, from the estimate of its configured model (no model loaded here)."""
+    kernel starts, from the estimate of its configured model (no model loaded here), within
+    what the GPU has free now (NVML; this process never touches CUDA for it) or, without a
+    GPU, the host's available memory (the kernel runs on this host)."""
     from pytest_ctresources.estimator.auto import choose_from_config
 
     where = shown_path(item.filename, item.config)
     tokens = runtime.settings.estimate_prompt_tokens.value
+    budget = runtime.auto_budget(item)
     try:
-        choice = choose_from_config(cfg, runtime.auto_budget(item), tokens)
+        choice = choose_from_config(
+            cfg, budget, tokens, host=True, room=_free_room(runtime, budget)
+        )
     except ConfigError as exc:
         pytest.fail(f"{where}: batch_size 'auto': {exc}", pytrace=False)
     if choice is None:
@@ -173,6 +182,27 @@ def _resolve_auto(item: Any, runtime: Any, cfg: CircuitTracerConfig) -> CircuitT
         )
     state_of(item).record.auto_batch_sizes = [choice.describe()]
     return dataclasses.replace(cfg, batch_size=choice.batch_size)
+
+
+def _free_room(runtime: Runtime, budget: Budget) -> Room | None:
+    """The room a kernel about to start has on the test's GPU (None where nothing can say)."""
+    from pytest_ctresources.estimator.auto import kernel_room
+    from pytest_ctresources.gpu.detect import used_memory_reader
+
+    gpu = runtime.test_gpu()
+    if gpu is None or budget.capacity_gib is None:
+        return None
+    try:
+        reader = used_memory_reader(gpu)
+    except ValueError:  # a malformed CT_FAKE_GPUS_USED: the ledger reports it
+        return None
+    if reader is None:
+        return None
+    try:
+        used = reader()
+    finally:
+        reader.close()
+    return None if used is None else kernel_room(max(gpu.total_bytes - used, 0), budget)
 
 
 def run_notebook(item: Any) -> None:

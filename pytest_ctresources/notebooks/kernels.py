@@ -6,10 +6,13 @@ nbmake would start, in the project's own IPython profile:
 - its environment: the pytest process's, plus the session's settings (``CT_*``); the
   allocator default ``PYTORCH_CUDA_ALLOC_CONF`` comes with the pytest process's environment.
   It is passed to ``start_kernel(env=...)``; ``os.environ`` is never changed;
-- for an IPython kernel (ipykernel), a start-up file named on its command line
-  (``--IPKernelApp.exec_files``) that applies ``--ct-vram-capacity`` inside the kernel and
+- for an IPython kernel (ipykernel), a start-up file run by a line on its command line
+  (``--IPKernelApp.code_to_run``) that applies ``--ct-vram-capacity`` inside the kernel and
   writes the kernel's CUDA peak to a file at exit. It leaves no name in the notebook's
-  namespace, and the project's ``IPYTHONDIR``, profile and start-up files still run;
+  namespace, and the project's ``IPYTHONDIR``, profile, start-up files and the profile's
+  own ``exec_files``/``exec_lines`` still run (a list given on the command line would
+  replace the profile's; ``code_to_run``, the ``ipython -c`` option, is one no profile
+  needs);
 - IPC sockets instead of TCP ports, so parallel xdist workers never race for a port
   (nbmake#129: jupyter_client picks free ports by binding and closing them, and the kernel
   binds them later). The sockets live in a private directory made for each kernel.
@@ -37,8 +40,9 @@ VRAM_FILE_ENV = "CT_NOTEBOOK_VRAM_FILE"
 CAPACITY_ENV = "CT_VRAM_CAPACITY"
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
-# Runs in the kernel at start-up, in the notebook's namespace (that is how IPython runs
-# exec_files), without a visible cell; the one name it defines it deletes. It caps the
+# Runs in the kernel at start-up, in the notebook's namespace (IPython runs code_to_run
+# there, after the profile's start-up files, exec_lines and exec_files), without a visible
+# cell or an execution count; the one name it defines it deletes. It caps the
 # allocator like the pytest process (importing torch only when a cap is set) and reports the
 # kernel's CUDA figures at exit, using only what the kernel itself loaded.
 KERNEL_STARTUP = """\
@@ -94,6 +98,12 @@ def kernel_environment(
     return env
 
 
+def startup_line(path: str) -> str:
+    """The line ipykernel runs at start-up (``code_to_run``): the start-up file, executed in
+    the notebook's namespace under its own name (so a traceback names the file)."""
+    return f"exec(compile(open({path!r}).read(), {path!r}, 'exec'))"
+
+
 def is_ipython_kernel(argv: list[str]) -> bool:
     """Whether a kernelspec's command starts ipykernel (whose ``IPKernelApp`` options the
     start-up file needs); any other kernel would refuse them."""
@@ -117,13 +127,13 @@ def ipc_kernel_manager() -> type:
         """A kernel on IPC sockets, started with the plugin's start-up file if it is ipykernel."""
 
         startup_file = Unicode(
-            "", config=True, help="a file ipykernel runs at start-up (IPKernelApp.exec_files)"
+            "", config=True, help="a file ipykernel runs at start-up (IPKernelApp.code_to_run)"
         )
 
         def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
             arguments = list(extra_arguments or [])
             if self.startup_file and is_ipython_kernel(list(self.kernel_spec.argv)):
-                arguments.append(f"--IPKernelApp.exec_files={self.startup_file}")
+                arguments.append(f"--IPKernelApp.code_to_run={startup_line(self.startup_file)}")
             command: list[str] = super().format_kernel_cmd(arguments)
             return command
 
