@@ -26,13 +26,14 @@ from pytest_ctresources.core.state import state_of
 from pytest_ctresources.gpu.allocator import ALLOC_KEY, AllocConf
 from pytest_ctresources.gpu.cleanup_between_tests import BetweenTests
 from pytest_ctresources.leases import leases
+from pytest_ctresources.report.header import header_lines
 from pytest_ctresources.report.learned import StaleLearnedNeeds, narrowed_files
 from pytest_ctresources.report.record import PROPERTY_PREFIX
 from pytest_ctresources.report.summary import SummaryReporter
 from pytest_ctresources.session.fixtures import OneLineModelFailures, ct_config, ct_session
 from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.options import DEFAULT_ALLOC_CONF, add_options, binding_mode
-from pytest_ctresources.xdist.binding import Binding, bind_worker, is_worker, open_seats, plan_line
+from pytest_ctresources.xdist.binding import Binding, bind_worker, is_worker, open_seats
 from pytest_ctresources.xdist.learned_exchange import LearnedNeedsExchange, send_stale
 
 __all__ = ["ct_config", "ct_session"]
@@ -155,23 +156,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_report_header(config: pytest.Config) -> list[str] | None:
     if config.get_verbosity() < 1:
         return None
-    runtime = runtime_of(config)
-    lines = [
-        *runtime.settings.header_lines(),
-        *(
-            f"ctresources: {line}"
-            for line in runtime.gpu_facts(may_import_torch=False).summary_lines()
-        ),
-    ]
-    workers = config.getoption("numprocesses", None)
-    most = config.getoption("maxprocesses", None)
-    if isinstance(workers, int) and isinstance(most, int):
-        workers = min(workers, most)
-    if runtime.settings.gpu_binding.value == "auto" and isinstance(workers, int):
-        plan = plan_line(runtime.gpu_facts(may_import_torch=False), workers)
-        if plan is not None:
-            lines.append(f"ctresources: {plan}")
-    return lines
+    return header_lines(config, runtime_of(config))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -195,7 +180,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             # A skip mark, evaluated by pytest's skipping plugin right after this hook, reports
             # the test's own location rather than this file's.
             item.add_marker(pytest.mark.skip(reason=reason))
-        leases.record_placement(item, runtime)
+        if runtime.binding is not None:  # a bound xdist worker: its worker and GPU
+            state.record.place(runtime.binding.worker, runtime.binding.gpu)
         return
     pytest.fail(failure, pytrace=False)
 

@@ -161,6 +161,18 @@ def test_report_forced_without_cuda(pytester: pytest.Pytester) -> None:
     assert "ctresources summary" not in pytester.runpytest().stdout.str()
 
 
+def test_no_empty_summary_section_for_a_lease_that_made_nobody_wait(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A plain run's leases are worth a line only when a test waited: with nothing else to
+    # say, no "ctresources summary" title stands over nothing.
+    monkeypatch.setenv("CT_FAKE_GPUS", "Card=8")
+    pytester.makepyfile("import pytest\n\n@pytest.mark.vram(gib=2)\ndef test_leased():\n    pass\n")
+    result = pytester.runpytest("-v")
+    result.assert_outcomes(passed=1)
+    assert "ctresources summary" not in result.stdout.str()
+
+
 def test_report_top(project: pytest.Pytester) -> None:
     result = project.runpytest("-p", "no:randomly", "--ct-report-top", "1")
     text = result.stdout.str()
@@ -588,7 +600,13 @@ def test_the_summary_a_reader_can_scan(
     result = project.runpytest("-v", "--ct-report-json", "r.json")
     out = result.stdout.str()
     summary = out.split("ctresources summary")[1]
-    assert out.count("cleanup=auto (default)") == 1 and "cleanup=auto" not in summary
+    assert out.count("cleanup=auto") == 1 and "cleanup=auto" not in summary
+    # The -v header's own lines are folded too, their continuations indented under them.
+    top = out.split("rootdir:")[0].splitlines()
+    ours = [n for n, line in enumerate(top) if line.startswith("ctresources: ")]
+    header = top[ours[0] : ours[-1] + 1]
+    assert any(line.startswith("    ") for line in header)
+    assert all(len(line) <= 80 for line in header)
     assert "attributions: 0" not in summary and "skipped for VRAM: 0" not in summary
     result.stdout.fnmatch_lines(
         [

@@ -64,22 +64,6 @@ class TestLease:
     is freed during the test, its units go to the test, which still needs them."""
 
 
-def record_placement(item: pytest.Item, runtime: Runtime) -> None:
-    """Put the worker and its GPU in the test's record (bound workers only)."""
-    binding = runtime.binding
-    if binding is None:
-        return
-    _add_placement(item, binding.worker, binding.gpu)
-
-
-def _add_placement(item: pytest.Item, worker: str, gpu: GpuInfo) -> None:
-    record = state_of(item).record
-    record.worker = worker
-    record.gpu_name = gpu.name
-    record.gpu_physical_index = gpu.physical_index
-    record.gpu_uuid = gpu.uuid
-
-
 class IdleCacheWatcher:
     """A daemon thread that frees this process's idle cached model while another process
     waits for the units it holds (the ledger's ``WANTED`` byte).
@@ -284,7 +268,7 @@ class GpuLeases:
 
     def _add_placement_if_unbound(self, item: pytest.Item) -> None:
         if self.runtime.binding is None and self._gpu is not None:
-            _add_placement(item, self.worker, self._gpu)
+            state_of(item).record.place(self.worker, self._gpu)
 
     def _reserve_reused_model(self, item: pytest.Item) -> tuple[ResidentModel | None, float]:
         """The resident model a ``ct_session`` test will reuse, kept from every eviction but

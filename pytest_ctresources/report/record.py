@@ -15,7 +15,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pytest_ctresources.gpu.detect import GpuInfo
 
 #: The prefix of every user property the plugin writes: its namespace in junit XML too.
 PROPERTY_PREFIX = "ct_"
@@ -81,6 +84,14 @@ class TestRecord:
     def placed(self) -> bool:
         """Whether it carries where it ran (a bound worker's test, or one that took a lease)."""
         return self.worker is not None
+
+    def place(self, worker: str, gpu: GpuInfo) -> None:
+        """Where the test ran: a bound xdist worker and its GPU, or the GPU a plain run's
+        lease came from."""
+        self.worker = worker
+        self.gpu_name = gpu.name
+        self.gpu_physical_index = gpu.physical_index
+        self.gpu_uuid = gpu.uuid
 
     def to_properties(self) -> list[tuple[str, object]]:
         """The ``ct_*`` user properties of the fields that differ from their defaults: a test

@@ -2,7 +2,7 @@
 
 It is built only from test reports (``ct_*`` ``user_properties`` and skip reasons), which
 pytest-xdist ships from workers to the controller, so a distributed run gets one complete
-report. The JSON file and the plot are written from the same records (``report_files``).
+report. The JSON file and the plot are written from the same records (``report/files.py``).
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ class RunSummary:
         return first
 
     def flag(self, leak_threshold: int) -> None:
-        """Attach UNDER-DECLARED, UNMARKED, LEAK and OOM-RECOVERED flags to the records."""
+        """Attach UNDER-DECLARED, UNMARKED, LEAK and OOM RECOVERED flags to the records."""
         for record in self.records.values():
             flags = []
             peak = record.peak_reserved_bytes
@@ -255,18 +255,9 @@ class RunSummary:
         }
 
     def is_empty(self) -> bool:
-        return not (
-            self.attributions
-            or self.vram_skips
-            or self.records
-            or self.halvings
-            or self.auto_choices
-            or self.placements
-            or self.resident_models
-            or self.reruns
-            or self.own_settings
-            or self.notebook_values
-        )
+        """Whether the summary has no line to print beyond the settings and the GPUs (the VRAM
+        table aside): a section with nothing under its title is left out."""
+        return not self.lines([], [])
 
     def slowest_lines(self, top: int) -> list[str]:
         """The slowest attributions, ``--durations`` style, with their phases and batches."""
@@ -448,7 +439,7 @@ class SummaryReporter:
     def finish(self, exitstatus: int | None, signal_name: str | None = None) -> None:
         """Flag the records, remember the measured needs, write the report files.
 
-        ``signal_name``: the run is being terminated (report_files.SigtermReport); the
+        ``signal_name``: the run is being terminated (``files.SigtermReport``); the
         session may still finish after that, and then writes the files again."""
         if self._finished:
             return
