@@ -249,3 +249,13 @@ def test_plugin_can_be_disabled(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("def test_a(): pass")
     result = pytester.runpytest("-p", "no:ctresources", "--ct-batch-size", "3")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
+
+
+def test_ini_defaults_that_code_elsewhere_uses_agree() -> None:
+    # The ini table states its defaults as text (pytest's --help shows them); the code that
+    # runs without pytest (ct-resources, CtSession outside a run) has its own constant.
+    from pytest_ctresources.estimator.auto import DEFAULT_AUTO_MARGIN
+    from pytest_ctresources.settings.options import INI_ONLY
+
+    defaults = {name: default for name, _help, default in INI_ONLY}
+    assert float(defaults["ct_auto_margin"]) == DEFAULT_AUTO_MARGIN

@@ -1,6 +1,6 @@
 """The bundled models' catalogue: their names, their dimensions, the hooks their transcoders
-use. Importable without torch: the registry (estimator), the model cache and the report read
-it; the builders that turn an entry into a model are :mod:`pytest_ctresources.bundled.builders`,
+use. Importable without torch: the registry (estimator) and the model cache read it; the
+builders that turn an entry into a model are :mod:`pytest_ctresources.bundled.builders`,
 and :mod:`pytest_ctresources.testing` is the public module for test authors.
 """
 

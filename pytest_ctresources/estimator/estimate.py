@@ -559,7 +559,7 @@ def largest_fitting_batch(
     ``resident_bytes``, when given (what is already allocated, measured), replaces the
     estimate's weights and transcoders. ``counted`` says what of an estimate must fit
     (default: ``total_bytes``, the reserved peak and the CUDA context); ``--ct-batch-size
-    auto`` passes its own (``autobatch.counted_for_fit``). Returns None when not even batch
+    auto`` passes its own (``auto.counted_for_fit``). Returns None when not even batch
     size 1 fits. The predicted total grows with the batch size, so a bisection finds it.
     """
 

@@ -5,7 +5,7 @@ pass over ``batch_size`` copies of the prompt (``model.run_forward_pass``), then
 passes in batches (``ctx.compute_batch``: the logits' rows, then the feature rows up to
 ``max_feature_nodes``). :class:`AttributionProbe` wraps those three calls for one
 ``attribute()`` call (instance attributes for its duration, restored after, as
-``autobatch.reused_setup`` does), so that the time of each phase and the number of batches are
+``estimator.auto.reused_setup`` does), so that the time of each phase and the number of batches are
 known as they happen: to a live progress line (:mod:`pytest_ctresources.session.progress_line`) and,
 after the call, to the summary and the JSON report (:class:`AttributionTiming`).
 

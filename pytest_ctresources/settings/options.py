@@ -270,8 +270,10 @@ INI_ONLY: tuple[tuple[str, str, str], ...] = (
     ),
     (
         "ct_cleanup",
-        "after each test: 'auto' (gc + empty_cache when CUDA was used, close open "
-        "matplotlib figures), 'always' (also gc.collect when CUDA was not used) or 'never'",
+        "after each test: 'auto' (close the figures it opened, release a failed test's "
+        "frames; collect garbage when it left CUDA memory beyond its baseline, empty the "
+        "CUDA cache when it holds 64 MiB or more), 'always' (also collect after every "
+        "test) or 'never'",
         "auto",
     ),
     (
@@ -301,7 +303,7 @@ INI_ONLY: tuple[tuple[str, str, str], ...] = (
         "ct_auto_margin",
         "share of the GPU's capacity that --ct-batch-size auto keeps free beyond the "
         "estimate's peak (reserved margin and CUDA context included)",
-        "0.05",  # autobatch.DEFAULT_AUTO_MARGIN
+        "0.05",  # estimator/auto.py DEFAULT_AUTO_MARGIN (tests/test_options.py checks)
     ),
     (
         "ct_estimate_prompt_tokens",
