@@ -583,17 +583,22 @@ def test_failures_stay_contained(pytester: pytest.Pytester) -> None:
         pytester.path / "e_unregistered_mark.ipynb",
         notebook("x = 1", metadata={"marks": ["slowish"]}),
     )
-    pytester.makeini("[pytest]\nct_notebook_configs = d_bad.yaml\n")
+    (pytester.path / "f_missing.yaml").write_text("NOTEBOOK: nothere.ipynb\n")
+    pytester.makeini("[pytest]\nct_notebook_configs =\n    d_bad.yaml\n    f_missing.yaml\n")
     result = pytester.runpytest_subprocess("--nbmake", "-p", "no:randomly", "--strict-markers")
-    result.assert_outcomes(passed=1, failed=1, errors=3)
+    result.assert_outcomes(passed=1, failed=1, errors=4)
     result.stdout.fnmatch_lines(
         [
             "*a_bad_metadata.ipynb: metadata 'ctresources.vram_gib' must be a positive number, got 'lots'",
             "*d_bad.yaml: BATCH_SIZE must be a positive integer or 'auto', got 'big'",
-            "*'slowish' not found in `markers` configuration option*",
+            "*e_unregistered_mark.ipynb: metadata 'ctresources.marks': 'slowish' not found in "
+            "`markers` configuration option*",
+            "*f_missing.yaml: NOTEBOOK names nothere.ipynb, which is not a file",
             "*the kernel running *b_dies.ipynb died*",
         ]
     )
+    output = result.stdout.str()
+    assert "INTERNAL ERROR" not in output and "Traceback" not in output
 
 
 def test_unreadable_notebooks_fail_as_under_nbmake_alone(pytester: pytest.Pytester) -> None:

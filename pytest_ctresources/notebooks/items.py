@@ -112,17 +112,27 @@ def make_item_class() -> type:
             except ConfigError as exc:
                 state_of(self).config_error = str(exc)
                 return
+            if self.experiment is not None and not Path(self.filename).is_file():
+                state_of(self).config_error = (
+                    f"{self.experiment.path}: NOTEBOOK names "
+                    f"{shown_path(self.filename, self.config)}, which is not a file"
+                )
+                return
             try:
                 nb = nbformat.read(self.filename, as_version=4)
             except Exception:  # nbformat raises many kinds for a file that is no notebook
                 return  # no metadata to read; the run fails it as nbmake does, with its message
+            where = shown_path(self.filename, self.config)
             try:
-                marks, need = notebook_metadata(nb, shown_path(self.filename, self.config))
+                marks, need = notebook_metadata(nb, where)
                 for mark in marks:
                     # Under --strict-markers an unregistered name fails here (pytest.fail).
                     self.add_marker(mark)
-            except (ConfigError, pytest.fail.Exception) as exc:
+            except ConfigError as exc:
                 state_of(self).config_error = str(exc)
+                return
+            except pytest.fail.Exception as exc:
+                state_of(self).config_error = f"{where}: metadata 'ctresources.marks': {exc.msg}"
                 return
             if need is not None:
                 self.add_marker(pytest.mark.vram(gib=need))
@@ -173,10 +183,15 @@ def _resolve_auto(item: Any, runtime: Any, cfg: CircuitTracerConfig) -> CircuitT
     except ConfigError as exc:
         pytest.fail(f"{where}: batch_size 'auto': {exc}", pytrace=False)
     if choice is None:
+        what = (
+            f"{cfg.model_name!r} with {cfg.transcoder_set!r}"
+            if cfg.transcoder_set
+            else f"{cfg.model_name!r} with no TRANSCODER_SET"
+        )
         pytest.fail(
             f"{where}: batch_size 'auto' ({cfg.source_of('batch_size')}) needs a model "
-            f"and transcoder set the estimator knows, and {cfg.model_name!r} with "
-            f"{cfg.transcoder_set!r} is not one: set a number (--ct-batch-size N, or "
+            f"and transcoder set the estimator knows, and {what} is not one: set a number "
+            "(--ct-batch-size N, or "
             "BATCH_SIZE: N in its config)",
             pytrace=False,
         )
