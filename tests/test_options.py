@@ -206,12 +206,31 @@ def test_bad_env_and_ini_are_usage_errors(
     assert len([ln for ln in result.stderr.lines if ln.startswith("ERROR")]) == 1
 
 
+def test_ini_keys_given_with_dash_o_are_named_as_such(pytester: pytest.Pytester) -> None:
+    # pytest's -o overrides the ini file: the source is the option, not a file that may not
+    # even have the key.
+    pytester.makeini("[pytest]\nct_batch_size = 16\n")
+    pytester.makepyfile("def test_a(): pass")
+    result = pytester.runpytest("-o", "ct_cleanup=sometimes")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["ERROR: -o ct_cleanup: must be one of auto, always, never; got 'sometimes'"]
+    )
+    result = pytester.runpytest("-o", "ct_batch_size=8", "-v")
+    result.stdout.fnmatch_lines(["ctresources: batch_size=8 (-o ct_batch_size), *"])
+    # Without -o the file is the source.
+    pytester.runpytest("-v").stdout.fnmatch_lines(
+        ["ctresources: batch_size=16 (ini ct_batch_size in *tox.ini), *"]
+    )
+
+
 @pytest.mark.parametrize(
     ("yaml_text", "message"),
     [
         ("- a\n- b\n", "the top level must be a mapping of KEY: value, got a list"),
         ("BATCH_SIZE: big\n", "BATCH_SIZE must be a positive integer or 'auto', got 'big'"),
         ("BATCH_SIZ: 3\n", "unknown key 'BATCH_SIZ' (did you mean BATCH_SIZE?)*"),
+        ("batch_size: 3\n", "unknown key 'batch_size' (did you mean BATCH_SIZE?)*"),
         ("MODEL_NAME: [unclosed\n", "malformed YAML*"),
     ],
 )

@@ -152,17 +152,24 @@ def resolve_settings(
     environ: Mapping[str, str],
     inifile: str | None,
     invocation_dir: Path,
+    overridden: frozenset[str] = frozenset(),
 ) -> Settings:
     """Resolve every session setting from its three spellings.
 
     ``options`` maps option dests to parsed values (None when not given), ``ini`` maps ini
-    keys to their raw text (None when unset). Pure: testable without a pytest run.
+    keys to their raw text (None when unset); ``overridden`` names the keys given with
+    pytest's ``-o`` (their source is that option, not the ini file). Pure: testable without
+    a pytest run.
     """
+
+    def ini_source(key: str) -> Source:
+        return Source.override(key) if key in overridden else Source.ini(key, inifile)
+
     for key, raw in ini.items():
         if raw is not None and not isinstance(raw, str):
             # Legacy [tool.pytest.ini_options] hands a TOML list to a "string" key unchanged.
             raise pytest.UsageError(
-                f"{Source.ini(key, inifile)}: must be a single value, got the "
+                f"{ini_source(key)}: must be a single value, got the "
                 f"{type(raw).__name__} {shown(raw)}"
             )
     ini_layer: dict[str, Sourced[object]] = {}
@@ -174,10 +181,12 @@ def resolve_settings(
         layers: list[tuple[dict[str, Sourced[object]], Sourced[object]]] = []
         raw_ini = (ini.get(spec.ini) or "").strip()
         if raw_ini:
-            source = Source.ini(spec.ini, inifile)
+            source = ini_source(spec.ini)
             value = _parse(spec, raw_ini, source)
             if spec.dest == "ct_config":
-                value = str(ini_dir / str(value))
+                # An ini file's path is relative to that file; -o's to where pytest runs.
+                base = invocation_dir if spec.ini in overridden else ini_dir
+                value = str(base / str(value))
             layers.append((ini_layer, Sourced(value, source)))
         raw_env = environ.get(spec.env, "").strip() if spec.env else ""
         if spec.env and raw_env:
@@ -200,28 +209,28 @@ def resolve_settings(
         except ConfigError as exc:
             raise pytest.UsageError(f"{experiment_source}: {exc}") from None
 
-    cleanup = _ini_or_default(ini, "ct_cleanup", inifile, cleanup_mode)
-    allocator = _ini_or_default(ini, "ct_alloc_conf", inifile, alloc_conf)
+    cleanup = _ini_or_default(ini, "ct_cleanup", ini_source, cleanup_mode)
+    allocator = _ini_or_default(ini, "ct_alloc_conf", ini_source, alloc_conf)
     in_environment = alloc_conf_in_environment(environ)
     if in_environment is not None:
         # The user's own variable wins over ct_alloc_conf (which is still checked above).
         name, value = in_environment
         allocator = Sourced(value, Source.env(name))
     capacity = session.get("ct_vram_capacity")
-    leak = _ini_or_default(ini, "ct_leak_threshold", inifile, byte_size)
-    floor = _ini_or_default(ini, "ct_oom_retry_floor", inifile, positive_count)
-    retry = _ini_or_default(ini, "ct_oom_retry", inifile, parse_bool)
+    leak = _ini_or_default(ini, "ct_leak_threshold", ini_source, byte_size)
+    floor = _ini_or_default(ini, "ct_oom_retry_floor", ini_source, positive_count)
+    retry = _ini_or_default(ini, "ct_oom_retry", ini_source, parse_bool)
     if options.get("ct_oom_retry") is False:
         retry = Sourced(False, Source.option("--ct-no-oom-retry"))
-    leases = _ini_or_default(ini, "ct_leases", inifile, parse_bool)
+    leases = _ini_or_default(ini, "ct_leases", ini_source, parse_bool)
     if options.get("ct_leases") is False:
         leases = Sourced(False, Source.option("--ct-no-leases"))
-    binding = _ini_or_default(ini, "ct_gpu_binding", inifile, binding_mode)
-    default_gib = _ini_or_default(ini, "ct_default_vram_gib", inifile, non_negative_gib)
-    timeout = _ini_or_default(ini, "ct_lease_timeout", inifile, seconds)
-    margin = _ini_or_default(ini, "ct_auto_margin", inifile, fraction)
-    prompt_tokens = _ini_or_default(ini, "ct_estimate_prompt_tokens", inifile, positive_count)
-    progress = _ini_or_default(ini, "ct_progress_after", inifile, seconds_or_off)
+    binding = _ini_or_default(ini, "ct_gpu_binding", ini_source, binding_mode)
+    default_gib = _ini_or_default(ini, "ct_default_vram_gib", ini_source, non_negative_gib)
+    timeout = _ini_or_default(ini, "ct_lease_timeout", ini_source, seconds)
+    margin = _ini_or_default(ini, "ct_auto_margin", ini_source, fraction)
+    prompt_tokens = _ini_or_default(ini, "ct_estimate_prompt_tokens", ini_source, positive_count)
+    progress = _ini_or_default(ini, "ct_progress_after", ini_source, seconds_or_off)
     report_json = _writable(options.get("ct_report_json"), JSON_FLAG, invocation_dir)
     report_plot = _writable(options.get("ct_report_plot"), PLOT_FLAG, invocation_dir)
     if report_plot is not None:
@@ -263,13 +272,13 @@ def resolve_settings(
 def _ini_or_default(
     ini: Mapping[str, str | None],
     key: str,
-    inifile: str | None,
+    ini_source: Callable[[str], Source],
     parse: Callable[[str], object],
 ) -> Sourced[object]:
     text = ini.get(key)
     if text is None:
         return Sourced(parse(_INI_DEFAULTS[key]), Source.default())
-    source = Source.ini(key, inifile)
+    source = ini_source(key)
     try:
         return Sourced(parse(text), source)
     except ValueError as exc:
@@ -308,4 +317,11 @@ def settings_from_config(config: pytest.Config) -> Settings:
         environ=environ,
         inifile=str(config.inipath) if config.inipath else None,
         invocation_dir=config.invocation_params.dir,
+        overridden=overridden_ini_keys(config),
     )
+
+
+def overridden_ini_keys(config: pytest.Config) -> frozenset[str]:
+    """The ini keys given on the command line with pytest's ``-o key=value``."""
+    given = getattr(config.option, "override_ini", None) or []
+    return frozenset(entry.split("=", 1)[0].strip() for entry in given if "=" in entry)

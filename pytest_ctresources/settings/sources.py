@@ -42,6 +42,11 @@ class Source:
         return cls("ini", f"ini {key}" + (f" in {inifile}" if inifile else ""))
 
     @classmethod
+    def override(cls, key: str) -> Source:
+        """An ini key given on the command line (``-o key=value``)."""
+        return cls("ini", f"-o {key}")
+
+    @classmethod
     def yaml(cls, path: str, key: str) -> Source:
         return cls("yaml", f"{key} in {path}", path)
 
