@@ -423,6 +423,18 @@ ROWS: list[Row] = [
     yaml("yaml-lazy-decoder-number", "LAZY_DECODER: 2\n", "LAZY_DECODER must be true"),
     yaml("yaml-verbose-word", "VERBOSE: loud\n", "VERBOSE must be true"),
     yaml("yaml-vram-1e400-text", "VRAM_GIB: 1e400\n", "VRAM_GIB must be a positive number"),
+    yaml(
+        "yaml-vram-exponent-text",
+        "VRAM_GIB: 2e1\n",
+        "VRAM_GIB must be a positive number of GiB, got '2e1' (text, not a number: YAML reads "
+        "an exponent without a dot and a signed exponent as text; write 20.0)",
+    ),
+    yaml(
+        "yaml-probability-exponent-text",
+        "DESIRED_LOGIT_PROB: 5e-1\n",
+        "DESIRED_LOGIT_PROB must be a number in (0, 1], got '5e-1' (text, not a number: *; "
+        "write 0.5)",
+    ),
     yaml("yaml-vram-float-overflow", "VRAM_GIB: 1.0e+400\n", "beyond a float's range"),
     yaml("yaml-vram-inf", "VRAM_GIB: .inf\n", "at most 1024 GiB"),
     yaml("yaml-vram-nan", "VRAM_GIB: .nan\n", "positive number of GiB"),

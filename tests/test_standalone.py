@@ -70,6 +70,12 @@ def test_without_a_path_ct_config_names_the_file(experiment: Path) -> None:
             "env CT_BATCH_SIZE: must be a positive integer or 'auto', got 'abc'",
         ),
         ("missing.yaml", {}, {}, "missing.yaml: cannot read experiment config"),
+        (
+            None,
+            {},
+            {"CT_CONFIG": "missing.yaml"},
+            "env CT_CONFIG: missing.yaml: cannot read experiment config",
+        ),
     ],
 )
 def test_bad_input_is_one_line_naming_its_source(

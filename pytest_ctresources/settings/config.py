@@ -114,17 +114,38 @@ def _batch_size(value: object) -> int | str:
     return value  # type: ignore[return-value]
 
 
+def _number_text_hint(value: object) -> str:
+    """For text that reads as a number (``5e-1`` in YAML, which YAML 1.1 takes as a string):
+    how to write it so that it is one."""
+    if not isinstance(value, str) or len(value) > 40:
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    if not math.isfinite(number):
+        return ""
+    return (
+        " (text, not a number: YAML reads an exponent without a dot and a signed exponent "
+        f"as text; write {number!r})"
+    )
+
+
 def gib_amount(value: object) -> float:
     """A positive, finite number of GiB, at most :data:`MAX_GIB`; else :class:`ConfigError`."""
     if not _is_number(value) or not value > 0 or value != value:  # type: ignore[operator]
-        raise ConfigError(f"must be a positive number of GiB, got {shown(value)}")
+        raise ConfigError(
+            f"must be a positive number of GiB, got {shown(value)}{_number_text_hint(value)}"
+        )
     _at_most(value, MAX_GIB, " GiB")  # type: ignore[arg-type]
     return float(value)  # type: ignore[arg-type]
 
 
 def _probability(value: object) -> float:
     if not _is_number(value) or not 0 < value <= 1:  # type: ignore[operator]
-        raise ConfigError(f"must be a number in (0, 1], got {shown(value)}")
+        raise ConfigError(
+            f"must be a number in (0, 1], got {shown(value)}{_number_text_hint(value)}"
+        )
     return float(value)  # type: ignore[arg-type]
 
 
@@ -314,9 +335,11 @@ NOTEBOOK_KEY = "NOTEBOOK"
 
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str:
-    """`` (did you mean X?)`` for the closest candidate, or an empty string."""
-    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
+    """`` (did you mean X?)`` for the closest candidate, or an empty string. Case does not
+    count (``batch_size`` in a YAML file means ``BATCH_SIZE``)."""
+    by_lower = {candidate.lower(): candidate for candidate in candidates}
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean {by_lower[close[0]]}?)" if close else ""
 
 
 def validate_typed(name: str, value: object) -> object:

@@ -122,6 +122,19 @@ def vram_need(item: pytest.Item) -> VramNeed | None:
     return VramNeed(_call("vram", mark, item.nodeid), Source.marker("vram", item.nodeid))
 
 
+def _shown_yaml_path(item: pytest.Item, base_dir: Path, path: str) -> Path:
+    """A marker's ``path=`` file, relative to where pytest runs when it is below it (as
+    ``--ct-config`` paths are shown), so that sources read ``BATCH_SIZE in tests/own.yaml``."""
+    target = Path(path) if Path(path).is_absolute() else base_dir / path
+    here = item.config.invocation_params.dir
+    try:
+        if Path.cwd() == here:
+            return target.relative_to(here)
+    except (OSError, ValueError):  # a removed working directory; a file outside it
+        pass
+    return target
+
+
 def layer_markers(item: pytest.Item, below: CircuitTracerConfig) -> CircuitTracerConfig:
     """Lay the item's ``ct_config`` markers (module, then class, then function) over ``below``.
 
@@ -136,9 +149,7 @@ def layer_markers(item: pytest.Item, below: CircuitTracerConfig) -> CircuitTrace
         if path is None:
             continue
         try:
-            cfg = load_experiment_yaml(
-                base_dir / path if not Path(path).is_absolute() else path
-            ).apply(cfg)
+            cfg = load_experiment_yaml(_shown_yaml_path(item, base_dir, path)).apply(cfg)
         except ConfigError as exc:
             raise MarkerError(f"invalid @pytest.mark.ct_config on {item.nodeid}: {exc}") from None
     source = Source.marker("ct_config", item.nodeid)

@@ -44,10 +44,14 @@ def config_outside_pytest(
     """
     env = os.environ if environ is None else environ
     cfg = CircuitTracerConfig.defaults()
-    if path is None and env.get(CONFIG_ENV, "").strip():
-        path = env[CONFIG_ENV].strip()
     if path is not None:
         cfg = load_experiment_yaml(Path(path)).apply(cfg)
+    elif env.get(CONFIG_ENV, "").strip():
+        try:
+            cfg = load_experiment_yaml(Path(env[CONFIG_ENV].strip())).apply(cfg)
+        except ConfigError as exc:
+            # As under pytest: the variable that named the file comes first.
+            raise ConfigError(f"{Source.env(CONFIG_ENV)}: {exc}") from None
     for spec in SETTINGS:
         raw = env.get(spec.env, "").strip() if spec.env else ""
         if spec.field is None or spec.env is None or not raw:
