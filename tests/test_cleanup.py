@@ -557,3 +557,14 @@ def test_capacity_cap_is_armed_when_torch_is_imported_later(pytester: pytest.Pyt
         """
     )
     pytester.runpytest_subprocess("--ct-vram-capacity", "8").assert_outcomes(passed=1)
+
+
+def test_safe_clean_cuda_without_cuda_says_so_in_one_line() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here (the GPU suite covers safe_clean_cuda)")
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match=r"^safe_clean_cuda: CUDA is not available \(torch "):
+        with cleanup.safe_clean_cuda(model):
+            pass
+    assert next(model.parameters()).device.type == "cpu"  # untouched

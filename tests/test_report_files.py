@@ -355,3 +355,14 @@ def test_a_sigterm_during_a_write_waits_for_the_file_to_be_whole() -> None:
     finally:
         guard.restore()
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_folded_line_keeps_its_indent_when_its_first_word_is_wide() -> None:
+    # A node id wider than the terminal stands on its own line, still indented as its list.
+    nodeid = "tests/test_a_very_long_module_name.py::test_" + "x" * 60
+    lines = summary_module.wrapped(f"  {nodeid}: needs 30.0 GiB VRAM; GPU 0 has 24.0 GiB", 60)
+    assert lines[0] == f"  {nodeid}:"
+    assert all(line.startswith("      ") for line in lines[1:])
+    assert " ".join(line.strip() for line in lines) == (
+        f"{nodeid}: needs 30.0 GiB VRAM; GPU 0 has 24.0 GiB"
+    )

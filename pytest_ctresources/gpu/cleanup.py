@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import inspect
 import sys
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
@@ -163,12 +164,16 @@ class CleanScope:
 def _cuda_tensors() -> dict[int, torch.Tensor]:
     tensor_type = sys.modules["torch"].Tensor
     found: dict[int, torch.Tensor] = {}
-    for obj in gc.get_objects():
-        try:
-            if isinstance(obj, tensor_type) and obj.is_cuda:
-                found[id(obj)] = obj
-        except ReferenceError:  # a dead weakref proxy in gc's list
-            continue
+    # isinstance() on some objects in gc's list warns (torch.distributed's deprecated
+    # reduce_op proxy); looking at them is not using them.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, tensor_type) and obj.is_cuda:
+                    found[id(obj)] = obj
+            except ReferenceError:  # a dead weakref proxy in gc's list
+                continue
     return found
 
 
@@ -189,6 +194,11 @@ def safe_clean_cuda(
     """
     import torch
 
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"safe_clean_cuda: CUDA is not available (torch {torch.__version__}); it cleans "
+            "up after work on a CUDA GPU"
+        )
     first = next(iter(model.parameters()), None)
     home = first.device if first is not None else torch.device("cpu")
     # Storage addresses, not tensors: holding the tensors would keep them alive, and a view

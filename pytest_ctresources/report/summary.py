@@ -106,21 +106,25 @@ def wrapped(line: str, width: int) -> list[str]:
     """``line`` folded at the terminal's width, its continuation indented under it."""
     if len(line) <= width or width < 40:
         return [line]
-    indent = " " * (len(line) - len(line.lstrip()) + 4)
+    lead = line[: len(line) - len(line.lstrip())]
+    # The line's own indent is given, not left in the text: textwrap would drop it when the
+    # first word (a long node id) does not fit beside it.
     return textwrap.wrap(
-        line,
+        line.lstrip(),
         width=width,
-        subsequent_indent=indent,
+        initial_indent=lead,
+        subsequent_indent=lead + "    ",
         break_long_words=False,
         break_on_hyphens=False,
     ) or [line]
 
 
 def session_value(source: str, value: str) -> str:
-    """``--ct-batch-size 64``, ``env CT_BATCH_SIZE=64``, ``BATCH_SIZE in x.yaml (64)``."""
+    """``--ct-batch-size 64``, ``env CT_BATCH_SIZE=64``, ``-o ct_batch_size=64``,
+    ``BATCH_SIZE in x.yaml (64)``."""
     if source.startswith("--"):
         return f"{source} {value}"
-    if source.startswith("env "):
+    if source.startswith(("env ", "-o ")):
         return f"{source}={value}"
     return f"{source} ({value})"
 
