@@ -192,6 +192,25 @@ def test_a_params_key_that_shadows_a_setting_is_refused(key: str) -> None:
         check_params({"PROMPT": "p", key: -1}, "exp.yaml")
 
 
+@pytest.mark.parametrize(
+    ("key", "read_as"),
+    [
+        ("\uff22ATCH_SIZE", "BATCH_SIZE"),  # a fullwidth B: the setting, in the notebook
+        ("_\uff3fbuiltins__", "__builtins__"),  # a fullwidth low line: a dunder there
+        ("\ufb01le", "file"),  # a ligature
+    ],
+)
+def test_a_params_key_python_would_read_as_another_name_is_refused(key: str, read_as: str) -> None:
+    # Python binds the NFKC form of an identifier: the checks must see that name.
+    assert key.isidentifier()
+    with pytest.raises(ConfigError) as info:
+        check_params({key: -1}, "exp.yaml")
+    assert str(info.value) == (
+        f"exp.yaml: PARAMS key {key!r} is not a name a notebook variable can have as "
+        f"written: Python would read it as {read_as!r}; write that"
+    )
+
+
 def test_params_values_are_checked_where_they_are_read() -> None:
     check_params({"PROMPT": "p", "_private": [1], "LAYERS": {"a": 1}}, "exp.yaml")  # fine
     with pytest.raises(ConfigError, match=r"exp.yaml: PARAMS value of 'WHEN' is a date \(YAML"):

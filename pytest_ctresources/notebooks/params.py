@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import keyword
 import math
+import unicodedata
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +94,14 @@ def check_params(params: Mapping[Any, Any], where: str) -> None:
                 f"{where}: PARAMS key {key!r} is not a name a notebook variable can have: "
                 "a notebook gets each PARAMS entry as NAME = value, so a key must be a plain "
                 "Python identifier (letters, digits, underscores; no keyword, no __dunder__)"
+            )
+        if unicodedata.normalize("NFKC", key) != key:
+            # Python binds the NFKC form of an identifier: the checks above and below must
+            # see the name the notebook will get (a fullwidth B makes BATCH_SIZE there).
+            raise ConfigError(
+                f"{where}: PARAMS key {key!r} is not a name a notebook variable can have "
+                f"as written: Python would read it as "
+                f"{unicodedata.normalize('NFKC', key)!r}; write that"
             )
         if key in SETTING_NAMES:
             raise ConfigError(
