@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.fake_cuda import FAKE_CUDA_CONFTEST
+
 pytest_plugins = ["pytester"]
 
 SUITE = """
@@ -135,20 +137,34 @@ def test_same_outcomes_with_the_plugin_on_and_off(
         assert on[1].get("rerun", 0) >= 1
 
 
-def test_reruns_are_counted_and_the_final_attempt_recorded(pytester: pytest.Pytester) -> None:
+@pytest.mark.parametrize(
+    ("marker", "args"),
+    [("", ["--reruns", "2"]), ("@pytest.mark.flaky(reruns=2)", [])],
+    ids=["option", "marker"],
+)
+def test_reruns_are_counted_and_the_final_attempt_recorded(
+    pytester: pytest.Pytester, marker: str, args: list[str]
+) -> None:
     pytester.makepyfile(
-        test_flaky="""
+        test_flaky=f"""
         import pathlib
+        import pytest
         HERE = pathlib.Path(__file__).parent
 
+        {marker}
         def test_flaky(ct_config):
+            from conftest import FAKE
+
+            FAKE.alloc(0.25)  # some CUDA use, so that the test has a record with figures
+            FAKE.free(0.25)
             counter = HERE / "flaky.count"
             attempts = int(counter.read_text()) if counter.exists() else 0
             counter.write_text(str(attempts + 1))
             assert attempts > 0
         """
     )
-    result = pytester.runpytest("--reruns", "2", "--ct-report-json", "report.json")
+    pytester.makeconftest(FAKE_CUDA_CONFTEST)
+    result = pytester.runpytest(*args, "--ct-report-json", "report.json")
     assert result.parseoutcomes() == {"passed": 1, "rerun": 1}
     result.stdout.fnmatch_lines(
         [
@@ -159,3 +175,6 @@ def test_reruns_are_counted_and_the_final_attempt_recorded(pytester: pytest.Pyte
 
     report = json.loads((pytester.path / "report.json").read_text())
     assert report["reruns"] == {"test_flaky.py::test_flaky": 1}
+    # The record is the final attempt's: passed, not the first attempt's failure.
+    (record,) = report["tests"]
+    assert (record["nodeid"], record["outcome"]) == ("test_flaky.py::test_flaky", "passed")
