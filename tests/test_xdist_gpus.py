@@ -195,6 +195,15 @@ def test_placement_lines() -> None:
         "  GPU 0 (H200): gw0, gw2; 2 test(s), 2 with a lease, waited 2.5 s in all (longest 2.5 s)"
     )
     assert lines[2].endswith("1 lease timeout(s)")
+    # A wait that ended in a timeout is counted in the time waited.
+    gave_up = Placement(
+        "t", "failed", "gw1", "H200", 1, "GPU-1", 18.0, -1, lease_gave_up_after_s=5.0
+    )
+    (_, line) = placement_lines([gave_up])
+    assert line == (
+        "  GPU 1 (H200): gw1; 1 test(s), 1 with a lease, waited 5.0 s in all (longest 5.0 s), "
+        "1 lease timeout(s)"
+    )
     # A plain run: a line only when its leases made a test wait (another run held the GPU).
     assert placement_lines([placed("main", 0, 0)]) == []
     reused = Placement("t", "passed", "main", "H200", 0, "GPU-0", 16.0, 1.5, lease_reused_gib=9.0)
@@ -522,7 +531,7 @@ def test_a_plain_run_takes_leases_and_waits_for_another_runs(
                 "*GPU 0 (Card): waited 1 s for a VRAM lease of 8.0 GiB; the GPU's budget is "
                 "10.0 GiB and 2.0 GiB of it is free (ct_lease_timeout)",
                 "VRAM leases: 1 test(s) on 1 GPU(s)",
-                "  GPU 0 (Card): 1 test(s), 1 with a lease, waited 0.0 s in all, "
+                "  GPU 0 (Card): 1 test(s), 1 with a lease, waited 1.* s in all (longest 1.* s), "
                 "1 lease timeout(s)",
             ]
         )

@@ -229,6 +229,7 @@ class GpuLeases:
         lease = None
         grace = 0.0
         reused, reused_gib = self._reserve_reused_model(item)
+        began = time.monotonic()
         try:
             if reused is not None:
                 start = time.monotonic()
@@ -263,6 +264,7 @@ class GpuLeases:
             return
         record = state_of(item).record
         record.lease_gib, record.lease_wait_s = gib, -1.0
+        record.lease_gave_up_after_s = round(time.monotonic() - began, 3)
         self._add_placement_if_unbound(item)
         pytest.fail(failure, pytrace=False)
 

@@ -32,6 +32,8 @@ class Placement:
     """Seconds the test waited for its lease; -1 when it gave up (``ct_lease_timeout``)."""
     lease_reused_gib: float = 0.0
     """The part of ``lease_gib`` that the resident model it reused already held."""
+    lease_gave_up_after_s: float = 0.0
+    """When it gave up waiting: the seconds it had waited (0 otherwise)."""
 
     @property
     def gpu_label(self) -> str:
@@ -56,6 +58,7 @@ def placement_from(nodeid: str, outcome: str, record: TestRecord) -> Placement |
         lease_gib=float(record.lease_gib or 0.0),
         lease_wait_s=float(record.lease_wait_s or 0.0),
         lease_reused_gib=float(record.lease_reused_gib or 0.0),
+        lease_gave_up_after_s=float(record.lease_gave_up_after_s or 0.0),
     )
 
 
@@ -73,7 +76,12 @@ def placement_lines(placements: list[Placement]) -> list[str]:
     out = [f"{what}: {len(placements)} test(s) on {len(by_gpu)} GPU(s)"]
     for group in sorted(by_gpu.values(), key=lambda g: g[0].gpu_label):
         workers = sorted({p.worker for p in group}, key=lambda w: (len(w), w))
-        waits = [p.lease_wait_s for p in group if p.lease_wait_s > 0]
+        # Waits that ended in a timeout are waiting time too.
+        waits = [
+            p.lease_wait_s if p.lease_wait_s >= 0 else p.lease_gave_up_after_s
+            for p in group
+            if p.lease_wait_s > 0 or p.lease_gave_up_after_s > 0
+        ]
         leased = sum(1 for p in group if p.lease_gib > 0)
         timeouts = sum(1 for p in group if p.lease_wait_s < 0)
         who = "" if plain else f"{', '.join(workers)}; "

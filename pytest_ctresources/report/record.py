@@ -74,6 +74,8 @@ class TestRecord:
     lease_gib: float | None = None
     lease_wait_s: float | None = None
     """Seconds the test waited for its lease; -1 when it gave up (``ct_lease_timeout``)."""
+    lease_gave_up_after_s: float | None = None
+    """When it gave up: the seconds it waited before it did."""
     lease_reused_gib: float | None = None
 
     @property
