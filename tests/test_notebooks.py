@@ -292,6 +292,29 @@ def test_ct_notebook_configs_lists_files_folders_and_globs(pytester: pytest.Pyte
         "x/y/deep.yaml",
         "one.yaml",
     }
+    assert configs.unmatched == ["missing"]
+
+
+def test_a_ct_notebook_configs_entry_that_matches_nothing_is_warned_of(
+    pytester: pytest.Pytester,
+) -> None:
+    # As pytest warns of testpaths that match nothing: a typo would silently collect nothing.
+    pytester.makeini("[pytest]\nct_notebook_configs =\n    exmaple_configs\n")
+    result = pytester.runpytest_subprocess("--nbmake")
+    result.stdout.fnmatch_lines(
+        ["*CtResourcesWarning: ct_notebook_configs: 'exmaple_configs' matches no file or folder*"]
+    )
+    # Made an error (-W error): one line, no internal error.
+    result = pytester.runpytest_subprocess("--nbmake", "-W", "error")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["ERROR: ct_notebook_configs: 'exmaple_configs' matches no file or folder*"]
+    )
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    # Nothing to say without --nbmake (the key is not used then), or when it matches.
+    assert "CtResourcesWarning" not in pytester.runpytest_subprocess().stdout.str()
+    (pytester.path / "exmaple_configs").mkdir()
+    assert "CtResourcesWarning" not in pytester.runpytest_subprocess("--nbmake").stdout.str()
 
 
 # --- end to end -----------------------------------------------------------------------------

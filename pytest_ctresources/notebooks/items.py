@@ -301,11 +301,15 @@ class NotebookConfigs:
         base = config.inipath.parent if config.inipath else config.rootpath
         self.files: set[Path] = set()
         self.folders: set[Path] = set()
+        self.unmatched: list[str] = []
         for line in config.getini(NOTEBOOK_CONFIGS_INI):
             pattern = str(line).strip()
             if not pattern:
                 continue
-            for match in glob.glob(pattern, root_dir=base, recursive=True):
+            matches = glob.glob(pattern, root_dir=base, recursive=True)
+            if not matches:
+                self.unmatched.append(pattern)
+            for match in matches:
                 path = (base / match).resolve()
                 if path.is_dir():
                     self.folders.add(path)
@@ -325,6 +329,16 @@ class NotebookSupport:
     def __init__(self, config: pytest.Config) -> None:
         self._item_class: Any = None
         self.configs = NotebookConfigs(config)
+        for pattern in self.configs.unmatched:
+            # As pytest says of testpaths that match nothing: a typo would collect nothing.
+            warning = CtResourcesWarning(
+                f"{NOTEBOOK_CONFIGS_INI}: {pattern!r} matches no file or folder "
+                f"(relative to {config.inipath.parent if config.inipath else config.rootpath})"
+            )
+            try:
+                config.issue_config_time_warning(warning, stacklevel=2)
+            except CtResourcesWarning:  # -W error: one line, never an internal error
+                raise pytest.UsageError(str(warning)) from None
 
     @property
     def item_class(self) -> Any:
