@@ -245,11 +245,21 @@ def test_gpus_lists_what_the_plugin_detects(
         "CUDA_VISIBLE_DEVICES: 1,0",
         "index  name                          total GiB   free GiB   physical  uuid",
     ]
-    assert out.splitlines()[3].split() == ["0", "NVIDIA", "H200", "139.8", "-", "1", "GPU-fake-1"]
-    assert out.splitlines()[4].split() == ["1", "NVIDIA", "A100", "39.4", "-", "0", "GPU-fake-0"]
+    # Fake GPUs are free but for what CT_FAKE_GPUS_USED says (by physical position).
+    assert out.splitlines()[3].split() == [
+        "0",
+        "NVIDIA",
+        "H200",
+        "139.8",
+        "139.8",
+        "1",
+        "GPU-fake-1",
+    ]
+    assert out.splitlines()[4].split() == ["1", "NVIDIA", "A100", "39.4", "39.4", "0", "GPU-fake-0"]
+    monkeypatch.setenv("CT_FAKE_GPUS_USED", "6;0.5")
     payload = json.loads(run(capsys, "gpus", "--json"))
     assert payload["source"] == "fake"
-    assert payload["free_gib"] == [None, None]
+    assert payload["free_gib"] == [139.3, 33.4]
     assert [gpu["name"] for gpu in payload["gpus"]] == ["NVIDIA H200", "NVIDIA A100"]
 
 

@@ -578,7 +578,10 @@ def run_gpus(args: argparse.Namespace, out: Any) -> int:
     from pytest_ctresources.gpu.detect import detect_gpus, free_bytes
 
     facts = detect_gpus()
-    free = free_bytes(facts)
+    try:
+        free = free_bytes(facts)
+    except ValueError as exc:  # a malformed CT_FAKE_GPUS_USED
+        raise CliError(str(exc)) from None
     if args.json:
         payload = facts.to_dict() | {
             "free_gib": [None if f is None else round(f / GIB, 3) for f in free]

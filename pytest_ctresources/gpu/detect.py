@@ -687,7 +687,8 @@ def free_bytes(facts: GpuFacts) -> list[int | None]:
     """Free memory of each GPU in ``facts`` now, from the same source (None if unknown).
 
     NVML is asked by UUID; the torch source asks ``torch.cuda.mem_get_info`` (which creates
-    a CUDA context: only for commands, never at pytest start-up); fake GPUs have no figure.
+    a CUDA context: only for commands, never at pytest start-up); fake GPUs are free but for
+    what ``CT_FAKE_GPUS_USED`` says they use (raises ``ValueError`` if it is malformed).
     """
     if facts.source == "nvml":
         try:
@@ -706,6 +707,13 @@ def free_bytes(facts: GpuFacts) -> list[int | None]:
             return _quietly(lambda: int(torch.cuda.mem_get_info(index)[0]))
 
         return [torch_free(gpu.index) for gpu in facts.gpus]
+    if facts.source == "fake":
+        free: list[int | None] = []
+        for gpu in facts.gpus:
+            reader = used_memory_reader(gpu)
+            used = reader() if reader is not None else None
+            free.append(None if used is None else max(gpu.total_bytes - used, 0))
+        return free
     return [None] * len(facts.gpus)
 
 
