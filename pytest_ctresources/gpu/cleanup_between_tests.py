@@ -116,9 +116,7 @@ class BetweenTests:
             # ``always`` collects after every test, the first one included: what is alive
             # before any test ran is long-lived (imports, collection), so it is frozen now,
             # and each test's garbage, in whichever generation, stays collectable.
-            gc.freeze()
-            self._froze = True
-            self._unfrozen_seen = cleanup.unfrozen_and_left
+            self._freeze()
         open_now = open_figure_numbers()
         # A wider-scoped figure closed since frees its number for a test's own figure.
         self._wider_figures &= open_now
@@ -178,9 +176,7 @@ class BetweenTests:
             # dropped. Freeze what is left: later full collections skip it, and it is
             # unfrozen (and collected as usual) at the end of the run.
             gc.collect(1)
-            gc.freeze()
-            self._froze = True
-            self._unfrozen_seen = cleanup.unfrozen_and_left
+            self._freeze()
             return
         began = time.perf_counter()
         gc.collect()
@@ -190,9 +186,14 @@ class BetweenTests:
             # wider-scoped fixture's objects that died since).
             collect_everything()
         if policy.freeze and took > policy.freeze_after_s:
-            gc.freeze()
-            self._froze = True
-            self._unfrozen_seen = cleanup.unfrozen_and_left
+            self._freeze()
+
+    def _freeze(self) -> None:
+        """Set what is alive now aside from later collections (see :class:`CleanupPolicy`),
+        noting how many unfreezes the cleanup helpers had done by then."""
+        gc.freeze()
+        self._froze = True
+        self._unfrozen_seen = cleanup.unfrozen_and_left
 
     def _empty_cache(self, policy: CleanupPolicy) -> None:
         cuda = sys.modules["torch"].cuda

@@ -683,12 +683,14 @@ def _torch_device(props: Any) -> tuple[str, int, str | None]:
     return name, int(props.total_memory), uuid or None
 
 
-def free_bytes(facts: GpuFacts) -> list[int | None]:
+def free_bytes(facts: GpuFacts, *, may_use_torch: bool = True) -> list[int | None]:
     """Free memory of each GPU in ``facts`` now, from the same source (None if unknown).
 
-    NVML is asked by UUID; the torch source asks ``torch.cuda.mem_get_info`` (which creates
-    a CUDA context: only for commands, never at pytest start-up); fake GPUs are free but for
-    what ``CT_FAKE_GPUS_USED`` says they use (raises ``ValueError`` if it is malformed).
+    NVML is asked by UUID; the torch source asks ``torch.cuda.mem_get_info``, which creates
+    a CUDA context: only for commands, never at pytest start-up, and never with
+    ``may_use_torch=False`` (the pytest process must not touch CUDA for a notebook's
+    kernel). Fake GPUs are free but for what ``CT_FAKE_GPUS_USED`` says they use (raises
+    ``ValueError`` if it is malformed).
     """
     if facts.source == "nvml":
         try:
@@ -700,7 +702,7 @@ def free_bytes(facts: GpuFacts) -> list[int | None]:
             return [_nvml_free(nvml, gpu.uuid) for gpu in facts.gpus]
         finally:
             _quietly(nvml.nvmlShutdown)
-    if facts.source == "torch":
+    if facts.source == "torch" and may_use_torch:
         torch = _load_torch()
 
         def torch_free(index: int) -> int | None:

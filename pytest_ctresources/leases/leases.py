@@ -232,7 +232,6 @@ class GpuLeases:
         began = time.monotonic()
         try:
             if reused is not None:
-                start = time.monotonic()
                 try:
                     lease = ledger.acquire(gib - reused_gib, min(REUSE_GRACE_SECONDS, timeout))
                 except LeaseTimeout:
@@ -242,7 +241,7 @@ class GpuLeases:
                     self._reserve.close()
                     reused, reused_gib = None, 0.0
                     self.runtime.free_cached_models()
-                    grace = time.monotonic() - start
+                    grace = time.monotonic() - began
             if lease is None:
                 lease = ledger.acquire(
                     gib, max(0.0, timeout - grace), before_waiting=self.runtime.free_cached_models

@@ -202,22 +202,16 @@ def _resolve_auto(item: Any, runtime: Any, cfg: CircuitTracerConfig) -> CircuitT
 def _free_room(runtime: Runtime, budget: Budget) -> Room | None:
     """The room a kernel about to start has on the test's GPU (None where nothing can say)."""
     from pytest_ctresources.estimator.auto import kernel_room
-    from pytest_ctresources.gpu.detect import used_memory_reader
+    from pytest_ctresources.gpu.detect import free_bytes
 
-    gpu = runtime.test_gpu()
-    if gpu is None or budget.capacity_gib is None:
+    facts = runtime.gpu_facts()
+    if not facts.gpus or budget.capacity_gib is None:
         return None
     try:
-        reader = used_memory_reader(gpu)
+        free = free_bytes(facts, may_use_torch=False)[0]  # the test's GPU: the first visible
     except ValueError:  # a malformed CT_FAKE_GPUS_USED: the ledger reports it
         return None
-    if reader is None:
-        return None
-    try:
-        used = reader()
-    finally:
-        reader.close()
-    return None if used is None else kernel_room(max(gpu.total_bytes - used, 0), budget)
+    return None if free is None else kernel_room(free, budget)
 
 
 def run_notebook(item: Any) -> None:
@@ -298,7 +292,8 @@ class NotebookConfigs:
     """
 
     def __init__(self, config: pytest.Config) -> None:
-        base = config.inipath.parent if config.inipath else config.rootpath
+        # The folder entries are relative to.
+        self.base = base = config.inipath.parent if config.inipath else config.rootpath
         self.files: set[Path] = set()
         self.folders: set[Path] = set()
         self.unmatched: list[str] = []
@@ -333,7 +328,7 @@ class NotebookSupport:
             # As pytest says of testpaths that match nothing: a typo would collect nothing.
             warning = CtResourcesWarning(
                 f"{NOTEBOOK_CONFIGS_INI}: {pattern!r} matches no file or folder "
-                f"(relative to {config.inipath.parent if config.inipath else config.rootpath})"
+                f"(relative to {self.configs.base})"
             )
             try:
                 config.issue_config_time_warning(warning, stacklevel=2)

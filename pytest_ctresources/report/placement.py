@@ -36,6 +36,11 @@ class Placement:
     """When it gave up waiting: the seconds it had waited (0 otherwise)."""
 
     @property
+    def waited_s(self) -> float:
+        """The seconds it waited for its lease, granted or not."""
+        return self.lease_gave_up_after_s if self.lease_wait_s < 0 else self.lease_wait_s
+
+    @property
     def gpu_label(self) -> str:
         where = "?" if self.gpu_physical_index is None else str(self.gpu_physical_index)
         return f"GPU {where} ({self.gpu_name})"
@@ -76,12 +81,7 @@ def placement_lines(placements: list[Placement]) -> list[str]:
     out = [f"{what}: {len(placements)} test(s) on {len(by_gpu)} GPU(s)"]
     for group in sorted(by_gpu.values(), key=lambda g: g[0].gpu_label):
         workers = sorted({p.worker for p in group}, key=lambda w: (len(w), w))
-        # Waits that ended in a timeout are waiting time too.
-        waits = [
-            p.lease_wait_s if p.lease_wait_s >= 0 else p.lease_gave_up_after_s
-            for p in group
-            if p.lease_wait_s > 0 or p.lease_gave_up_after_s > 0
-        ]
+        waits = [p.waited_s for p in group if p.waited_s > 0]  # timeouts' waits included
         leased = sum(1 for p in group if p.lease_gib > 0)
         timeouts = sum(1 for p in group if p.lease_wait_s < 0)
         who = "" if plain else f"{', '.join(workers)}; "
