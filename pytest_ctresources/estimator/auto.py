@@ -144,8 +144,7 @@ class AutoChoice:
         if self.active_features is not None:
             facts += f", {self.active_features} active features"
             if self.n_layers:
-                # Per layer and token, as everywhere else: position 0 (BOS) has none.
-                per = self.active_features / (self.n_layers * max(self.prompt_tokens - 1, 1))
+                per = est.per_layer_token(self.active_features, self.n_layers, self.prompt_tokens)
                 facts += f" in all ({per:.1f} per layer and token)"
         if self.predicted_gib is not None:
             facts += f", predicted {self.predicted_gib:.2f} GiB"

@@ -163,6 +163,12 @@ class Workload:
         return math.ceil(self.active_per_layer_token * n_layers * max(self.prompt_tokens - 1, 0))
 
 
+def per_layer_token(active_features: int, n_layers: int, prompt_tokens: int) -> float:
+    """Active features per layer and token from their count over all layers: the inverse of
+    :meth:`Workload.active_features` (position 0, BOS, has none)."""
+    return active_features / max(n_layers * (prompt_tokens - 1), 1)
+
+
 @dataclass(frozen=True)
 class ArchitectureTerms:
     """What one architecture's forward pass keeps beyond the common terms, derived from its
@@ -307,7 +313,7 @@ class Estimate:
         work = self.workload
         if work.counted_features is None:
             return work.active_per_layer_token
-        return work.counted_features / max(self.model.n_layers * (work.prompt_tokens - 1), 1)
+        return per_layer_token(work.counted_features, self.model.n_layers, work.prompt_tokens)
 
     @property
     def resident_bytes(self) -> int:
@@ -501,7 +507,7 @@ def estimate(
     per_layer = (
         workload.active_per_layer_token
         if workload.counted_features is None
-        else nnz / max(n_layers * (tokens - 1), 1)
+        else per_layer_token(nnz, n_layers, tokens)
     )
     terms = (
         Term("weights", weights, f"{model.n_params / 1e9:.2f}e9 parameters, workspaces"),
