@@ -100,8 +100,10 @@ def kernel_environment(
 
 def startup_line(path: str) -> str:
     """The line ipykernel runs at start-up (``code_to_run``): the start-up file, executed in
-    the notebook's namespace under its own name (so a traceback names the file)."""
-    return f"exec(compile(open({path!r}).read(), {path!r}, 'exec'))"
+    the notebook's namespace under its own name (so a traceback names the file), read
+    without leaving a name or an open file behind."""
+    text = f"__import__('pathlib').Path({path!r}).read_text(encoding='utf-8')"
+    return f"exec(compile({text}, {path!r}, 'exec'))"
 
 
 def is_ipython_kernel(argv: list[str]) -> bool:
