@@ -339,6 +339,8 @@ def argparse_type(parse: Callable[[str], object]) -> Callable[[str], object]:
 
 def add_options(parser: pytest.Parser) -> None:
     """Declare the ``ctresources`` option group and the ``ct_*`` ini keys."""
+    # Every option defaults to None: a value other than None is the project asking the plugin
+    # to act (settings/activation.py).
     group = parser.getgroup(GROUP, "circuit-tracer GPU resources (pytest-ctresources)")
     for spec in SETTINGS:
         env = f" [env {spec.env}]" if spec.env else ""
@@ -354,14 +356,14 @@ def add_options(parser: pytest.Parser) -> None:
     group.addoption(
         "--ct-report",
         action="store_true",
-        default=False,
+        default=None,
         help="print the VRAM report even when no test used CUDA",
     )
     group.addoption(
         "--ct-report-top",
         dest="ct_report_top",
         metavar="N",
-        default=10,
+        default=None,
         type=argparse_type(positive_count),
         help="how many tests (by peak) the VRAM report lists (default 10)",
     )
@@ -382,7 +384,7 @@ def add_options(parser: pytest.Parser) -> None:
     group.addoption(
         "--ct-strict",
         action="store_true",
-        default=False,
+        default=None,
         help="fail tests that exceed their declared VRAM need, leak above ct_leak_threshold, "
         "or pass only after ct_session halved the batch size",
     )
@@ -404,7 +406,7 @@ def add_options(parser: pytest.Parser) -> None:
     group.addoption(
         "--ct-forget",
         action="store_true",
-        default=False,
+        default=None,
         help="clear the VRAM needs learned by earlier runs (kept in pytest's cache)",
     )
     for name, help_text, default in INI_ONLY:

@@ -30,8 +30,10 @@ from pytest_ctresources.report.files import (
 )
 from pytest_ctresources.settings.config import CircuitTracerConfig, ConfigError, parse_bool, shown
 from pytest_ctresources.settings.experiment_yaml import ExperimentFile, load_experiment_yaml
+from pytest_ctresources.settings.activation import Activation, project_request
 from pytest_ctresources.settings.options import (
     INI_ONLY,
+    NOTEBOOK_CONFIGS_INI,
     SETTINGS,
     SettingSpec,
     alloc_conf,
@@ -295,10 +297,14 @@ def _writable(value: object, flag: str, invocation_dir: Path) -> Path | None:
         raise pytest.UsageError(f"{flag}: {exc}") from None
 
 
+def ini_values_keys() -> list[str]:
+    """Every ``ct_*`` ini key of a single value."""
+    return [spec.ini for spec in SETTINGS] + [name for name, _h, _d in INI_ONLY]
+
+
 def ini_values(config: pytest.Config) -> dict[str, str | None]:
     """The raw text of every ``ct_*`` ini key, None where unset."""
-    keys = [spec.ini for spec in SETTINGS] + [name for name, _h, _d in INI_ONLY]
-    return {key: config.getini(key) for key in keys}
+    return {key: config.getini(key) for key in ini_values_keys()}
 
 
 def settings_from_config(config: pytest.Config) -> Settings:
@@ -321,7 +327,30 @@ def settings_from_config(config: pytest.Config) -> Settings:
     )
 
 
-def overridden_ini_keys(config: pytest.Config) -> frozenset[str]:
-    """The ini keys given on the command line with pytest's ``-o key=value``."""
-    given = getattr(config.option, "override_ini", None) or []
+def overridden_ini_keys(config: pytest.Config, namespace: object = None) -> frozenset[str]:
+    """The ini keys given on the command line with pytest's ``-o key=value`` (read from
+    ``namespace`` before the command line is fully parsed: pytest's known arguments)."""
+    given = getattr(namespace or config.option, "override_ini", None) or []
     return frozenset(entry.split("=", 1)[0].strip() for entry in given if "=" in entry)
+
+
+def activation_from_config(config: pytest.Config, namespace: object) -> Activation:
+    """Whether the project asks the plugin to act (settings/activation.py), from the options
+    in ``namespace`` (pytest's known arguments, before conftests load), the environment and
+    the ini file."""
+    from pytest_ctresources.gpu.detect import FAKE_GPUS_ENV, FAKE_GPUS_USED_ENV
+
+    overridden = overridden_ini_keys(config, namespace)
+    inifile = str(config.inipath) if config.inipath else None
+    dests = [spec.dest for spec in SETTINGS] + list(REPORT_DESTS)
+    request = project_request(
+        options={dest: getattr(namespace, dest, None) for dest in dests},
+        environ=os.environ,
+        variables=[*(spec.env for spec in SETTINGS if spec.env), FAKE_GPUS_ENV, FAKE_GPUS_USED_ENV],
+        ini_value=config.getini,
+        ini_keys=[*ini_values_keys(), NOTEBOOK_CONFIGS_INI],
+        ini_source=lambda key: (
+            Source.override(key) if key in overridden else Source.ini(key, inifile)
+        ),
+    )
+    return Activation(request)

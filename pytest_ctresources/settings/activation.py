@@ -1,0 +1,122 @@
+"""When the plugin acts: the one rule, decided here and nowhere else.
+
+The plugin is a ``pytest11`` entry point, so it loads in every pytest run of every project in
+the environment. Like pytest-memray, it acts only where it is asked:
+
+- **for the whole project**, by any of its ini keys (``ct_*``, in the ini file or through
+  ``-o``), any of its ``--ct-*`` options, or any of its ``CT_*`` environment variables (an
+  experiment config is one of these: ``--ct-config``, ``ct_config``, ``CT_CONFIG``);
+- **for one test**, when the test uses one of its fixtures (``ct_session``, ``ct_config``) or
+  carries a ``vram`` or ``ct_config`` marker, or is a notebook item the plugin has something to
+  say to (``ctresources`` metadata, an experiment config naming it), which the notebook
+  support marks with :data:`ASKED`.
+
+A test the plugin does not act for gets nothing: no cleanup, accounting, record, lease or
+report line. What must happen before conftests are imported (binding an xdist worker to a GPU)
+follows the project-wide request alone, since no test is known then; the allocator default
+(``ct_alloc_conf``) is set then too, or, for a project that asks only through its tests, once
+collection found one (before any test runs, while CUDA is not yet initialised).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import pytest
+
+from pytest_ctresources.settings.sources import Source
+
+#: The plugin's fixtures: a test that uses one (directly or through another fixture) asks.
+FIXTURES: tuple[str, ...] = ("ct_session", "ct_config")
+#: The plugin's markers: a test that carries one asks.
+MARKERS: tuple[str, ...] = ("vram", "ct_config")
+#: Set on an item that asks by what it is (a notebook item the plugin runs its own way).
+ASKED = pytest.StashKey[bool]()
+_ACTS = pytest.StashKey[bool]()
+
+#: Option destinations whose flag is not ``--ct-`` plus the destination's rest.
+_NEGATED_FLAGS = {"ct_oom_retry": "--ct-no-oom-retry", "ct_leases": "--ct-no-leases"}
+
+
+def flag_of(dest: str) -> str:
+    """The command-line flag of one of the plugin's option destinations."""
+    return _NEGATED_FLAGS.get(dest, "--" + dest.replace("_", "-"))
+
+
+def project_request(
+    options: Mapping[str, object],
+    environ: Mapping[str, str],
+    variables: Iterable[str],
+    ini_value: Callable[[str], object],
+    ini_keys: Iterable[str],
+    ini_source: Callable[[str], Source],
+) -> Source | None:
+    """What in the project asks the plugin to act for every test, or None.
+
+    ``options``: the plugin's option destinations and their values (None: not given; every
+    option of the plugin defaults to None for this reason); ``variables``: the plugin's
+    environment variables; ``ini_value(key)``: an ini key's value (None or an empty list:
+    unset); ``ini_source(key)``: how a set key is named (its file, or ``-o``).
+    """
+    for dest, value in options.items():
+        if value is not None:
+            return Source.option(flag_of(dest))
+    for name in variables:
+        if name in environ:
+            return Source.env(name)
+    for key in ini_keys:
+        value = ini_value(key)
+        if value is not None and value != []:
+            return ini_source(key)
+    return None
+
+
+@dataclass(frozen=True)
+class Activation:
+    """Whether the plugin acts, for the run and per test (see the module's rule)."""
+
+    request: Source | None
+    """What asks for the whole project (None: nothing; then only tests that ask)."""
+
+    @property
+    def project_wide(self) -> bool:
+        return self.request is not None
+
+    def acts_for(self, item: pytest.Item) -> bool:
+        """Whether the plugin acts for ``item`` (decided once per item)."""
+        if self.request is not None:
+            return True
+        acts = item.stash.get(_ACTS, None)
+        if acts is None:
+            acts = item_asks(item)
+            item.stash[_ACTS] = acts
+        return acts
+
+    def header_line(self) -> str:
+        """What ``pytest -v``'s header says of it."""
+        if self.request is not None:
+            return f"ctresources: active ({self.request} asks for it)"
+        return (
+            "ctresources: inactive (nothing in this project asks for it); it acts for "
+            f"tests that use {' or '.join(FIXTURES)} or carry a "
+            f"{' or '.join(MARKERS)} marker"
+        )
+
+
+def item_asks(item: pytest.Item) -> bool:
+    """Whether ``item`` asks by itself: a fixture or a marker of the plugin, or :data:`ASKED`."""
+    if item.stash.get(ASKED, False):
+        return True
+    names = getattr(item, "fixturenames", ())
+    if any(name in names for name in FIXTURES):
+        return True
+    return any(item.get_closest_marker(name) is not None for name in MARKERS)
+
+
+ACTIVATION_KEY = pytest.StashKey[Activation]()
+
+
+def activation_of(config: pytest.Config) -> Activation:
+    """The run's :class:`Activation` (decided before conftests are imported)."""
+    return config.stash[ACTIVATION_KEY]
