@@ -28,9 +28,9 @@ from pytest_ctresources.report.files import (
     check_plot_support,
     check_target,
 )
+from pytest_ctresources.settings.activation import Activation, project_request
 from pytest_ctresources.settings.config import CircuitTracerConfig, ConfigError, parse_bool, shown
 from pytest_ctresources.settings.experiment_yaml import ExperimentFile, load_experiment_yaml
-from pytest_ctresources.settings.activation import Activation, project_request
 from pytest_ctresources.settings.options import (
     INI_ONLY,
     NOTEBOOK_CONFIGS_INI,
