@@ -21,24 +21,28 @@ from collections.abc import Generator
 import pytest
 
 from pytest_ctresources.core import accounting
-from pytest_ctresources.core.runtime import RUNTIME_KEY, runtime_of, start_runtime
+from pytest_ctresources.core.runtime import RUNTIME_KEY, Runtime, runtime_of, start_runtime
 from pytest_ctresources.core.state import state_of
 from pytest_ctresources.gpu.allocator import ALLOC_KEY, AllocConf
-from pytest_ctresources.gpu.cleanup_between_tests import BetweenTests
+from pytest_ctresources.gpu.cleanup import cuda_initialised
+from pytest_ctresources.gpu.cleanup_between_tests import BetweenTests, unraisable_as_warnings
 from pytest_ctresources.leases import leases
 from pytest_ctresources.report.header import header_lines
 from pytest_ctresources.report.learned import StaleLearnedNeeds, narrowed_files
-from pytest_ctresources.report.record import PROPERTY_PREFIX
 from pytest_ctresources.report.summary import SummaryReporter
 from pytest_ctresources.session.fixtures import OneLineModelFailures, ct_config, ct_session
 from pytest_ctresources.settings import markers
+from pytest_ctresources.settings.activation import ACTIVATION_KEY, activation_of
 from pytest_ctresources.settings.options import DEFAULT_ALLOC_CONF, add_options, binding_mode
+from pytest_ctresources.settings.resolve import activation_from_config
 from pytest_ctresources.xdist.binding import Binding, bind_worker, is_worker, open_seats
 from pytest_ctresources.xdist.learned_exchange import LearnedNeedsExchange, send_stale
 
 __all__ = ["ct_config", "ct_session"]
 
 _BINDING_KEY = pytest.StashKey[Binding]()
+#: The user properties the plugin wrote for the item's last attempt (a rerun replaces them).
+_WRITTEN_KEY = pytest.StashKey[list[tuple[str, object]]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -47,14 +51,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    # Whether the project asks the plugin to act, decided before its conftests run: a project
+    # that does not ask keeps its environment as it is (settings/activation.py).
+    activation = activation_from_config(early_config, early_config.known_args_namespace)
+    early_config.stash[ACTIVATION_KEY] = activation
+    if not activation.project_wide:
+        return
     # Conftests are imported right after this hook and may import torch and touch CUDA:
     # the allocator default must be in the environment before then.
-    # (A bad value, a TOML list included, is not applied; the settings report it at configure.)
-    value = early_config.getini("ct_alloc_conf")
-    alloc = AllocConf(DEFAULT_ALLOC_CONF if value is None else str(value).strip())
-    alloc.apply()
-    early_config.stash[ALLOC_KEY] = alloc
-    early_config.add_cleanup(alloc.undo)
+    _apply_alloc_conf(early_config)
     # An xdist worker is bound to its GPU here, before conftests can initialise CUDA.
     # (A bad ct_gpu_binding is left for the settings to report, at configure.)
     try:
@@ -65,6 +70,17 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
         binding = _bind_worker()
         if binding is not None:
             early_config.stash[_BINDING_KEY] = binding
+
+
+def _apply_alloc_conf(config: pytest.Config) -> None:
+    """Put ``ct_alloc_conf`` (or the default) into the environment unless the user set an
+    allocator variable. (A bad value, a TOML list included, is not applied; the settings
+    report it at configure.)"""
+    value = config.getini("ct_alloc_conf")
+    alloc = AllocConf(DEFAULT_ALLOC_CONF if value is None else str(value).strip())
+    alloc.apply()
+    config.stash[ALLOC_KEY] = alloc
+    config.add_cleanup(alloc.undo)
 
 
 def _bind_worker() -> Binding | None:
@@ -82,6 +98,9 @@ def _bind_worker() -> Binding | None:
 def pytest_configure(config: pytest.Config) -> None:
     for name in markers.MARKERS:
         config.addinivalue_line("markers", markers.marker_help(name))
+    if ACTIVATION_KEY not in config.stash:  # a config made without the early hook
+        config.stash[ACTIVATION_KEY] = activation_from_config(config, config.option)
+    activation = activation_of(config)
     binding = config.stash.get(_BINDING_KEY, None)
     if binding is not None and not hasattr(config, "workerinput"):
         # Not an xdist worker after all: a pytest run started from inside one inherits its
@@ -90,7 +109,8 @@ def pytest_configure(config: pytest.Config) -> None:
         binding = None
     runtime = start_runtime(config, config.stash.get(ALLOC_KEY, None), binding)
     config.stash[RUNTIME_KEY] = runtime
-    config.pluginmanager.register(OneLineModelFailures(), OneLineModelFailures.name)
+    if activation.project_wide:
+        _act_per_test(config, runtime)
     if runtime.learned():
         config.pluginmanager.register(
             StaleLearnedNeeds(
@@ -101,9 +121,6 @@ def pytest_configure(config: pytest.Config) -> None:
             ),
             StaleLearnedNeeds.name,
         )
-    if runtime.settings.cleanup.value != "never":
-        runtime.cleaner = BetweenTests(runtime.settings.cleanup.value)
-        config.pluginmanager.register(runtime.cleaner, BetweenTests.name)
     if not hasattr(config, "workerinput"):  # xdist workers report to the controller instead
         reporter = SummaryReporter(runtime, config)
         if runtime.settings.forget:
@@ -115,7 +132,10 @@ def pytest_configure(config: pytest.Config) -> None:
                 LearnedNeedsExchange.name,
             )
         # pytest-html's hooks exist only where it is loaded; it writes on this process only.
-        if config.pluginmanager.hasplugin("html") and config.getoption("htmlpath", None):
+        # Its table's header is drawn before any test runs: the VRAM columns appear where the
+        # project asks for the plugin as a whole.
+        html_report = config.pluginmanager.hasplugin("html") and config.getoption("htmlpath", None)
+        if html_report and activation.project_wide:
             from pytest_ctresources.report.html import HtmlReport
 
             config.pluginmanager.register(HtmlReport(reporter), HtmlReport.name)
@@ -134,6 +154,31 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(
             accounting.StrictChecks(runtime), accounting.StrictChecks.name
         )
+
+
+def _act_per_test(config: pytest.Config, runtime: Runtime) -> None:
+    """Register what the plugin does around each test: only in a run it acts in, so that a
+    project that does not ask has none of its hooks on the stack of any test."""
+    config.pluginmanager.register(OneLineModelFailures(), OneLineModelFailures.name)
+    if runtime.settings.cleanup.value != "never":
+        runtime.cleaner = BetweenTests(runtime.settings.cleanup.value)
+        config.pluginmanager.register(runtime.cleaner, BetweenTests.name)
+    config.pluginmanager.register(PerTestHooks(), PerTestHooks.name)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # A project that asks only through its tests: the plugin acts once collection found such a
+    # test, before any test runs. The allocator default then too, while CUDA is not yet
+    # initialised (torch reads the variable when CUDA initialises).
+    config = session.config
+    activation = activation_of(config)
+    if activation.project_wide or config.pluginmanager.has_plugin(PerTestHooks.name):
+        return
+    if not any(activation.acts_for(item) for item in session.items):
+        return
+    _act_per_test(config, runtime_of(config))
+    if ALLOC_KEY not in config.stash and not cuda_initialised():
+        _apply_alloc_conf(config)
 
 
 def _report_stale(config: pytest.Config, stale: set[str]) -> None:
@@ -156,69 +201,88 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_report_header(config: pytest.Config) -> list[str] | None:
     if config.get_verbosity() < 1:
         return None
-    return header_lines(config, runtime_of(config))
+    activation = activation_of(config)
+    if not activation.project_wide:
+        return [activation.header_line()]
+    return [activation.header_line(), *header_lines(config, runtime_of(config))]
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    runtime = runtime_of(item.config)
-    if runtime.capacity_cap is not None:
-        runtime.capacity_cap.arm()
-    # A rerun (pytest-rerunfailures) runs the same item again: its earlier attempt's findings
-    # must not travel with this one's reports.
-    item.user_properties[:] = [p for p in item.user_properties if not _ours(p)]
-    state = state_of(item)
-    state.new_attempt()
-    if runtime.cleaner is not None:
-        state.cleanup_start = runtime.cleaner.begin(runtime.resident_bytes())
-    try:
-        reason = accounting.begin(item, runtime)
-    except markers.MarkerError as exc:
-        failure = str(exc)
-    else:
-        if reason is not None:
-            # A skip mark, evaluated by pytest's skipping plugin right after this hook, reports
-            # the test's own location rather than this file's.
-            item.add_marker(pytest.mark.skip(reason=reason))
-        if runtime.binding is not None:  # a bound xdist worker: its worker and GPU
-            state.record.place(runtime.binding.worker, runtime.binding.gpu)
-        return
-    pytest.fail(failure, pytrace=False)
+class PerTestHooks:
+    """Around each test the plugin acts for (settings/activation.py): its need, lease and
+    accounting at setup, the OOM explanation at call, the cleanup and its record at teardown.
+    Registered only in a run the plugin acts in."""
 
+    name = "ctresources-per-test"
 
-def _ours(prop: tuple[str, object]) -> bool:
-    return isinstance(prop[0], str) and prop[0].startswith(PROPERTY_PREFIX)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
-    try:
-        return (yield)
-    finally:
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        if not activation_of(item.config).acts_for(item):
+            return
         runtime = runtime_of(item.config)
+        if runtime.capacity_cap is not None:
+            runtime.capacity_cap.arm()
+        # A rerun (pytest-rerunfailures) runs the same item again: its earlier attempt's findings
+        # must not travel with this one's reports. Only the properties the plugin wrote go: a
+        # project's own ``ct_*`` properties stay.
+        written = item.stash.get(_WRITTEN_KEY, None)
+        if written:
+            item.user_properties[:] = [p for p in item.user_properties if p not in written]
         state = state_of(item)
+        state.new_attempt()
+        if runtime.cleaner is not None:
+            state.cleanup_start = runtime.cleaner.begin(runtime.resident_bytes())
         try:
-            if runtime.cleaner is not None:
-                # Reported through the teardown report: output written here is captured.
-                state.record.figures_closed = runtime.cleaner.finish(
-                    state.cleanup_start,
-                    accounting.allocated_beyond_baseline(item),
-                    runtime.resident_bytes(),
-                )
-            accounting.end(item, runtime)
+            reason = accounting.begin(item, runtime)
+        except markers.MarkerError as exc:
+            failure = str(exc)
+        else:
+            if reason is not None:
+                # A skip mark, evaluated by pytest's skipping plugin right after this hook, reports
+                # the test's own location rather than this file's.
+                item.add_marker(pytest.mark.skip(reason=reason))
+            if runtime.binding is not None:  # a bound xdist worker: its worker and GPU
+                state.record.place(runtime.binding.worker, runtime.binding.gpu)
+            return
+        pytest.fail(failure, pytrace=False)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, None, None]:
+        __tracebackhide__ = True  # a failing fixture's traceback is the project's, not ours
+        if not activation_of(item.config).acts_for(item):
+            return (yield)
+        try:
+            return (yield)
         finally:
+            runtime = runtime_of(item.config)
+            state = state_of(item)
             try:
-                leases.give_back(item)  # whatever raised (-W error::CtLeakWarning, ...)
+                # What the cleanup frees may run ``__del__`` methods that raise: their warnings
+                # belong to this test's teardown, not to the next test's setup.
+                with unraisable_as_warnings():
+                    if runtime.cleaner is not None:
+                        # Reported through the teardown report: output written here is captured.
+                        state.record.figures_closed = runtime.cleaner.finish(
+                            state.cleanup_start,
+                            accounting.allocated_beyond_baseline(item),
+                            runtime.resident_bytes(),
+                        )
+                accounting.end(item, runtime)
             finally:
-                # The one place the test's record is written: its teardown report carries it
-                # to the controller, the summary and junit XML (report/record.py).
-                item.user_properties.extend(state.record.to_properties())
+                try:
+                    leases.give_back(item)  # whatever raised (-W error::CtLeakWarning, ...)
+                finally:
+                    # The one place the test's record is written: its teardown report carries it
+                    # to the controller, the summary and junit XML (report/record.py).
+                    written = state.record.to_properties()
+                    item.stash[_WRITTEN_KEY] = written
+                    item.user_properties.extend(written)
 
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
-    try:
-        return (yield)
-    except BaseException as exc:
-        accounting.explain_oom(item, runtime_of(item.config), exc)
-        raise
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
+        __tracebackhide__ = True  # the test's failure is the project's, not ours
+        try:
+            return (yield)
+        except BaseException as exc:
+            if activation_of(item.config).acts_for(item):
+                accounting.explain_oom(item, runtime_of(item.config), exc)
+            raise

@@ -9,10 +9,13 @@ the test's garbage holds some, and long-lived objects are frozen out of it.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 import time
-from collections.abc import Callable, Generator
+import traceback
+import warnings
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -102,6 +105,7 @@ class BetweenTests:
     def pytest_fixture_setup(
         self, fixturedef: pytest.FixtureDef[object]
     ) -> Generator[None, object, object]:
+        __tracebackhide__ = True  # a failing fixture's traceback is the project's, not ours
         if fixturedef.scope == "function":
             return (yield)
         before = open_figure_numbers()
@@ -209,6 +213,34 @@ class BetweenTests:
         if self._froze and self._unfreeze_at_close:
             gc.unfreeze()
         self._froze = False
+
+
+@contextlib.contextmanager
+def unraisable_as_warnings() -> Iterator[None]:
+    """Turn what ``sys.unraisablehook`` receives meanwhile (a ``__del__`` that raised while the
+    cleanup freed a failed test's frames or collected its garbage) into
+    ``pytest.PytestUnraisableExceptionWarning`` raised here, as pytest's own collection of
+    unraisable exceptions words them. pytest collects those at the end of each phase, before
+    the plugin's cleanup runs: without this, they would surface in the *next* test, and fail it
+    under ``-W error``."""
+    caught: list[str] = []
+    previous = sys.unraisablehook
+
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
+        message = unraisable.err_msg or "Exception ignored in"
+        lines = traceback.format_exception(
+            unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback
+        )
+        caught.append(f"{message}: {unraisable.object!r}\n\n{''.join(lines).rstrip()}")
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        if sys.unraisablehook is hook:
+            sys.unraisablehook = previous
+        for text in caught:
+            warnings.warn(pytest.PytestUnraisableExceptionWarning(text), stacklevel=1)
 
 
 def _above(beyond: int | None, resident_change: int) -> bool:

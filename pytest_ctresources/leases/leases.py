@@ -33,6 +33,7 @@ import pytest
 from pytest_ctresources.core.state import state_of
 from pytest_ctresources.exceptions import CtResourcesWarning
 from pytest_ctresources.report.placement import PLAIN_RUN_WORKER
+from pytest_ctresources.settings.activation import activation_of
 from pytest_ctresources.xdist.binding import testrun_id
 
 if TYPE_CHECKING:
@@ -378,6 +379,8 @@ class LeaseHooks:
         self.book = book
 
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        if not activation_of(item.config).acts_for(item):
+            return  # a test the plugin does not act for takes no lease
         need = state_of(item).need
         self.book.take(item, need.lease_gib if need is not None else None)
 
@@ -407,8 +410,10 @@ def start(config: pytest.Config, runtime: Runtime) -> None:
         return
     _check_fake_used()
     if controller:
-        # Workers start after this: one clear line here, not a failure in each of them.
-        _check_ledger_dir()
+        # Workers start after this: one clear line here, not a failure in each of them. (A
+        # project that asks only through its tests has its workers check at the first lease.)
+        if activation_of(config).project_wide:
+            _check_ledger_dir()
         return
     if not settings.leases.value:
         return

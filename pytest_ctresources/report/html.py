@@ -128,5 +128,9 @@ class HtmlReport:
     @pytest.hookimpl(trylast=True)
     def pytest_html_results_summary(self, postfix: list[str]) -> None:
         # After the summary's own session-end work (pytest-html calls this from its
-        # trylast pytest_sessionfinish): the records are complete, from every worker.
-        postfix.append(summary_html(self._reporter))
+        # trylast pytest_sessionfinish): the records are complete, from every worker. The
+        # picture only where some test used CUDA, or --ct-report / --ct-report-plot asks.
+        settings = self._reporter.runtime.settings
+        asked = settings.report_forced or settings.report_plot is not None
+        if self._reporter.summary.records or asked:
+            postfix.append(summary_html(self._reporter))

@@ -159,6 +159,8 @@ class RunSummary:
     """Notebook item -> the values injected into it (``[NAME, literal, where from]``)."""
     _outcomes: dict[str, str] = field(default_factory=dict)
     _rerun_attempt: set[str] = field(default_factory=set)
+    _acted: set[str] = field(default_factory=set)
+    """The tests whose reports carried a record: the plugin had something to say of them."""
 
     def record(self, report: pytest.TestReport) -> list[list[str]]:
         """Take one report in; returns the session-wide settings it shows a test's own marker
@@ -180,6 +182,7 @@ class RunSummary:
                 self.vram_skips[nodeid] = reason
         if report.when != "teardown" or not TestRecord.carries(report.user_properties):
             return first  # the common case: a test the plugin had nothing to say about
+        self._acted.add(nodeid)
         record = TestRecord.from_properties(report.user_properties)
         for name, source, value, own, own_source in record.own_settings:
             if (name, source, value) not in self.own_settings:
@@ -305,10 +308,12 @@ class RunSummary:
         out += self.notebook_lines()
         out += placement_lines(list(self.placements.values()))
         out += self.resident_lines()
-        if self.reruns:
+        # Reruns of tests the plugin said nothing of are another plugin's business.
+        reruns = [count for nodeid, count in self.reruns.items() if nodeid in self._acted]
+        if reruns:
             out.append(
-                f"reruns (another plugin ran failed attempts again): {sum(self.reruns.values())} "
-                f"of {len(self.reruns)} test(s); each is reported by its last attempt"
+                f"reruns (another plugin ran failed attempts again): {len(reruns)} test(s) "
+                f"ran again, {sum(reruns)} attempt(s) in all; each is reported by its last"
             )
         out += self.slowest_lines(5)
         return out

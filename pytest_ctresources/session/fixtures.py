@@ -87,14 +87,17 @@ class OneLineModelFailures:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+        __tracebackhide__ = True  # a test's own failure shows its frames, not ours
         return (yield from _one_line())
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
+        __tracebackhide__ = True
         return (yield from _one_line())
 
 
 def _one_line() -> Generator[None, None, None]:
+    __tracebackhide__ = True
     try:
         return (yield)
     except ModelLoadError as exc:
