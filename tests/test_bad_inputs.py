@@ -1,6 +1,6 @@
 """A table of bad inputs: every option, ini key, environment variable, YAML key, marker,
 notebook metadata field and ct-resources flag, given a value a careless or hostile user
-would (issue 14, sections 4-6).
+would: each is one line naming its source, never a traceback.
 
 Each row asserts the exit status (4, pytest's usage error; 1 where only the test that
 carries the bad input fails; 2 for ct-resources, argparse's convention), exactly one error
