@@ -88,3 +88,23 @@ def test_every_option_and_ini_key_is_in_the_settings_table(pytester: pytest.Pyte
         missing_options = {opt for opt in options if not any(f"`{opt}" in row for row in rows)}
         missing_ini = {key for key in ini_keys if not any(f"`{key}`" in row for row in rows)}
         assert (missing_options, missing_ini) == (set(), set()), name
+
+
+def test_the_set_up_commands_are_what_ci_runs() -> None:
+    """The README's two set-up commands: its pytest runs are lines of .ci/run, and its pip
+    installs install what .ci/run's do (the same pins and extras)."""
+    section = README[README.index("## Developing the plugin") :]
+    start = section.index("```bash\n") + len("```bash\n")
+    lines = section[start : section.index("```", start)].splitlines()
+    commands = [
+        part.strip()
+        for line in lines
+        if line and not line.startswith("#")
+        for part in line.split(" && ")
+    ]
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    runs = [command for command in commands if "python -m pytest" in command]
+    assert len(runs) == 2 and all(command in ci for command in runs), runs
+    installs = [c.split("pip install ", 1)[1] for c in commands if "pip install " in c]
+    ci_installs = [line.split("pip install -q ", 1)[1] for line in ci if "install -q -c " in line]
+    assert installs == ci_installs
