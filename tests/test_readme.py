@@ -108,3 +108,24 @@ def test_the_set_up_commands_are_what_ci_runs() -> None:
     installs = [c.split("pip install ", 1)[1] for c in commands if "pip install " in c]
     ci_installs = [line.split("pip install -q ", 1)[1] for line in ci if "install -q -c " in line]
     assert installs == ci_installs
+
+
+def test_the_five_minute_example_runs_as_shown(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's first experiment suite, its files as printed: two tests pass, the one
+    that needs 20 GiB is skipped with the reason shown, on a machine without a GPU."""
+    section = README[README.index("## Five minutes") : README.index("## Settings and where")]
+    blocks = dict(re.findall(r"```(yaml|python|toml)\n(.*?)```", section, re.S))
+    pytester.makefile(".yaml", **{"experiments/tiny": blocks["yaml"]})
+    pytester.makefile(".py", **{"tests/test_circuits": blocks["python"]})
+    pytester.makepyprojecttoml(blocks["toml"])
+    monkeypatch.setenv("CT_FAKE_GPUS", "")  # no GPU, whatever the machine has
+    result = pytester.runpytest("-v")
+    result.assert_outcomes(passed=2, skipped=1)
+    result.stdout.fnmatch_lines(
+        [
+            "attributions: 2 in 2 test(s), batch size(s) 32",
+            "  tests/test_circuits.py::test_needs_a_big_gpu: needs 20.0 GiB VRAM; no CUDA GPU*",
+        ]
+    )
