@@ -352,7 +352,7 @@ PROBE_CELLS = (
     "           'argv': sys.argv}, open(os.environ['PROBE_OUT'], 'w'))",
 )
 
-# What the plugin may add to a kernel's environment (README: Notebooks), and what differs
+# What the plugin may add to a kernel's environment (docs/notebooks.md), and what differs
 # between any two runs.
 PLUGIN_ENV = {"CT_BATCH_SIZE", "CT_MAX_FEATURE_NODES", "CT_NOTEBOOK_VRAM_FILE"}
 ALLOCATOR_ENV = {"PYTORCH_CUDA_ALLOC_CONF"}
