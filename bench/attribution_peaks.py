@@ -12,7 +12,7 @@ record tagged with its split; ``--deadline S`` starts no new model after S secon
 under a time limit keeps whole models. Each record carries the estimator's prediction for its
 point (``predicted_bytes``, from the code measured), and the run ends with a table of the errors.
 
-Calibration data for a VRAM estimator (issue 5). For each dtype the bundled random-weight
+Calibration data for the VRAM estimator (docs/calibration). For each dtype the bundled random-weight
 model is built once on the GPU; for each (batch size, prompt length) point one
 ``circuit_tracer.attribute`` runs on a prompt of random token ids (first id 2, BOS), and the
 script records, as one JSON line per point (written as it goes, so a run cut short keeps

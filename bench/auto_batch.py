@@ -17,7 +17,7 @@ With ``--repeats R`` that round runs R times; rounds after the first time only t
 that fitted in the first, in alternating order, and the comparison uses medians (one size's
 time moves by up to 10% between runs). With ``--capacity 0 --other-process-gib G`` there is
 no cap: another process holds G GiB of the card for the whole run, and auto must fit what
-``torch.cuda.mem_get_info()`` says is free (issue 12).
+``torch.cuda.mem_get_info()`` says is free.
 
 Auto runs before any out-of-memory error because such an error inside circuit-tracer can
 leave memory allocated in the process (seen on the H200: about 8 GiB after three OOMs),

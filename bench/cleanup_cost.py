@@ -1,6 +1,6 @@
 """What the plugin's per-test work costs, side by side with the plugin off, in one run.
 
-Three workloads, the ones users run (issue 12 of the project set them):
+Three workloads, the ones users run:
 
 - ``small-cuda``: 200 tests that each allocate one small CUDA tensor, in a process that
   imported torch, transformers and circuit_tracer (a realistic heap for a garbage collection);

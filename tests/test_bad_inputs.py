@@ -1,6 +1,6 @@
 """A table of bad inputs: every option, ini key, environment variable, YAML key, marker,
 notebook metadata field and ct-resources flag, given a value a careless or hostile user
-would (issue 14, sections 4-6).
+would: each is one line naming its source, never a traceback.
 
 Each row asserts the exit status (4, pytest's usage error; 1 where only the test that
 carries the bad input fails; 2 for ct-resources, argparse's convention), exactly one error
@@ -159,7 +159,7 @@ def cli(id: str, *argv: str, message: str, source: str | None = None, **kw: obje
     )
 
 
-# --- what the attacks of section 4 leave behind ------------------------------------------
+# --- what attacks on the report files leave behind ---------------------------------------
 
 
 def _symlink_to_victim(path: Path) -> None:
@@ -238,7 +238,7 @@ ROWS: list[Row] = [
         message="larger than 1 MiB",
         files=(("exp.yaml", "#" * (MAX_BYTES + 1)),),
     ),
-    # --- the report files (section 4): refused at start-up, and left as they were ----------
+    # --- the report files: refused at start-up, and left as they were ----------------------
     option(
         "json-through-symlink",
         "--ct-report-json",

@@ -487,7 +487,7 @@ GEMMA_SET = registry.transcoder_info("gemma").loaded()
 def test_the_readme_table_s_names_are_accepted_and_its_figures_are_the_estimate_s(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """Every row of `ct-resources table` (the README's table), its short transcoder names
+    """Every row of `ct-resources table` (docs/estimator-cli.md's table), its short transcoder names
     as printed, through `ct-resources estimate`: the same largest batch size on each card."""
     lines = run(capsys, "table").splitlines()
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]

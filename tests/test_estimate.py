@@ -56,7 +56,7 @@ def test_every_fit_point_is_within_one_percent() -> None:
 
 
 def test_every_validation_point_is_within_target() -> None:
-    """Issue 15's target on points of models not used in the fit: allocated peak within
+    """The validation target on points of models not used in the fit: allocated peak within
     +-3%, never under by more than 2%."""
     results = [r for r in _checked() if r["split"] == "validation"]
     assert results and all(r["measured"] is not None for r in results)

@@ -1,4 +1,4 @@
-"""pytest-html (issue 17, section 2): each test's row carries its VRAM figures, the summary
+"""pytest-html: each test's row carries its VRAM figures, the summary
 carries the VRAM plot as an inline PNG, serial and under ``-n 2``; nothing changes without
 ``--html`` or without pytest-html. Fed by the stand-in for torch.cuda (tests/fake_cuda.py).
 """

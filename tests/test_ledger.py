@@ -2,7 +2,7 @@
 
 Locks never conflict within one process, so every claim about another holder is made with a
 second process (``hold``); each test has a ledger directory of its own (the conftest's
-``private_temp_dir``). The attacks of issue 14 section 1 are reproduced as another user would
+``private_temp_dir``). Attacks on the shared ledger directory are reproduced as another user would
 mount them, with ``nobody`` played by ``os.chown`` (or ``setpriv``) where the suite runs as root.
 """
 

@@ -1,5 +1,5 @@
 """An OOM inside circuit-tracer's nnsight trace leaves an intervention thread blocked for
-good, holding the attribution's tensors; ``nnsight_threads`` frees it (issue 3's OOM retry
+good, holding the attribution's tensors; ``nnsight_threads`` frees it (``ct_session``'s OOM retry
 depends on it: on a GPU the thread held about 10 GiB per OOM)."""
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def test_values_without_a_literal_are_refused(value: object, message: str) -> No
 @pytest.mark.parametrize(
     "key",
     [
-        # issue 14's two attacks: both ran code in the kernel when keys were written verbatim
+        # keys that are code: both ran code in the kernel when keys were written verbatim
         "x = 1\nimport os; os.system('touch pwned')\ny",
         "globals()[__import__('os').system('touch pwned2')]",
         "a b",
@@ -352,7 +352,7 @@ PROBE_CELLS = (
     "           'argv': sys.argv}, open(os.environ['PROBE_OUT'], 'w'))",
 )
 
-# What the plugin may add to a kernel's environment (README: Notebooks), and what differs
+# What the plugin may add to a kernel's environment (docs/notebooks.md), and what differs
 # between any two runs.
 PLUGIN_ENV = {"CT_BATCH_SIZE", "CT_MAX_FEATURE_NODES", "CT_NOTEBOOK_VRAM_FILE"}
 ALLOCATOR_ENV = {"PYTORCH_CUDA_ALLOC_CONF"}
@@ -442,7 +442,7 @@ def test_overwrite_twice_keeps_one_injected_cell(pytester: pytest.Pytester) -> N
 
 
 def test_a_planted_symlink_is_never_written_through(pytester: pytest.Pytester) -> None:
-    """Issue 14's attack on the injected copy: it was written to the predictable
+    """A link planted where the injected copy was written: it went to the predictable
     ``.{stem}.ctresources-{pid}.ipynb-run`` beside the notebook, through whatever link was
     there. The copy now runs from memory. (In-process, so the pid is this process's.)"""
     write(
@@ -690,7 +690,7 @@ def test_nbmake_notebook_metadata_works_as_without_the_plugin(pytester: pytest.P
 
 
 def test_configs_run_no_code(pytester: pytest.Pytester) -> None:
-    """Issue 14's attacks through PARAMS: keys that are code, and a key that overrides a
+    """Attacks through PARAMS: keys that are code, and a key that overrides a
     validated setting, each fail their item in one line naming the file and the key; values
     reach the notebook as the literals they are."""
     write(
@@ -876,7 +876,7 @@ def test_auto_batch_size_is_resolved_before_the_kernel_starts(
             "available memory, * GiB (*) less 5% margin*"
         ]
     )
-    # Issue 14: on a GPU, a model the estimator does not know was an NBMAKE INTERNAL ERROR
+    # On a GPU, a model the estimator does not know was an NBMAKE INTERNAL ERROR
     # with a traceback; it is one line.
     monkeypatch.setenv("CT_FAKE_GPUS", "Card=24")
     result = pytester.runpytest_subprocess("--nbmake", "--ct-config", "other.yaml")

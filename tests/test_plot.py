@@ -1,4 +1,4 @@
-"""The VRAM plot (issue 17, section 2): distinct colours for the peaks and the declared need,
+"""The VRAM plot: distinct colours for the peaks and the declared need,
 the capacity line, labels readable for 60 tests (truncated, the full node id in the JSON
 report), and without CUDA data an image that says so. Unit tests on the matplotlib figure
 object, and on the PNG that ``--ct-report-plot`` writes.

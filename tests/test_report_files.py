@@ -1,4 +1,4 @@
-"""The report files never destroy anything (issue 14, section 4).
+"""The report files never destroy anything (docs/security.md, "Report files").
 
 What is refused at start-up is in the table of tests/test_bad_inputs.py. Here: what
 happens at session end when the target changed under the run or the disk fails, and

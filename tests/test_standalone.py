@@ -97,8 +97,8 @@ def test_from_yaml_reads_the_process_environment(
 
 
 def test_the_readme_example_runs_outside_pytest_as_shown() -> None:
-    # A fresh interpreter, no pytest run: the README's script and its output, as printed.
-    readme = (ROOT / "README.md").read_text()
+    # A fresh interpreter, no pytest run: the usage page's script and its output, as printed.
+    readme = (ROOT / "docs" / "usage.md").read_text()
     script = re.search(r"```python\n# outside.py\n(.*?)```", readme, re.S)
     shown = re.search(
         r"```text\n\$ CT_BATCH_SIZE=16 HF_HUB_OFFLINE=1 python outside.py\n(.*?)```", readme, re.S

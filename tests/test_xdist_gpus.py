@@ -694,7 +694,7 @@ def resident_project(
 def test_another_workers_wait_frees_an_idle_resident_model(
     pytester: pytest.Pytester, resident_project: Path
 ) -> None:
-    # Issue 12's case: two workers on a 24 GiB card; gw-A keeps a 9 GiB model cached while it
+    # Two workers on a 24 GiB card; gw-A keeps a 9 GiB model cached while it
     # runs a test that does not use it; gw-B's test needs 16 GiB. Before resident models held
     # leases, B got 16 GiB beside the model: 25 GiB on a 24 GiB card.
     # (--dist loadfile: one file per worker; xdist 3.8's loadgroup cannot rename pytest 9's

@@ -5,7 +5,7 @@
     ct-resources estimate --model google/gemma-2-2b --transcoders gemma \\
         --dtype bfloat16 --batch-size 256 --gpu-gib 24 [--json]
     ct-resources estimate --model gemma-2-2b --gpu-gib 24   # a short name, its usual set
-    ct-resources table --cards 24,48,80 --prompt-tokens 32,128   # the README's guidance
+    ct-resources table --cards 24,48,80 --prompt-tokens 32,128   # docs/estimator-cli.md's table
 
 Nothing here imports torch unless GPU detection has to fall back to it.
 """
@@ -515,7 +515,7 @@ def _print_estimate(
             write(f"\nlargest batch size that fits (up to {request.ceiling}): {largest}\n")
 
 
-#: The pairs the README's table covers: circuit-tracer's own examples.
+#: The pairs the batch-size table covers (docs/estimator-cli.md): circuit-tracer's own examples.
 TABLE_PAIRS: Final = (
     ("google/gemma-2-2b", "gemma"),
     ("google/gemma-2-2b", "mntss/clt-gemma-2-2b-426k"),

@@ -375,7 +375,7 @@ def transcoder_info(name: str, model: str | None = None) -> TranscoderSetInfo:
 # ct-resources takes short names (``gemma-2-2b``, ``qwen3-4b``, ``width_16k_l0_small``) and
 # resolves them here to the registry's full names. Experiment YAML does not: MODEL_NAME and
 # TRANSCODER_SET go to circuit-tracer and Hugging Face as written, where a short name is a
-# different hub id or a local folder (README, "Know before you run").
+# different hub id or a local folder (docs/estimator-cli.md).
 
 #: What separates the parts of a name: a short name matches whole parts only, so ``gemma``
 #: matches ``google/gemma-2-2b`` but ``mma`` does not.
@@ -446,7 +446,7 @@ def resolve_model_name(name: str) -> str:
     return found[0] if found else name
 
 
-#: A GemmaScope-2 variant without its repository (``width_16k_l0_small``, as the README's
+#: A GemmaScope-2 variant without its repository (``width_16k_l0_small``, as the batch-size
 #: table prints it, or ``clt/width_262k_l0_medium_affine``): the model says which repository.
 _GEMMA_SCOPE_2_VARIANT = re.compile(
     r"(?:(?P<layout>transcoder_all|clt)/)?(?P<variant>width_\d+k\w*)"

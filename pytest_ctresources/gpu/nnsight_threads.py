@@ -10,7 +10,7 @@ mediator whose event is still pending (``event_queue.has_value``). The barrier e
 already consumed, so the mediator is dropped while its thread stays blocked in
 ``Mediator.send`` -> ``response_queue.wait()`` for good, and its frames keep the invoke's
 locals alive: on an H200, 9.6-10.2 GiB beyond the model after an OOM (gemma-2-2b, batch 512,
-100 tokens; docs/gpu-runs/2026-11-30c-diagnostics/oom_residue.txt). No garbage collection frees a
+100 tokens; bench/oom_residue.py, docs/benchmarks.md). No garbage collection frees a
 blocked thread's frames, so ``ct_session``'s halving retry would run with that much less.
 
 :func:`release_nnsight_threads` finds such orphaned threads and hands them the same

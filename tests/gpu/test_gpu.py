@@ -255,7 +255,7 @@ def test_safe_clean_cuda_frees_transients_and_moves_back(pytester: pytest.Pytest
 
 
 def keep_artifacts(*paths: Path) -> None:
-    """Copy report files to $CT_GPU_ARTIFACTS (the validation run puts them in docs/)."""
+    """Copy report files to $CT_GPU_ARTIFACTS (bench/gpu_validation.sh sets it to its output folder)."""
     target = os.environ.get("CT_GPU_ARTIFACTS")
     if target:
         for path in paths:

@@ -77,7 +77,7 @@ def spans(path: Path) -> dict[str, dict[str, float]]:
 def test_two_concurrent_runs_queue_on_one_real_gpu(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Issue 14 section 2 on the device: a plain run and a -n 2 run at once, both under
+    # One budget per card across runs: a plain run and a -n 2 run at once, both under
     # --ct-vram-capacity 24 (one budget of 24 GiB of the card's first units), tests of 16 GiB
     # holding 14 GiB each for 2 s. No two may be on the card at once.
     pytester.makeconftest(
@@ -188,7 +188,7 @@ def test_memory_another_process_holds_counts_against_the_leases(
 def test_an_idle_resident_model_is_freed_for_another_workers_test(
     pytester: pytest.Pytester,
 ) -> None:
-    # Issue 12 section 3 on the device under --ct-vram-capacity 24: gw-A caches the real-size
+    # An idle resident model freed for a waiting worker, --ct-vram-capacity 24: gw-A caches the real-size
     # random gemma-2-2b in bf16 (about 8.6 GiB) and runs a test that does not use it; gw-B's
     # test needs 16 GiB. B waits, A's watcher frees the idle model, B gets the card: while B
     # holds 15 GiB, the others on the card hold less than the model.
