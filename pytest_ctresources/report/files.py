@@ -19,7 +19,7 @@ import stat
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -300,7 +300,15 @@ class SigtermReport:
     Python handler: it is called), as coverage.py's ``sigterm`` option does. A SIGTERM
     that arrives while a report is being written waits until the file is complete.
     ``restore`` (at unconfigure) puts the previous handler back if ours is still there.
+
+    Code the run runs may take SIGTERM over: nbclient runs each notebook under an asyncio
+    loop whose ``add_signal_handler``/``remove_signal_handler`` leave ``SIG_DFL`` behind, so
+    after one notebook a SIGTERM would end the run with no report. As a plugin, the guard
+    looks after each phase of each test (:meth:`pytest_runtest_makereport`) and takes
+    SIGTERM back (:meth:`reassert`).
     """
+
+    name = "ctresources-sigterm-report"
 
     def __init__(self, write: Callable[[], None]) -> None:
         self._write = write
@@ -321,6 +329,34 @@ class SigtermReport:
         signal.signal(signal.SIGTERM, self._handle)
         self._installed = True
         return True
+
+    def reassert(self) -> None:
+        """Take SIGTERM back if something replaced our handler since :meth:`install`.
+
+        ``SIG_DFL`` (what asyncio's ``remove_signal_handler`` leaves, after nbclient) is
+        taken back keeping what we chain to: the state before the test is restored. Another
+        Python handler is chained to, as one there at start-up would be. ``SIG_IGN`` (and a
+        handler not set from Python) is the code's explicit choice and is left as it is.
+        """
+        if not self._installed or threading.current_thread() is not threading.main_thread():
+            return
+        current = signal.getsignal(signal.SIGTERM)
+        if current == self._handle or current is None or current == signal.SIG_IGN:
+            return
+        if current != signal.SIG_DFL:
+            self._previous = current
+        signal.signal(signal.SIGTERM, self._handle)
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        """Right after each phase of a test (setup, call, teardown), before its report is
+        processed: a notebook item replaces the handler in its call phase."""
+        try:
+            return (yield)
+        finally:
+            self.reassert()
 
     def restore(self) -> None:
         if self._installed and signal.getsignal(signal.SIGTERM) == self._handle:
@@ -368,4 +404,5 @@ def on_sigterm(config: pytest.Config, reporter: SummaryReporter) -> None:
     guard = SigtermReport(lambda: reporter.finish(None, signal.Signals.SIGTERM.name))
     if guard.install():
         config.stash[SIGTERM_KEY] = guard
+        config.pluginmanager.register(guard, SigtermReport.name)
         config.add_cleanup(guard.restore)
