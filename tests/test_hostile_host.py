@@ -171,3 +171,210 @@ def test_sigterm_writes_the_report_whatever_took_the_handler_over(
     if row.snapshot:
         snapshot = json.loads((tmp_path / "report-when-theirs-ran.json").read_text())
         assert snapshot["signal"] == "SIGTERM"
+
+
+# --- cause 7: a stopped waiter must not hold the queue ------------------------------------
+
+# Another process of the user's on one budget file: "hold" (or "hold-resident", as a resident
+# model's lease) GIB and say "held"; or "wait" for GIB, saying "waiting" once it waits (then
+# it holds the turnstile, and WANTED where idle resident models would make room) and
+# "granted" when it has it. Each keeps what it has until its stdin is closed.
+CHILD = """
+import sys
+from pathlib import Path
+from pytest_ctresources.leases.ledger import Lease, VramLedger
+
+path, budget, role, gib = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+ledger = VramLedger(path, budget).open()
+if role == "wait":
+    ledger.acquire(gib, 60, before_waiting=lambda: print("waiting", flush=True))
+    print("granted", flush=True)
+else:
+    lease = ledger.acquire(gib, 10)
+    if role == "hold-resident":
+        ledger.move(lease, Lease(0.0, [], 0.0, resident=True), gib)
+    print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+class Child:
+    """A child process of :data:`CHILD`; its lines are read with a deadline."""
+
+    def __init__(self, path: Path, budget: float, role: str, gib: float) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(path), str(budget), role, str(gib)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            bufsize=0,  # unbuffered: select() sees every byte the child wrote
+        )
+        self.pid = self.proc.pid
+
+    def expect(self, line: str, timeout_s: float = CHILD_TIMEOUT_S) -> None:
+        import select
+        import time
+
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        got = b""
+        while not got.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, left))
+            assert ready, f"child {self.pid}: no {line!r} after {timeout_s} s (got {got!r})"
+            byte = self.proc.stdout.read(1)
+            assert byte, f"child {self.pid} ended before saying {line!r}: {got!r}"
+            got += byte
+        assert got.decode().strip() == line
+
+    def stop(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+        _until(lambda: _state(self.pid) == "T", f"child {self.pid} stopped")
+
+    def end(self) -> None:
+        """Close its stdin: it exits, and the system drops its locks."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=CHILD_TIMEOUT_S)
+
+    def kill(self) -> None:
+        self.proc.kill()  # (a stopped process is killed too)
+        self.proc.wait(timeout=CHILD_TIMEOUT_S)
+
+
+def _state(pid: int) -> str:
+    """The process's state letter, read here independently of the code under test."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rindex(")") + 1 :].split()[0]
+
+
+def _until(condition: object, what: str, timeout_s: float = 30.0) -> None:
+    """Poll ``condition`` (a state of another process, which no file can signal) with a
+    deadline."""
+    import time
+    from collections.abc import Callable
+
+    assert callable(condition)
+    check: Callable[[], bool] = condition
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"not {what} after {timeout_s} s"
+        time.sleep(0.01)
+
+
+@dataclass(frozen=True)
+class QueueRow:
+    id: str
+    hold: float
+    """A first child holds this much of the 2 GiB budget."""
+    wait: float | None = None
+    """A second child then waits for this much (None: no waiter)."""
+    stop: str = "waiter"
+    """Which child is stopped ("waiter", "holder" or "": none)."""
+    signum: int = signal.SIGSTOP
+    free: bool = True
+    """The holder ends once the waiter is stopped."""
+    resident: bool = False
+    own: float = 0.0
+    """This process leases this much before the children start."""
+    act: str = "acquire"
+    """What this process then does: "acquire" 1 GiB, "resume" (acquire, then the waiter
+    resumes and gets its lease too), "wanted" (is a cache wanted elsewhere?), "extend"."""
+    timeout_s: float = 10.0
+    expect: str | None = None
+    """A pattern for the LeaseTimeout message ({waiter}, {holder}: pids); None: granted."""
+    lanes: int | None = None
+    """Only this many lanes of the turnstile."""
+
+
+BUDGET = 2.0
+QUEUE_ROWS = [
+    QueueRow("a-waiter-stopped-by-sigstop", hold=2, wait=1),
+    QueueRow("a-waiter-stopped-by-ctrl-z-sigtstp", hold=2, wait=1, signum=signal.SIGTSTP),
+    QueueRow("a-stopped-waiter-resumed-is-served-after", hold=2, wait=1, act="resume"),
+    QueueRow("a-stopped-waiter-holding-wanted", hold=2, wait=1, resident=True, act="wanted"),
+    QueueRow("a-stopped-waiter-and-a-models-extension", hold=1, wait=1, own=0.5, act="extend"),
+    QueueRow(
+        "behind-a-running-waiter-the-timeout-says-so",
+        hold=1,
+        wait=2,
+        stop="",
+        free=False,
+        timeout_s=1.0,
+        expect="*, queued behind another run's request (pid {waiter}), itself waiting*",
+    ),
+    QueueRow(
+        "units-leased-by-a-stopped-run-the-timeout-says-so",
+        hold=2,
+        stop="holder",
+        signum=signal.SIGTSTP,
+        free=False,
+        timeout_s=1.0,
+        expect="*2.0 GiB of it is leased by stopped process (pid {holder}: Ctrl-Z*",
+    ),
+    QueueRow(
+        "every-lane-stopped-the-timeout-says-so",
+        hold=2,
+        wait=1,
+        lanes=1,
+        timeout_s=1.0,
+        expect="*, queued behind stopped process (pid {waiter}: Ctrl-Z or SIGSTOP)*",
+    ),
+]
+
+
+@pytest.mark.parametrize("row", QUEUE_ROWS, ids=[row.id for row in QUEUE_ROWS])
+def test_a_stopped_waiter_does_not_hold_the_queue(
+    row: QueueRow, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fnmatch import fnmatch
+
+    from pytest_ctresources.leases import ledger as ledger_module
+
+    if row.lanes is not None:
+        lanes = getattr(ledger_module, "GATE_LANES", (ledger_module.TURNSTILE,))
+        monkeypatch.setattr(ledger_module, "GATE_LANES", lanes[: row.lanes], raising=False)
+    path = tmp_path / "card.ledger"
+    ledger = ledger_module.VramLedger(path, BUDGET).open()
+    own = ledger.acquire(row.own, 1) if row.own else None
+    children: list[Child] = []
+    try:
+        holder = Child(path, BUDGET, "hold-resident" if row.resident else "hold", row.hold)
+        children.append(holder)
+        holder.expect("held")
+        waiter = None
+        if row.wait is not None:
+            waiter = Child(path, BUDGET, "wait", row.wait)
+            children.append(waiter)
+            waiter.expect("waiting")
+        if row.act == "wanted":
+            assert ledger.wanted_elsewhere()  # a running waiter's WANTED counts
+        stopped = {"waiter": waiter, "holder": holder}.get(row.stop)
+        if stopped is not None:
+            stopped.stop(row.signum)
+        if row.free:
+            holder.end()
+        if row.act == "wanted":
+            assert not ledger.wanted_elsewhere()
+            return
+        if row.act == "extend":
+            assert own is not None
+            assert ledger.try_extend(own, 0.5)
+            return
+        try:
+            lease = ledger.acquire(1.0, row.timeout_s)
+        except ledger_module.LeaseTimeout as exc:
+            pids = {"waiter": waiter.pid if waiter else 0, "holder": holder.pid}
+            assert row.expect is not None, str(exc)
+            assert fnmatch(str(exc), row.expect.format(**pids)), str(exc)
+            return
+        assert row.expect is None, f"granted, where {row.expect!r} was expected"
+        assert lease.units
+        if row.act == "resume":
+            assert waiter is not None
+            os.kill(waiter.pid, signal.SIGCONT)
+            waiter.expect("granted")
+            assert ledger.free_gib() == 0
+    finally:
+        for child in children:
+            child.kill()
+        ledger.close()
