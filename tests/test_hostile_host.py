@@ -378,3 +378,421 @@ def test_a_stopped_waiter_does_not_hold_the_queue(
         for child in children:
             child.kill()
         ledger.close()
+
+
+# --- N3 and the report paths: only a report the plugin wrote for this user is replaced ----
+
+OTHER = "needs root: plays another user with chown, or makes device nodes"
+as_root = pytest.mark.skipif(not IS_ROOT, reason=OTHER)
+VICTIM = b"another user's precious bytes\n"
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    import zlib
+
+    return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+
+
+def _png(*chunks: bytes) -> bytes:
+    """A PNG of one transparent pixel, with ``chunks`` (made by _chunk) after its header."""
+    import zlib
+
+    from pytest_ctresources.report.files import PNG_MAGIC
+
+    header = _chunk(b"IHDR", (1).to_bytes(4, "big") * 2 + bytes([8, 6, 0, 0, 0]))
+    pixels = _chunk(b"IDAT", zlib.compress(b"\0" + bytes(4)))
+    end = _chunk(b"IEND", b"")
+    head = [c for c in chunks if not c.startswith(b"late")]
+    late = [c[4:] for c in chunks if c.startswith(b"late")]
+    return PNG_MAGIC + header + b"".join(head) + pixels + b"".join(late) + end
+
+
+MARK = b"pytest-ctresources\0vram-plot"
+PHOTO = _png(_chunk(b"tEXt", b"Software\0Darktable"))
+
+
+def _our_json(path: Path) -> None:
+    from pytest_ctresources.report.files import SCHEMA, SCHEMA_VERSION, write_json
+
+    write_json(path, {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "tests": []})
+
+
+def _our_plot(path: Path) -> None:
+    from pytest_ctresources.report.files import write_plot
+    from pytest_ctresources.report.summary import RunSummary
+
+    write_plot(path, RunSummary(), None, "no GPU")
+
+
+def _file(content: bytes, owner: int | None = None) -> object:
+    def make(path: Path) -> None:
+        path.write_bytes(content)
+        if owner is not None:
+            os.chown(path, owner, owner)
+
+    return make
+
+
+def _theirs(make: object) -> object:
+    """``make``'s file, then given to another user."""
+
+    def give(path: Path) -> None:
+        assert callable(make)
+        make(path)
+        os.chown(path, NOBODY, NOBODY)
+
+    return give
+
+
+def _symlink(target: str) -> object:
+    return lambda path: os.symlink(target, path)
+
+
+def _socket(path: Path) -> None:
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(path))
+
+
+def _node(kind: int, major: int, minor: int) -> object:
+    return lambda path: os.mknod(path, kind | 0o600, os.makedev(major, minor))
+
+
+def _dir_of(owner: int) -> object:
+    def make(path: Path) -> None:
+        path.mkdir()
+        os.chown(path, owner, owner)
+
+    return make
+
+
+@dataclass(frozen=True)
+class PathRow:
+    id: str
+    flag: str
+    value: str
+    make: object = None
+    """Makes what is at the path (given the path of ``value``'s last component)."""
+    expect: str | None = "*"
+    """The refusal, an fnmatch pattern; None: the path is accepted."""
+    root: bool = False
+    extra: tuple[tuple[str, bytes], ...] = ()
+    """Other files of the directory, (name, content)."""
+
+
+def _both(id: str, make: object, expect: str | None, root: bool = False) -> list[PathRow]:
+    """The same entry at the JSON report's path and at the plot's."""
+    return [
+        PathRow(f"json-{id}", "--ct-report-json", "r.json", make, expect, root),
+        PathRow(f"plot-{id}", "--ct-report-plot", "p.png", make, expect, root),
+    ]
+
+
+NOT_OURS_JSON = "* exists and is not a pytest-ctresources JSON report: it is not replaced*"
+NOT_OURS_PLOT = (
+    "* exists and is not a PNG image that pytest-ctresources wrote*: it is not replaced*"
+)
+NOT_MINE = "* belongs to uid 65534, not to you (uid 0): it is not replaced (remove it*"
+
+PATH_ROWS = [
+    # -- N3: what was taken for a report --
+    PathRow(
+        "plot-another-users-photo",
+        "--ct-report-plot",
+        "p.png",
+        _file(PHOTO, NOBODY),
+        NOT_MINE,
+        root=True,
+    ),
+    PathRow("plot-my-own-photo", "--ct-report-plot", "p.png", _file(PHOTO), NOT_OURS_PLOT),
+    PathRow(
+        "plot-another-users-earlier-plot",
+        "--ct-report-plot",
+        "p.png",
+        _theirs(_our_plot),
+        NOT_MINE,
+        root=True,
+    ),
+    PathRow(
+        "json-another-users-earlier-report",
+        "--ct-report-json",
+        "r.json",
+        _theirs(_our_json),
+        NOT_MINE,
+        root=True,
+    ),
+    *_both("another-users-empty-file", _file(b"", NOBODY), NOT_MINE, root=True),
+    PathRow(
+        "json-mentions-the-schema-but-is-not-a-report",
+        "--ct-report-json",
+        "r.json",
+        _file(b'{"see": "pytest-ctresources-report", "mine": true}'),
+        NOT_OURS_JSON,
+    ),
+    PathRow(
+        "json-schema-key-not-first",
+        "--ct-report-json",
+        "r.json",
+        _file(b'{"x": 1, "schema": "pytest-ctresources-report"}'),
+        NOT_OURS_JSON,
+    ),
+    PathRow(
+        "json-indented-schema-line",
+        "--ct-report-json",
+        "r.json",
+        _file(b'   {"schema": "pytest-ctresources-report", "v": 1}'),
+        NOT_OURS_JSON,
+    ),
+    PathRow(
+        "plot-matplotlib-png-without-the-mark",
+        "--ct-report-plot",
+        "p.png",
+        _file(_png(_chunk(b"tEXt", b"Software\0Matplotlib version3.11.2"))),
+        NOT_OURS_PLOT,
+    ),
+    PathRow(
+        "plot-the-mark-after-the-image-data",
+        "--ct-report-plot",
+        "p.png",
+        _file(_png(b"late" + _chunk(b"tEXt", MARK))),
+        NOT_OURS_PLOT,
+    ),
+    PathRow(
+        "plot-the-mark-key-with-another-value",
+        "--ct-report-plot",
+        "p.png",
+        _file(_png(_chunk(b"tEXt", b"pytest-ctresources\0holiday"))),
+        NOT_OURS_PLOT,
+    ),
+    PathRow(
+        "plot-the-mark-in-a-ztxt-chunk",
+        "--ct-report-plot",
+        "p.png",
+        _file(_png(_chunk(b"zTXt", MARK))),
+        NOT_OURS_PLOT,
+    ),
+    PathRow(
+        "plot-the-png-signature-alone",
+        "--ct-report-plot",
+        "p.png",
+        _file(b"\x89PNG\r\n\x1a\n"),
+        NOT_OURS_PLOT,
+    ),
+    PathRow(
+        "plot-a-chunk-length-of-4-gib",
+        "--ct-report-plot",
+        "p.png",
+        _file(b"\x89PNG\r\n\x1a\n\xff\xff\xff\xfftEXt" + MARK),
+        NOT_OURS_PLOT,
+    ),
+    PathRow(
+        "plot-a-truncated-chunk",
+        "--ct-report-plot",
+        "p.png",
+        _file(b"\x89PNG\r\n\x1a\n\x00\x00\x00\x1ctEXtpytest-ctre"),
+        NOT_OURS_PLOT,
+    ),
+    PathRow(
+        "plot-the-mark-past-the-first-4-kib",
+        "--ct-report-plot",
+        "p.png",
+        _file(_png(_chunk(b"tEXt", b"Comment\0" + b"x" * 5000), _chunk(b"tEXt", MARK))),
+        NOT_OURS_PLOT,
+    ),
+    PathRow(
+        "plot-a-json-report-at-the-plot-path", "--ct-report-plot", "p.png", _our_json, NOT_OURS_PLOT
+    ),
+    PathRow("json-a-plot-at-the-json-path", "--ct-report-json", "r.json", _our_plot, NOT_OURS_JSON),
+    *_both("a-text-file", _file(b"notes\n"), "* exists and is not *"),
+    *_both("a-one-byte-file", _file(b"{"), "* exists and is not *"),
+    *_both("a-binary-file", _file(bytes(range(256)) * 64), "* exists and is not *"),
+    *_both("a-hard-link-to-another-users-file", None, NOT_MINE, root=True),
+    # -- what is not a regular file --
+    *_both("a-symlink-to-my-own-report", _symlink("mine"), "* is a symbolic link*"),
+    *_both("a-symlink-to-a-victim", _symlink("/etc/passwd"), "* is a symbolic link*"),
+    *_both("a-dangling-symlink", _symlink("nowhere"), "* is a symbolic link*"),
+    *_both("a-symlink-to-itself", None, "* is a symbolic link*"),
+    *_both("a-symlink-to-a-directory", _symlink("/"), "* is a symbolic link*"),
+    *_both("a-directory", lambda path: path.mkdir(), "* is a directory*"),
+    *_both("another-users-directory", _dir_of(NOBODY), "* is a directory*", root=True),
+    *_both("a-fifo", os.mkfifo, "* is a FIFO*"),
+    *_both("a-socket", _socket, "* is a socket*"),
+    *_both("a-char-device-like-dev-full", _node(0o020000, 1, 7), "* is a device node*", root=True),
+    *_both(
+        "a-block-device-like-a-loop-disk", _node(0o060000, 7, 0), "* is a device node*", root=True
+    ),
+    # -- paths --
+    *[
+        PathRow(f"{flag[12:]}-{id}", flag, value, None, expect)
+        for flag in ("--ct-report-json", "--ct-report-plot")
+        for id, value, expect in [
+            ("the-empty-path", "", "* is a directory*"),
+            ("the-root-directory", "/", "* is a directory*"),
+            ("dot-dot", "..", "* is a directory*"),
+            (
+                "a-name-of-300-characters",
+                "x" * 300,
+                "cannot write '*' (300 characters): File name too long",
+            ),
+            (
+                "a-path-of-5000-characters",
+                "d/" * 2500 + "r",
+                "cannot write '*' (5001 characters): File name too long",
+            ),
+            (
+                "a-missing-directory",
+                "missing/r",
+                "cannot write missing/r: directory * does not exist",
+            ),
+            ("under-a-file", "notes.txt/r", "cannot write notes.txt/r: Not a directory"),
+            ("under-dev-null", "/dev/null/r", "cannot write /dev/null/r: Not a directory"),
+            ("a-nul", "r\0x", "* contains a NUL character*"),
+            (
+                "a-tilde-not-expanded",
+                "~nosuchuser/r",
+                "cannot write ~nosuchuser/r: directory * does not exist",
+            ),
+            ("dev-null", "/dev/null", "/dev/null is a device node*"),
+            ("proc-self-mem", "/proc/self/mem", "cannot write /proc/self/mem: *"),
+            ("etc-passwd", "/etc/passwd", "/etc/passwd * not *"),
+            ("a-newline-in-an-existing-name", "notes\nx", "'notes\\nx' exists and is not *"),
+            ("an-escape-sequence-in-an-existing-name", "\x1b[2J", "'\\x1b[2J' exists and is not *"),
+        ]
+    ],
+    # -- accepted: what the plugin may replace (controls: the rule is not "refuse all") --
+    PathRow("json-my-own-earlier-report", "--ct-report-json", "r.json", _our_json, None),
+    PathRow("plot-my-own-earlier-plot", "--ct-report-plot", "p.png", _our_plot, None),
+    *_both("my-own-empty-file-from-mktemp", _file(b""), None),
+    *_both("nothing-there-yet", None, None),
+]
+_EXTRA = {"notes.txt": b"notes\n", "notes\nx": b"notes\n", "\x1b[2J": b"notes\n", "mine": b"{}"}
+
+
+def _entries(directory: Path) -> dict[str, tuple[object, ...]]:
+    """What a directory holds, link targets, owners and contents included."""
+    import stat
+
+    found: dict[str, tuple[object, ...]] = {}
+    for entry in sorted(os.listdir(directory)):
+        path = directory / entry
+        info = os.lstat(path)
+        content: object = None
+        if stat.S_ISLNK(info.st_mode):
+            content = os.readlink(path)
+        elif stat.S_ISREG(info.st_mode):
+            content = path.read_bytes()
+        found[entry] = (info.st_mode, info.st_uid, info.st_ino, content)
+    return found
+
+
+def _prepare(row: PathRow, directory: Path) -> None:
+    for name, content in _EXTRA.items():
+        (directory / name).write_bytes(content)
+    target = directory / row.value if row.value and "\0" not in row.value else None
+    if target is None or len(row.value) > 200 or "/" in row.value:
+        return
+    if row.id.endswith("a-hard-link-to-another-users-file"):
+        victim = directory / "victim"
+        victim.write_bytes(VICTIM)
+        os.chown(victim, NOBODY, NOBODY)
+        os.link(victim, target)
+    elif row.id.endswith("a-symlink-to-itself"):
+        os.symlink(row.value, target)
+    elif row.make is not None:
+        assert callable(row.make)
+        row.make(target)
+    elif row.value in ("notes\nx", "\x1b[2J"):
+        pass  # in _EXTRA
+
+
+@pytest.mark.parametrize("row", PATH_ROWS, ids=[row.id for row in PATH_ROWS])
+def test_a_report_path_replaces_only_a_report_the_plugin_wrote_for_you(
+    row: PathRow, tmp_path: Path
+) -> None:
+    from fnmatch import fnmatch
+
+    from pytest_ctresources.report.files import TargetError, check_target
+
+    if row.root and not IS_ROOT:
+        pytest.skip(OTHER)
+    _prepare(row, tmp_path)
+    before = _entries(tmp_path)
+    if row.expect is None:
+        assert check_target(row.value, row.flag, tmp_path) == tmp_path / row.value
+        return
+    with pytest.raises(TargetError) as refused:
+        check_target(row.value, row.flag, tmp_path)
+    message = str(refused.value)
+    assert "\n" not in message and "\x1b" not in message, repr(message)
+    assert fnmatch(message, row.expect), message
+    assert _entries(tmp_path) == before  # nothing touched
+
+
+E2E = {
+    "plot-another-users-photo",
+    "plot-my-own-photo",
+    "json-another-users-earlier-report",
+    "json-another-users-empty-file",
+    "json-a-newline-in-an-existing-name",
+}
+E2E_ROWS = [row for row in PATH_ROWS if row.id in E2E]
+
+
+@pytest.mark.parametrize("row", E2E_ROWS, ids=[row.id for row in E2E_ROWS])
+def test_the_option_refuses_such_a_path_in_one_line(
+    row: PathRow, pytester: pytest.Pytester
+) -> None:
+    if row.root and not IS_ROOT:
+        pytest.skip(OTHER)
+    pytester.makepyfile(test_it="def test_it(): pass")
+    _prepare(row, pytester.path)
+    before = _entries(pytester.path)
+    result = pytester.runpytest(row.flag, row.value)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    errors = [line for line in result.stderr.lines if line.strip()]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"ERROR: {row.flag}: ")
+    from fnmatch import fnmatch
+
+    assert row.expect is not None and fnmatch(errors[0], f"*{row.expect}"), errors[0]
+    assert _entries(pytester.path) == before
+
+
+PLANTS = """
+import os, shutil
+
+def test_plants():
+    # Another user's report, and an image of the user's own, swapped in during the run.
+    os.remove("r.json")
+    shutil.copy("theirs.json", "r.json")
+    os.chown("r.json", 65534, 65534)
+    os.remove("p.png")
+    shutil.copy("photo.png", "p.png")
+"""
+
+
+@as_root
+def test_what_is_swapped_in_during_the_run_is_left_alone(pytester: pytest.Pytester) -> None:
+    # Two rows in one run: at the end, the JSON report's path holds another user's report,
+    # the plot's the user's own photo; each is one warning and stays as it is.
+    _our_json(pytester.path / "r.json")
+    _our_json(pytester.path / "theirs.json")
+    _our_plot(pytester.path / "p.png")
+    (pytester.path / "photo.png").write_bytes(PHOTO)
+    pytester.makepyfile(test_it=PLANTS)
+    result = pytester.runpytest("--ct-report-json", "r.json", "--ct-report-plot", "p.png")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(
+        [
+            "*ReportFileWarning: ctresources: --ct-report-json *r.json was not written: *r.json "
+            "belongs to uid 65534, not to you (uid 0); it is left alone*",
+            "*ReportFileWarning: ctresources: --ct-report-plot *p.png was not written: *p.png "
+            "exists and is not a PNG image that pytest-ctresources wrote (its VRAM plot); it is "
+            "left alone*",
+        ],
+        consecutive=False,
+    )
+    assert (pytester.path / "r.json").read_bytes() == (pytester.path / "theirs.json").read_bytes()
+    assert os.stat(pytester.path / "r.json").st_uid == NOBODY
+    assert (pytester.path / "p.png").read_bytes() == PHOTO
