@@ -796,3 +796,517 @@ def test_what_is_swapped_in_during_the_run_is_left_alone(pytester: pytest.Pytest
     assert (pytester.path / "r.json").read_bytes() == (pytester.path / "theirs.json").read_bytes()
     assert os.stat(pytester.path / "r.json").st_uid == NOBODY
     assert (pytester.path / "p.png").read_bytes() == PHOTO
+
+
+# --- the ledger directory: refused in one line, and nothing of anyone's touched -----------
+
+DAY_AND_MORE = 2 * 86400.0
+
+
+def _in(directory: Path, name: str, make: object) -> None:
+    assert callable(make)
+    make(directory / name)
+
+
+def _old(path: Path) -> None:
+    import time
+
+    then = time.time() - DAY_AND_MORE
+    os.utime(path, (then, then), follow_symlinks=False)
+
+
+@dataclass(frozen=True)
+class LedgerRow:
+    id: str
+    act: str
+    """"root" (the ledger directory), "file:KEY" (a GPU's budget file), "seat:RUN" (a run's
+    seat board) or "prune" (old runs' seat directories)."""
+    make: object = None
+    """Called with (ledger directory, temp directory, victim directory) before the act."""
+    expect: str | None = "*"
+    """The refusal (an fnmatch pattern); None: accepted."""
+    root: bool = False
+    tmpdir: str | None = None
+    """The temp directory, relative to the test's own (None: the test's own)."""
+    survives: tuple[str, ...] = ()
+    """Entries of the ledger directory that must still be there after the act."""
+    gone: tuple[str, ...] = ()
+
+
+def _made(ledger: Path) -> None:
+    ledger.mkdir(mode=0o700)
+
+
+def _victim_dir(victim: Path) -> None:
+    victim.mkdir()
+    (victim / "results.json").write_bytes(VICTIM)
+
+
+def _root_is(make: object) -> object:
+    return lambda ledger, tmp, victim: _in(ledger.parent, ledger.name, make)
+
+
+def _inside(name: str, make: object, old: bool = False) -> object:
+    """The ledger directory made, then ``make`` at ``name`` in it."""
+
+    def prepare(ledger: Path, tmp: Path, victim: Path) -> None:
+        _made(ledger)
+        assert callable(make)
+        make(ledger / name, victim)
+        if old:
+            _old(ledger / name)
+
+    return prepare
+
+
+def _run_dir(*files: tuple[str, object], owner: int | None = None) -> object:
+    """A run's seat directory holding ``files`` ((name, make(path, victim)))."""
+
+    def make(path: Path, victim: Path) -> None:
+        path.mkdir(mode=0o700)
+        for name, make_file in files:
+            assert callable(make_file)
+            make_file(path / name, victim)
+        if owner is not None:
+            os.chown(path, owner, owner)
+
+    return make
+
+
+def _plain(path: Path, victim: Path) -> None:
+    path.write_bytes(b"")
+
+
+def _theirs_file(path: Path, victim: Path) -> None:
+    path.write_bytes(b"")
+    os.chown(path, NOBODY, NOBODY)
+
+
+def _link_to_victim_file(path: Path, victim: Path) -> None:
+    os.symlink(victim / "results.json", path)
+
+
+def _link_to_victim_dir(path: Path, victim: Path) -> None:
+    os.symlink(victim, path)
+
+
+def _hard_link_to_theirs(path: Path, victim: Path) -> None:
+    theirs = victim / "theirs"
+    theirs.write_bytes(VICTIM)
+    os.chown(theirs, NOBODY, NOBODY)
+    os.link(theirs, path)
+
+
+def _as(make: object) -> object:
+    """A maker of one path (as the report rows use) as one of (path, victim)."""
+    assert callable(make)
+    return lambda path, victim: make(path)
+
+
+def _dir_mode(mode: int, owner: int | None = None) -> object:
+    def make(path: Path) -> None:
+        path.mkdir()
+        os.chmod(path, mode)
+        if owner is not None:
+            os.chown(path, owner, owner)
+
+    return make
+
+
+REFUSED_DIR = "pytest-ctresources: the VRAM ledger directory * {}; it must be a directory of yo*"
+CANNOT_USE = "pytest-ctresources: cannot use the VRAM ledger file *: it is a {}; remove it"
+CANNOT_OPEN = "pytest-ctresources: cannot open the VRAM ledger file *: {}"
+MODES = {"0755": 0o755, "0777": 0o777, "02770": 0o2770, "01777": 0o1777, "0000": 0o000}
+
+LEDGER_ROWS = [
+    # -- what stands where the ledger directory goes --
+    LedgerRow(
+        "root-a-symlink-to-my-own-directory",
+        "root",
+        lambda ledger, tmp, victim: (
+            tmp.joinpath("mine").mkdir(mode=0o700),
+            os.symlink(tmp / "mine", ledger),
+        ),
+        REFUSED_DIR.format("is a symbolic link (to *)"),
+    ),
+    LedgerRow(
+        "root-a-symlink-to-a-victims-directory",
+        "root",
+        lambda ledger, tmp, victim: os.symlink(victim, ledger),
+        REFUSED_DIR.format("is a symbolic link (to *)"),
+    ),
+    LedgerRow(
+        "root-a-dangling-symlink",
+        "root",
+        _root_is(_symlink("nowhere")),
+        REFUSED_DIR.format("is a symbolic link (to 'nowhere')"),
+    ),
+    LedgerRow(
+        "root-a-symlink-to-itself",
+        "root",
+        lambda ledger, tmp, victim: os.symlink(ledger.name, ledger),
+        REFUSED_DIR.format("is a symbolic link (to *)"),
+    ),
+    LedgerRow(
+        "root-a-symlink-to-etc",
+        "root",
+        _root_is(_symlink("/etc")),
+        REFUSED_DIR.format("is a symbolic link (to '/etc')"),
+    ),
+    LedgerRow(
+        "root-a-regular-file",
+        "root",
+        _root_is(_file(b"x")),
+        REFUSED_DIR.format("is not a directory but a regular file"),
+    ),
+    LedgerRow(
+        "root-an-empty-file",
+        "root",
+        _root_is(_file(b"")),
+        REFUSED_DIR.format("is not a directory but a regular file"),
+    ),
+    LedgerRow(
+        "root-another-users-file",
+        "root",
+        _root_is(_file(b"", NOBODY)),
+        REFUSED_DIR.format("is not a directory but a regular file"),
+        root=True,
+    ),
+    LedgerRow(
+        "root-a-fifo",
+        "root",
+        _root_is(os.mkfifo),
+        REFUSED_DIR.format("is not a directory but a FIFO"),
+    ),
+    LedgerRow(
+        "root-a-socket",
+        "root",
+        _root_is(_socket),
+        REFUSED_DIR.format("is not a directory but a socket"),
+    ),
+    LedgerRow(
+        "root-a-char-device",
+        "root",
+        _root_is(_node(0o020000, 1, 7)),
+        REFUSED_DIR.format("is not a directory but a character device"),
+        root=True,
+    ),
+    LedgerRow(
+        "root-a-block-device",
+        "root",
+        _root_is(_node(0o060000, 7, 0)),
+        REFUSED_DIR.format("is not a directory but a block device"),
+        root=True,
+    ),
+    *[
+        LedgerRow(
+            f"root-another-users-directory-{name}",
+            "root",
+            _root_is(_dir_mode(mode, NOBODY)),
+            REFUSED_DIR.format("belongs to uid 65534, not to you (uid 0)"),
+            root=True,
+        )
+        for name, mode in MODES.items()
+    ],
+    *[
+        LedgerRow(
+            f"root-my-own-directory-{name}-is-made-private", "root", _root_is(_dir_mode(mode)), None
+        )
+        for name, mode in MODES.items()
+    ],
+    # -- the temp directory it goes in --
+    LedgerRow(
+        "tmpdir-missing",
+        "root",
+        None,
+        REFUSED_DIR.format("cannot be created (No such file or directory)"),
+        tmpdir="missing",
+    ),
+    LedgerRow(
+        "tmpdir-a-regular-file",
+        "root",
+        lambda ledger, tmp, victim: tmp.joinpath("afile").write_bytes(b""),
+        REFUSED_DIR.format("cannot be created (Not a directory)"),
+        tmpdir="afile",
+    ),
+    LedgerRow(
+        "tmpdir-of-4000-characters",
+        "root",
+        None,
+        REFUSED_DIR.format("cannot be created (File name too long)"),
+        tmpdir="t" * 4000,
+    ),
+    LedgerRow(
+        "tmpdir-with-a-newline-and-a-symlink-in-it",
+        "root",
+        lambda ledger, tmp, victim: (ledger.parent.mkdir(), os.symlink("/", ledger)),
+        REFUSED_DIR.format("is a symbolic link (to '/')"),
+        tmpdir="new\nline",
+    ),
+    LedgerRow(
+        "tmpdir-with-an-escape-sequence-and-a-file-in-it",
+        "root",
+        lambda ledger, tmp, victim: (ledger.parent.mkdir(), ledger.write_bytes(b"")),
+        REFUSED_DIR.format("is not a directory but a regular file"),
+        tmpdir="\x1b[2J",
+    ),
+    LedgerRow(
+        "tmpdir-with-a-newline-is-usable",
+        "root",
+        lambda ledger, tmp, victim: ledger.parent.mkdir(),
+        None,
+        tmpdir="new\nline",
+    ),
+    # -- a GPU's budget file --
+    LedgerRow(
+        "file-a-symlink-to-a-victims-file",
+        "file:GPU-0",
+        _inside("GPU-0.ledger", _link_to_victim_file),
+        CANNOT_OPEN.format("it is a symbolic link (to *results.json'); remove it"),
+    ),
+    LedgerRow(
+        "file-a-dangling-symlink",
+        "file:GPU-0",
+        _inside("GPU-0.ledger", _as(_symlink("nowhere"))),
+        CANNOT_OPEN.format("it is a symbolic link (to 'nowhere'); remove it"),
+    ),
+    LedgerRow(
+        "file-a-fifo",
+        "file:GPU-0",
+        _inside("GPU-0.ledger", _as(os.mkfifo)),
+        CANNOT_USE.format("FIFO, not a regular file"),
+    ),
+    LedgerRow(
+        "file-a-directory",
+        "file:GPU-0",
+        _inside("GPU-0.ledger", _as(lambda path: path.mkdir())),
+        CANNOT_USE.format("directory, not a regular file"),
+    ),
+    LedgerRow(
+        "file-a-socket",
+        "file:GPU-0",
+        _inside("GPU-0.ledger", _as(_socket)),
+        CANNOT_USE.format("socket, not a regular file"),
+    ),
+    LedgerRow(
+        "file-a-char-device",
+        "file:GPU-0",
+        _inside("GPU-0.ledger", _as(_node(0o020000, 1, 7))),
+        CANNOT_USE.format("character device, not a regular file"),
+        root=True,
+    ),
+    LedgerRow(
+        "file-a-block-device",
+        "file:GPU-0",
+        _inside("GPU-0.ledger", _as(_node(0o060000, 7, 0))),
+        CANNOT_USE.format("block device, not a regular file"),
+        root=True,
+    ),
+    LedgerRow(
+        "file-another-users-file",
+        "file:GPU-0",
+        _inside("GPU-0.ledger", _theirs_file),
+        "*cannot use the VRAM ledger file *: it belongs to uid 65534, not to you*",
+        root=True,
+    ),
+    LedgerRow(
+        "file-a-hard-link-to-another-users-file",
+        "file:GPU-0",
+        _inside("GPU-0.ledger", _hard_link_to_theirs),
+        "*cannot use the VRAM ledger file *: it belongs to uid 65534, not to you*",
+        root=True,
+    ),
+    *[
+        LedgerRow(f"file-a-gpu-key-{name}", f"file:{key}", None, None)
+        for name, key in [
+            ("climbing-out", "../../victim"),
+            ("absolute", "/etc/passwd"),
+            ("empty", ""),
+            ("a-slash", "a/b"),
+            ("a-nul", "a\0b"),
+            ("dot", "."),
+            ("dot-dot", ".."),
+            ("a-newline", "GPU\n0"),
+            ("an-escape-sequence", "\x1b[2J"),
+            ("non-ascii", "GPU-é-0"),
+        ]
+    ],
+    LedgerRow(
+        "file-a-gpu-key-of-300-characters",
+        "file:" + "g" * 300,
+        None,
+        CANNOT_OPEN.format("File name too long"),
+    ),
+    # -- a run's seat board --
+    LedgerRow(
+        "seat-the-run-directory-a-symlink-to-a-victim",
+        "seat:r1",
+        _inside("run-r1", _link_to_victim_dir),
+        REFUSED_DIR.format("is a symbolic link (to *)"),
+    ),
+    LedgerRow(
+        "seat-the-run-directory-a-file",
+        "seat:r1",
+        _inside("run-r1", _plain),
+        REFUSED_DIR.format("is not a directory but a regular file"),
+    ),
+    LedgerRow(
+        "seat-the-run-directory-another-users",
+        "seat:r1",
+        _inside("run-r1", _run_dir(owner=NOBODY)),
+        REFUSED_DIR.format("belongs to uid 65534, not to you (uid 0)"),
+        root=True,
+    ),
+    LedgerRow(
+        "seat-the-seats-file-a-symlink-to-a-victim",
+        "seat:r1",
+        _inside("run-r1", _run_dir(("seats", _link_to_victim_file))),
+        CANNOT_OPEN.format("it is a symbolic link (to *results.json'); remove it"),
+    ),
+    LedgerRow(
+        "seat-the-seats-file-a-fifo",
+        "seat:r1",
+        _inside("run-r1", _run_dir(("seats", _as(os.mkfifo)))),
+        CANNOT_USE.format("FIFO, not a regular file"),
+    ),
+    LedgerRow(
+        "seat-the-seats-file-another-users",
+        "seat:r1",
+        _inside("run-r1", _run_dir(("seats", _theirs_file))),
+        "*it belongs to uid 65534, not to you*",
+        root=True,
+    ),
+    *[
+        LedgerRow(f"seat-a-run-id-{name}", f"seat:{run}", None, None)
+        for name, run in [
+            ("climbing-out", "../../victim"),
+            ("empty", ""),
+            ("a-newline", "r\n1"),
+            ("an-escape-sequence", "\x1b]0;title\x07"),
+        ]
+    ],
+    LedgerRow(
+        "seat-a-run-id-of-300-characters",
+        "seat:" + "r" * 300,
+        None,
+        REFUSED_DIR.format("cannot be created (File name too long)"),
+    ),
+    # -- pruning old runs: only what the plugin made goes --
+    *[
+        LedgerRow(
+            f"prune-{name}",
+            "prune",
+            _inside(entry, make, old=True),
+            None,
+            root=root,
+            survives=(entry,),
+        )
+        for name, entry, make, root in [
+            ("a-symlink-to-a-victims-directory", "run-a", _link_to_victim_dir, False),
+            ("a-regular-file", "run-b", _plain, False),
+            ("another-users-directory", "run-c", _run_dir(("seats", _plain), owner=NOBODY), True),
+            (
+                "a-foreign-file-inside",
+                "run-d",
+                _run_dir(("seats", _plain), ("notes", _plain)),
+                False,
+            ),
+            (
+                "seats-a-symlink-to-a-victim",
+                "run-e",
+                _run_dir(("seats", _link_to_victim_file)),
+                False,
+            ),
+            (
+                "a-subdirectory-inside",
+                "run-f",
+                _run_dir(("seats", _plain), ("sub.ledger", _as(lambda path: path.mkdir()))),
+                False,
+            ),
+            ("seats-a-fifo", "run-g", _run_dir(("seats", _as(os.mkfifo))), False),
+            ("seats-another-users", "run-h", _run_dir(("seats", _theirs_file)), True),
+            (
+                "seats-a-hard-link-to-another-users-file",
+                "run-i",
+                _run_dir(("seats", _hard_link_to_theirs)),
+                True,
+            ),
+            ("not-a-run-directory", "experiments", _run_dir(("seats", _plain)), False),
+            ("a-recent-run", "run-k", _run_dir(("seats", _plain)), False),
+        ]
+        if name != "a-recent-run"
+    ],
+    LedgerRow(
+        "prune-a-recent-run-stays",
+        "prune",
+        _inside("run-k", _run_dir(("seats", _plain))),
+        None,
+        survives=("run-k",),
+    ),
+    LedgerRow(
+        "prune-an-old-run-of-ours-goes",
+        "prune",
+        _inside("run-j", _run_dir(("seats", _plain), ("x.ledger", _plain)), old=True),
+        None,
+        gone=("run-j",),
+    ),
+]
+
+
+@pytest.mark.parametrize("row", LEDGER_ROWS, ids=[row.id for row in LEDGER_ROWS])
+def test_the_ledger_directory_refuses_what_is_not_its_own_in_one_line(
+    row: LedgerRow, private_temp_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import stat
+    import tempfile
+    from fnmatch import fnmatch
+
+    from pytest_ctresources.leases import ledger as ledger_module
+
+    if row.root and not IS_ROOT:
+        pytest.skip(OTHER)
+    tmp = private_temp_dir
+    if row.tmpdir is not None:
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp / row.tmpdir))
+    ledger = ledger_module.ledger_root()
+    victim = tmp / "victim"
+    _victim_dir(victim)
+    if callable(row.make):
+        row.make(ledger, tmp, victim)
+    victim_before = _entries(victim)
+    try:
+        before = _entries(ledger) if ledger.is_dir() and not ledger.is_symlink() else {}
+    except OSError:
+        before = {}
+    kind, _, argument = row.act.partition(":")
+    try:
+        if kind == "root":
+            ledger_module.ensure_root()
+        elif kind == "file":
+            ledger_module.ensure_root()
+            opened = ledger_module.VramLedger(ledger_module.ledger_path(argument), 1.0).open()
+            assert ledger_module.ledger_path(argument).parent == ledger
+            opened.close()
+        elif kind == "seat":
+            ledger_module.ensure_root()
+            ledger_module.seat_board(argument).close()
+            assert ledger_module.run_dir(argument).parent == ledger
+        else:
+            ledger_module.prune_old_runs(current=None)
+    except ledger_module.LedgerDirError as exc:
+        message = str(exc)
+        assert row.expect is not None, message
+        assert "\n" not in message and "\x1b" not in message, repr(message)
+        assert fnmatch(message, row.expect), message
+        if before:
+            assert _entries(ledger) == before
+    else:
+        assert row.expect is None, f"accepted, where {row.expect!r} was expected"
+        info = os.lstat(ledger)
+        assert stat.S_ISDIR(info.st_mode) and not info.st_mode & 0o077
+    assert _entries(victim) == victim_before
+    for name in row.survives:
+        assert os.path.lexists(ledger / name), name
+        assert _entries(ledger)[name] == before[name]
+    for name in row.gone:
+        assert not os.path.lexists(ledger / name), name

@@ -134,9 +134,18 @@ def ledger_root() -> Path:
     return Path(tempfile.gettempdir()) / f"pytest-ctresources-{_uid()}"
 
 
+def _named(path: Path) -> str:
+    """``path`` as a one-line message shows it: escaped where it holds a control character
+    (a ``TMPDIR`` with a newline or an escape sequence), shortened where it is too long."""
+    from pytest_ctresources.settings.config import shown
+
+    text = str(path)
+    return text if text.isprintable() and len(text) <= 200 else shown(text)
+
+
 def _refuse(path: Path, problem: str) -> LedgerDirError:
     return LedgerDirError(
-        f"pytest-ctresources: the VRAM ledger directory {path} {problem}; it must be a "
+        f"pytest-ctresources: the VRAM ledger directory {_named(path)} {problem}; it must be a "
         "directory of your own that only you can use: remove it, or set TMPDIR to a directory "
         "of your own"
     )
@@ -216,13 +225,25 @@ def ledger_path(gpu_key: str) -> Path:
 
 def _open_lock_file(path: Path) -> int:
     """Open (creating it 0600) a lock file: never through a link, only a regular file of ours."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+    try:
+        seen = os.lstat(path)
+    except OSError:
+        seen = None
+    if seen is not None and not (stat.S_ISREG(seen.st_mode) or stat.S_ISLNK(seen.st_mode)):
+        # Refused before it is opened: opening a device node can have effects of its own.
+        # (A link is refused by O_NOFOLLOW below, which names its target.)
+        raise LedgerDirError(
+            f"pytest-ctresources: cannot use the VRAM ledger file {_named(path)}: it is a "
+            f"{_kind(seen.st_mode)}, not a regular file; remove it"
+        )
     try:
         fd = os.open(path, flags, 0o600)
     except OSError as exc:
+        remedy = "; remove it" if seen is not None else ""
         raise LedgerDirError(
-            f"pytest-ctresources: cannot open the VRAM ledger file {path}: "
-            f"{_what_is_file(path, exc)}; remove it"
+            f"pytest-ctresources: cannot open the VRAM ledger file {_named(path)}: "
+            f"{_what_is_file(path, exc)}{remedy}"
         ) from None
     info = os.fstat(fd)
     problem = None
@@ -233,7 +254,8 @@ def _open_lock_file(path: Path) -> int:
     if problem is not None:
         os.close(fd)
         raise LedgerDirError(
-            f"pytest-ctresources: cannot use the VRAM ledger file {path}: {problem}; remove it"
+            f"pytest-ctresources: cannot use the VRAM ledger file {_named(path)}: {problem}; "
+            "remove it"
         )
     return fd
 
