@@ -7,7 +7,11 @@ collection and the item:
 - experiment YAML files that name a ``NOTEBOOK`` are collected as one test item each, when
   they are ours: listed by the ``ct_notebook_configs`` ini key (files, folders, globs) or
   named on the command line. Any other YAML file is left to whoever owns it;
-- nbmake's own notebook items are turned into the same item class;
+- nbmake's own notebook items are turned into the same item class where the plugin has
+  something to say to them: the project asks for the plugin (settings/activation.py), or the
+  notebook has ``ctresources`` metadata. Any other notebook keeps nbmake's own item, and runs
+  exactly as under nbmake alone. The swap happens in the notebook file's collect report,
+  before ``pytest_itemcollected``, so every hook after that sees (and marks) the item that runs;
 - notebook metadata (``"ctresources": {"vram_gib": 20, "marks": ["slow"]}``) becomes marks,
   so ``-m`` and VRAM skips work on notebooks as on tests;
 - a notebook that receives values (an experiment item, or a setting the user set) runs with
@@ -24,8 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import stat
 import warnings
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,12 +41,14 @@ from pytest_ctresources.core.state import state_of
 from pytest_ctresources.exceptions import CtResourcesWarning
 from pytest_ctresources.notebooks.kernels import kernel_environment, kernel_launch
 from pytest_ctresources.notebooks.params import (
+    METADATA_KEY,
     check_params,
     inject_parameters,
     injected_values,
     notebook_metadata,
     values_with_sources,
 )
+from pytest_ctresources.settings.activation import ACTIVATION_KEY, ASKED
 from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig, ConfigError
 from pytest_ctresources.settings.experiment_yaml import ExperimentFile, load_experiment_yaml
 from pytest_ctresources.settings.options import NOTEBOOK_CONFIGS_INI
@@ -93,6 +100,7 @@ def make_item_class() -> type:
             pytest.Item.__init__(self, name, parent, **kwargs)
             self.filename = filename
             self.experiment = experiment
+            self.stash[ASKED] = True  # the plugin runs it: it acts for it (activation.py)
             self._prepare()
 
         def _prepare(self) -> None:
@@ -323,6 +331,7 @@ class NotebookSupport:
 
     def __init__(self, config: pytest.Config) -> None:
         self._item_class: Any = None
+        self.project_wide = project_wide(config)
         self.configs = NotebookConfigs(config)
         for pattern in self.configs.unmatched:
             # As pytest says of testpaths that match nothing: a typo would collect nothing.
@@ -353,16 +362,60 @@ class NotebookSupport:
             return None
         return ExperimentNotebookFile.from_parent(parent, path=file_path)
 
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        # Before -m deselection runs: nbmake's items become ours, with the metadata marks.
-        for index, item in enumerate(items):
-            if getattr(item, "nbmake", False) and not isinstance(item, self.item_class):
-                items[index] = self.item_class.from_parent(
-                    item.parent,
-                    name=item.name,
-                    filename=item.filename,  # type: ignore[attr-defined]
-                )
+    @pytest.hookimpl(wrapper=True, trylast=True)
+    def pytest_make_collect_report(
+        self, collector: pytest.Collector
+    ) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+        # Innermost of the wrappers, so that every other plugin's wrapper, and every hook
+        # after collection (pytest_itemcollected, modifyitems), sees the item that will run.
+        report = yield
+        if report.result:
+            report.result = [self._ours(node) for node in report.result]
+        return report
+
+    def _ours(self, node: pytest.Item | pytest.Collector) -> pytest.Item | pytest.Collector:
+        """``node`` itself, or the plugin's item in place of nbmake's item where the plugin
+        has something to say to that notebook."""
+        if not getattr(node, "nbmake", False) or isinstance(node, self.item_class):
+            return node
+        filename = str(node.filename)  # type: ignore[union-attr]
+        if not (self.project_wide or has_ctresources_metadata(Path(filename))):
+            return node
+        item: pytest.Item = self.item_class.from_parent(
+            node.parent, name=node.name, filename=filename
+        )
+        return item
+
+
+def project_wide(config: pytest.Config) -> bool:
+    """Whether the project asks the plugin to act for every test (settings/activation.py)."""
+    activation = config.stash.get(ACTIVATION_KEY, None)
+    if activation is None:  # not decided by the plugin's wiring yet: decide it the same way
+        from pytest_ctresources.settings.resolve import activation_from_config
+
+        activation = activation_from_config(config, config.option)
+    return activation.project_wide
+
+
+def has_ctresources_metadata(path: Path) -> bool:
+    """Whether the notebook at ``path`` has ``ctresources`` metadata (then the plugin runs
+    it). A file that cannot be read as JSON has none: nbmake reports it as it would alone."""
+    import json
+
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO would block collection
+            return False
+        data = path.read_bytes()
+    except OSError:
+        return False
+    if METADATA_KEY.encode() not in data:  # most notebooks: no JSON parse at collection
+        return False
+    try:
+        nb = json.loads(data)
+    except (ValueError, RecursionError):
+        return False
+    metadata = nb.get("metadata") if isinstance(nb, dict) else None
+    return isinstance(metadata, dict) and METADATA_KEY in metadata
 
 
 def _names_a_notebook(path: Path) -> bool:
