@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import os
 import stat
 import warnings
 from collections.abc import Generator, Iterator
@@ -39,6 +40,7 @@ import pytest
 from pytest_ctresources.core.runtime import runtime_of
 from pytest_ctresources.core.state import state_of
 from pytest_ctresources.exceptions import CtResourcesWarning
+from pytest_ctresources.notebooks.inputs import read_notebook, trusted_notebook
 from pytest_ctresources.notebooks.kernels import kernel_environment, kernel_launch
 from pytest_ctresources.notebooks.params import (
     METADATA_KEY,
@@ -50,7 +52,11 @@ from pytest_ctresources.notebooks.params import (
 )
 from pytest_ctresources.settings.activation import ACTIVATION_KEY, ASKED
 from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig, ConfigError
-from pytest_ctresources.settings.experiment_yaml import ExperimentFile, load_experiment_yaml
+from pytest_ctresources.settings.experiment_yaml import (
+    MAX_BYTES,
+    ExperimentFile,
+    load_experiment_yaml,
+)
 from pytest_ctresources.settings.options import NOTEBOOK_CONFIGS_INI
 
 if TYPE_CHECKING:
@@ -58,6 +64,7 @@ if TYPE_CHECKING:
     from pytest_ctresources.estimator.auto import Budget, Room
 
 YAML_SUFFIXES = (".yaml", ".yml")
+NOTEBOOK_LINE = b"NOTEBOOK:"
 
 
 class NotebookWarning(CtResourcesWarning):
@@ -95,17 +102,19 @@ def make_item_class() -> type:
             parent: Any,
             filename: str,
             experiment: ExperimentFile | None = None,
+            config_error: str | None = None,
             **kwargs: Any,
         ) -> None:
             pytest.Item.__init__(self, name, parent, **kwargs)
             self.filename = filename
             self.experiment = experiment
             self.stash[ASKED] = True  # the plugin runs it: it acts for it (activation.py)
-            self._prepare()
+            if config_error is not None:  # a config that could not be read: nothing to prepare
+                state_of(self).config_error = config_error
+            else:
+                self._prepare()
 
         def _prepare(self) -> None:
-            import nbformat
-
             settings = runtime_of(self.config).settings
             try:
                 # The item's own experiment config (the YAML naming the notebook) beats the
@@ -117,28 +126,29 @@ def make_item_class() -> type:
                     if experiment is not None:
                         check_params(experiment.params, experiment.path)
                 state_of(self).config = cfg
+                if self.experiment is not None:
+                    # A config is data anyone may have written: it names only a notebook
+                    # of the user's, in its own tree or the rootdir (docs/security.md).
+                    config_path = Path(self.experiment.path).resolve()
+                    self.filename = str(
+                        trusted_notebook(
+                            self.experiment.path,
+                            Path(self.filename),
+                            shown_path(self.filename, self.config),
+                            (config_path.parent, self.config.rootpath),
+                        )
+                    )
+                where = shown_path(self.filename, self.config)
+                # Read once here, so that a notebook nbformat or nbclient cannot run fails
+                # its own item at setup in one line, and its metadata marks select it.
+                marks, need = notebook_metadata(read_notebook(Path(self.filename), where), where)
             except ConfigError as exc:
                 state_of(self).config_error = str(exc)
                 return
-            if self.experiment is not None and not Path(self.filename).is_file():
-                state_of(self).config_error = (
-                    f"{self.experiment.path}: NOTEBOOK names "
-                    f"{shown_path(self.filename, self.config)}, which is not a file"
-                )
-                return
             try:
-                nb = nbformat.read(self.filename, as_version=4)
-            except Exception:  # nbformat raises many kinds for a file that is no notebook
-                return  # no metadata to read; the run fails it as nbmake does, with its message
-            where = shown_path(self.filename, self.config)
-            try:
-                marks, need = notebook_metadata(nb, where)
                 for mark in marks:
                     # Under --strict-markers an unregistered name fails here (pytest.fail).
                     self.add_marker(mark)
-            except ConfigError as exc:
-                state_of(self).config_error = str(exc)
-                return
             except pytest.fail.Exception as exc:
                 state_of(self).config_error = f"{where}: metadata 'ctresources.marks': {exc.msg}"
                 return
@@ -238,9 +248,11 @@ def run_notebook(item: Any) -> None:
     if cfg.batch_size == AUTO:
         cfg = _resolve_auto(item, runtime, cfg)
     source = Path(item.filename)
-    # Read as nbmake's runner reads it: a file that is no notebook raises what nbmake
-    # reports (its own message for one that is not JSON).
-    nb = nbformat.read(str(source), as_version=4)
+    where = shown_path(source, item.config)
+    try:  # read again: the file may have changed since collection
+        nb = read_notebook(source, where)
+    except ConfigError as exc:
+        pytest.fail(str(exc), pytrace=False)
     values = injected_values(cfg)
     settings = runtime.settings
     experiment = item.experiment or settings.experiment
@@ -283,6 +295,10 @@ def run_notebook(item: Any) -> None:
                 result = run.execute()
             except DeadKernelError as exc:
                 raise KernelDied(f"the kernel running {source} died: {exc}") from None
+            except RuntimeError as exc:
+                # jupyter_client's word for a kernel that exited before it answered, or did
+                # not answer within the start-up timeout.
+                raise KernelDied(f"{where}: its kernel did not start: {exc}") from None
     finally:
         if launch is not None and launch.figures is not None:
             state_of(item).kernel_figures = launch.figures
@@ -419,11 +435,21 @@ def has_ctresources_metadata(path: Path) -> bool:
 
 
 def _names_a_notebook(path: Path) -> bool:
+    """Whether the YAML file at ``path`` has a ``NOTEBOOK:`` line in the most a config may
+    hold (:data:`MAX_BYTES`; a larger one is refused when it is read). A FIFO or a device is
+    no config: opened without blocking, it is never read."""
     try:
-        with path.open(encoding="utf-8") as handle:
-            return any(line.startswith("NOTEBOOK:") for line in handle)
-    except (OSError, UnicodeDecodeError):
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
         return False
+    with os.fdopen(descriptor, "rb") as handle:
+        try:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                return False
+            head = handle.read(MAX_BYTES + 1)
+        except OSError:
+            return False
+    return head.startswith(NOTEBOOK_LINE) or b"\n" + NOTEBOOK_LINE in head
 
 
 class ExperimentNotebookFile(pytest.File):
@@ -436,9 +462,9 @@ class ExperimentNotebookFile(pytest.File):
         try:
             experiment = load_experiment_yaml(self.path)
         except ConfigError as exc:
-            item = item_class.from_parent(self, name=self.path.name, filename=str(self.path))
-            state_of(item).config_error = str(exc)
-            yield item
+            yield item_class.from_parent(
+                self, name=self.path.name, filename=str(self.path), config_error=str(exc)
+            )
             return
         assert experiment.notebook is not None
         yield item_class.from_parent(

@@ -19,7 +19,8 @@ import unicodedata
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from pytest_ctresources.settings.config import FIELDS, CircuitTracerConfig, ConfigError
+from pytest_ctresources.notebooks.inputs import finite_need
+from pytest_ctresources.settings.config import FIELDS, CircuitTracerConfig, ConfigError, shown
 
 if TYPE_CHECKING:
     from nbformat import NotebookNode
@@ -189,6 +190,11 @@ def inject_parameters(nb: NotebookNode, values: Mapping[str, Any]) -> str | None
     return "has no cell tagged 'parameters': the injected parameters run first"
 
 
+def _key(key: str) -> str:
+    """A metadata key as messages show it: as written, unless that could break the line."""
+    return key if key.isprintable() and len(key) <= 60 else shown(key)
+
+
 def notebook_metadata(nb: NotebookNode, where: str) -> tuple[list[str], float | None]:
     """The marks and VRAM need a notebook declares in ``metadata.ctresources``.
 
@@ -196,25 +202,25 @@ def notebook_metadata(nb: NotebookNode, where: str) -> tuple[list[str], float | 
     """
     raw = nb.get("metadata", {}).get(METADATA_KEY, {})
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: metadata '{METADATA_KEY}' must be an object, got {raw!r}")
+        raise ConfigError(f"{where}: metadata '{METADATA_KEY}' must be an object, got {shown(raw)}")
     unknown = set(raw) - {"marks", "vram_gib"}
     if unknown:
+        names = ", ".join(_key(key) for key in sorted(unknown))
         raise ConfigError(
-            f"{where}: unknown key(s) {', '.join(sorted(unknown))} in metadata "
-            f"'{METADATA_KEY}'; known: marks, vram_gib"
+            f"{where}: unknown key(s) {names} in metadata '{METADATA_KEY}'; known: marks, vram_gib"
         )
     marks = raw.get("marks", [])
     if not isinstance(marks, list) or not all(
         isinstance(m, str) and m.isidentifier() for m in marks
     ):
         raise ConfigError(
-            f"{where}: metadata '{METADATA_KEY}.marks' must be a list of mark names, got {marks!r}"
+            f"{where}: metadata '{METADATA_KEY}.marks' must be a list of mark names, "
+            f"got {shown(marks)}"
         )
     need = raw.get("vram_gib")
-    if need is not None and (
-        isinstance(need, bool) or not isinstance(need, (int, float)) or not need > 0
-    ):
+    if need is not None and not finite_need(need):
         raise ConfigError(
-            f"{where}: metadata '{METADATA_KEY}.vram_gib' must be a positive number, got {need!r}"
+            f"{where}: metadata '{METADATA_KEY}.vram_gib' must be a positive number, "
+            f"got {shown(need)}"
         )
     return marks, float(need) if need is not None else None
