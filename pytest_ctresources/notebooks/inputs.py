@@ -160,9 +160,10 @@ def read_notebook(path: Path, where: str) -> NotebookNode:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         raise NotebookUnreadable(f"{where}: cannot read the notebook: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise NotebookUnreadable(f"{where}: cannot read the notebook: not a regular file")
     with os.fdopen(descriptor, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-            raise NotebookUnreadable(f"{where}: cannot read the notebook: not a regular file")
         try:
             raw = handle.read()
         except OSError as exc:
@@ -182,7 +183,11 @@ def read_notebook(path: Path, where: str) -> NotebookNode:
         raise NotebookUnreadable(f"{where}: not a notebook: not JSON{position}") from None
     check_notebook_data(data, where)
     try:
-        nb = nbformat.from_dict(data)
+        # nbformat.read's own steps (its reader for the file's version: lines rejoined,
+        # transient fields dropped; then the conversion), without its schema validation,
+        # which only logs, quoting the notebook.
+        reader = nbformat.versions[data["nbformat"]]
+        nb = reader.to_notebook_json(data, minor=data.get("nbformat_minor", 0))
         if nb.nbformat != 4:
             nb = nbformat.convert(nb, 4)
             check_notebook_data(nb, where)  # what the conversion made must run too

@@ -442,10 +442,11 @@ def _names_a_notebook(path: Path) -> bool:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return False
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):  # os.fdopen refuses a directory
+        os.close(descriptor)
+        return False
     with os.fdopen(descriptor, "rb") as handle:
         try:
-            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-                return False
             head = handle.read(MAX_BYTES + 1)
         except OSError:
             return False

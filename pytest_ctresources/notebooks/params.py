@@ -92,7 +92,7 @@ def check_params(params: Mapping[Any, Any], where: str) -> None:
             or (key.startswith("__") and key.endswith("__"))
         ):
             raise ConfigError(
-                f"{where}: PARAMS key {key!r} is not a name a notebook variable can have: "
+                f"{where}: PARAMS key {shown(key)} is not a name a notebook variable can have: "
                 "a notebook gets each PARAMS entry as NAME = value, so a key must be a plain "
                 "Python identifier (letters, digits, underscores; no keyword, no __dunder__)"
             )
@@ -100,7 +100,7 @@ def check_params(params: Mapping[Any, Any], where: str) -> None:
             # Python binds the NFKC form of an identifier: the checks above and below must
             # see the name the notebook will get (a fullwidth B makes BATCH_SIZE there).
             raise ConfigError(
-                f"{where}: PARAMS key {key!r} is not a name a notebook variable can have "
+                f"{where}: PARAMS key {shown(key)} is not a name a notebook variable can have "
                 f"as written: Python would read it as "
                 f"{unicodedata.normalize('NFKC', key)!r}; write that"
             )
@@ -112,9 +112,11 @@ def check_params(params: Mapping[Any, Any], where: str) -> None:
         try:
             python_literal(value)
         except NotALiteral as exc:
-            raise ConfigError(f"{where}: PARAMS value of {key!r} is {exc}") from None
+            raise ConfigError(f"{where}: PARAMS value of {shown(key)} is {exc}") from None
         except RecursionError:
-            raise ConfigError(f"{where}: PARAMS value of {key!r} is nested too deeply") from None
+            raise ConfigError(
+                f"{where}: PARAMS value of {shown(key)} is nested too deeply"
+            ) from None
 
 
 def injected_values(cfg: CircuitTracerConfig) -> dict[str, Any]:

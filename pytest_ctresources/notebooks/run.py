@@ -17,6 +17,7 @@ Imported only under ``--nbmake``.
 
 from __future__ import annotations
 
+import atexit
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,14 @@ class KernelRun(NotebookRun):  # type: ignore[misc]  # (Any base: nbmake is unty
                 **extra_kwargs,
             )
             client.on_cell_executed = self._cell_hook(client)
-            client.execute(cwd=str(self.filename.parent), env=self.launch.env)
+            try:
+                client.execute(cwd=str(self.filename.parent), env=self.launch.env)
+            finally:
+                # nbclient 0.10 registers its kernel cleanup with atexit before starting the
+                # kernel and unregisters it only once the kernel has started: a kernel that
+                # fails to start would leave it to fail again ("Exception ignored in atexit
+                # callback", a traceback) when the pytest process exits.
+                atexit.unregister(client._cleanup_kernel)
         except CellImportError:
             error = self._get_error(nb)
         except CellExecutionError:
