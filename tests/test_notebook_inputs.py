@@ -1019,3 +1019,20 @@ def test_each_notebook_input_fails_only_its_own_item_in_one_line(
     assert "\n" not in text, text
     assert row.message in text, text
     assert duration < 30  # a kernel that never answers is waited for at most its cell timeout
+
+
+def test_the_tables_are_large_and_their_ids_distinct() -> None:
+    # issue 21 wants many distinct hostile inputs on these surfaces: a row copied under a
+    # second id would count twice and test nothing new.
+    ids = (
+        [row[0] for row in FILE_ROWS]
+        + [row[0] for row in METADATA_ROWS]
+        + [row[0] for row in PARAMS_ROWS]
+        + [row.id for row in CONFIG_ROWS]
+    )
+    # The batch run repeats some inputs of the tables in a real run: its own ids are apart.
+    assert len({row.id for row in RUN_ROWS}) == len(RUN_ROWS)
+    assert len(ids) == len(set(ids))
+    inputs = [json.dumps(row[1].decode("utf-8", "replace")) for row in FILE_ROWS]
+    assert len(inputs) == len(set(inputs))
+    assert len(ids) >= 200
