@@ -78,6 +78,15 @@ def python_literal(value: object) -> str:
     raise NotALiteral(f"{article} {name}{hint}, which has no Python literal")
 
 
+def _quoted(key: object) -> str:
+    """A ``PARAMS`` key as messages quote it: whole (repr-escaped, so one line) up to 200
+    characters, so that a key that is code is shown as it is; longer, or not a string
+    (an integer of 5000 digits), cut short."""
+    if isinstance(key, str) and len(key) <= 200:
+        return repr(key)
+    return shown(key)
+
+
 def check_params(params: Mapping[Any, Any], where: str) -> None:
     """Check that every ``PARAMS`` entry of the config file ``where`` can become a notebook
     variable: its key a plain identifier that is no setting, its value a literal.
@@ -92,7 +101,7 @@ def check_params(params: Mapping[Any, Any], where: str) -> None:
             or (key.startswith("__") and key.endswith("__"))
         ):
             raise ConfigError(
-                f"{where}: PARAMS key {shown(key)} is not a name a notebook variable can have: "
+                f"{where}: PARAMS key {_quoted(key)} is not a name a notebook variable can have: "
                 "a notebook gets each PARAMS entry as NAME = value, so a key must be a plain "
                 "Python identifier (letters, digits, underscores; no keyword, no __dunder__)"
             )
@@ -100,7 +109,7 @@ def check_params(params: Mapping[Any, Any], where: str) -> None:
             # Python binds the NFKC form of an identifier: the checks above and below must
             # see the name the notebook will get (a fullwidth B makes BATCH_SIZE there).
             raise ConfigError(
-                f"{where}: PARAMS key {shown(key)} is not a name a notebook variable can have "
+                f"{where}: PARAMS key {_quoted(key)} is not a name a notebook variable can have "
                 f"as written: Python would read it as "
                 f"{unicodedata.normalize('NFKC', key)!r}; write that"
             )
@@ -112,10 +121,10 @@ def check_params(params: Mapping[Any, Any], where: str) -> None:
         try:
             python_literal(value)
         except NotALiteral as exc:
-            raise ConfigError(f"{where}: PARAMS value of {shown(key)} is {exc}") from None
+            raise ConfigError(f"{where}: PARAMS value of {_quoted(key)} is {exc}") from None
         except RecursionError:
             raise ConfigError(
-                f"{where}: PARAMS value of {shown(key)} is nested too deeply"
+                f"{where}: PARAMS value of {_quoted(key)} is nested too deeply"
             ) from None
 
 
