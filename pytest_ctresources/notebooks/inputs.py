@@ -239,11 +239,12 @@ def trusted_notebook(
 
 def finite_need(value: object) -> bool:
     """Whether a metadata ``vram_gib`` is a positive number a float holds (JSON allows
-    ``Infinity`` and integers of any length)."""
+    integers of any length, whose ``float()`` overflows). Infinity passes: the ``vram``
+    marker it becomes bounds every need (at most 1024 GiB) and says so."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     try:
         need = float(value)
     except OverflowError:
         return False
-    return math.isfinite(need) and need > 0
+    return not math.isnan(need) and need > 0
