@@ -8,6 +8,7 @@ one. The controller reads and writes the cache; xdist workers get the controller
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -166,54 +167,65 @@ def _value_path(cache: pytest.Cache) -> Path | None:
     return Path(cachedir, "v", *CACHE_KEY.split("/")) if isinstance(cachedir, Path) else None
 
 
+class _Unreadable(Exception):
+    """The cached needs cannot be used; the message says why. ``left_alone``: what is at the
+    path is not a regular file (a link, a FIFO, a directory), which saving must not touch."""
+
+    def __init__(self, message: str, *, left_alone: bool = False) -> None:
+        super().__init__(message)
+        self.left_alone = left_alone
+
+
 def _read_cache(cache: pytest.Cache) -> object:
     """The cached value, read as data that may be hostile: only a regular file (never
-    through a link, never blocking on a FIFO), at most :data:`MAX_CACHE_BYTES`, JSON of a
-    bounded depth. Anything else is one warning and no needs."""
+    through a link, never blocking on a FIFO), at most :data:`MAX_CACHE_BYTES`, JSON whose
+    depth json's decoder bounds. Raises :class:`_Unreadable`."""
     path = _value_path(cache)
     if path is None:
         try:
             return cache.get(CACHE_KEY, {})
         except RecursionError:
-            _warn("the learned VRAM needs in pytest's cache are nested too deep; discarded")
-            return {}
+            raise _Unreadable(
+                "the learned VRAM needs in pytest's cache are nested too deep"
+            ) from None
+    shown_path = printable(str(path))
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except FileNotFoundError:
         return {}
     except OSError as exc:
-        _warn(
-            f"cannot read the learned VRAM needs at {printable(str(path))}: {exc.strerror}; "
-            "ignored (remove it, or run with --ct-forget)"
-        )
-        return {}
+        if exc.errno == errno.ELOOP:
+            raise _Unreadable(
+                f"{shown_path} is a symbolic link, not learned VRAM needs; ignored and left "
+                "alone (remove it)",
+                left_alone=True,
+            ) from None
+        raise _Unreadable(
+            f"cannot read the learned VRAM needs at {shown_path}: {exc.strerror}"
+        ) from None
     with os.fdopen(descriptor, "rb") as handle:
         if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-            _warn(
-                f"the learned VRAM needs at {printable(str(path))} are not a regular file; "
-                "ignored (remove it)"
+            raise _Unreadable(
+                f"{shown_path} is not a regular file, not learned VRAM needs; ignored and left "
+                "alone (remove it)",
+                left_alone=True,
             )
-            return {}
         try:
             data = handle.read(MAX_CACHE_BYTES + 1)
         except OSError as exc:
-            _warn(
-                f"cannot read the learned VRAM needs at {printable(str(path))}: "
-                f"{exc.strerror}; ignored"
-            )
-            return {}
+            raise _Unreadable(
+                f"cannot read the learned VRAM needs at {shown_path}: {exc.strerror}"
+            ) from None
     if len(data) > MAX_CACHE_BYTES:
-        _warn(
-            f"the learned VRAM needs at {printable(str(path))} are larger than "
-            f"{MAX_CACHE_BYTES >> 20} MiB; discarded"
+        raise _Unreadable(
+            f"the learned VRAM needs at {shown_path} are larger than {MAX_CACHE_BYTES >> 20} MiB"
         )
-        return {}
     try:
         return json.loads(data)
-    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested too deep
-        what = "nested too deep" if isinstance(exc, RecursionError) else "not valid JSON"
-        _warn(f"the learned VRAM needs at {printable(str(path))} are {what}; discarded")
-        return {}
+    except RecursionError:  # json's decoder stops at Python's recursion limit
+        raise _Unreadable(f"the learned VRAM needs at {shown_path} are nested too deep") from None
+    except ValueError:  # not JSON, not UTF-8, an integer of over 4300 digits
+        raise _Unreadable(f"the learned VRAM needs at {shown_path} are not valid JSON") from None
 
 
 def _write_cache(cache: pytest.Cache, needs: dict[str, dict[str, Any]]) -> None:
@@ -280,10 +292,18 @@ class LearnedNeeds:
         (then nothing is saved here: the controller saves). Entries that are not needs are
         dropped, with one warning."""
         self._cache = cache if shipped is None else None
+        raw: object = {}
         if shipped is not None:
-            raw: object = dict(shipped)
-        else:
-            raw = _read_cache(cache) if cache is not None else {}
+            raw = dict(shipped)
+        elif cache is not None:
+            try:
+                raw = _read_cache(cache)
+            except _Unreadable as exc:
+                # Discarded, as pytest's stepwise discards a cache it cannot read; a regular
+                # file is replaced by the next save, anything else is never touched.
+                _warn(str(exc) + ("" if exc.left_alone else "; discarded"))
+                if exc.left_alone:
+                    self._cache = None
         if not isinstance(raw, dict):
             _warn(
                 f"the learned VRAM needs in pytest's cache are a {type(raw).__name__}, not a "
