@@ -644,6 +644,273 @@ ROWS: list[Row] = [
 ]
 
 
+# --- issue 21: characters YAML does not allow, from every way a config is named -------------
+
+#: The characters PyYAML's reader refuses (YAML 1.1's printable set): the C0 controls but tab,
+#: newline and carriage return; DEL; the C1 controls but NEL; the non-characters U+FFFE, U+FFFF.
+UNPRINTABLE_IN_YAML = (
+    *(chr(code) for code in range(0x20) if code not in (0x09, 0x0A, 0x0D)),
+    "\x7f",
+    *(chr(code) for code in range(0x80, 0xA0) if code != 0x85),
+    "\ufffe",
+    "\uffff",
+)
+
+
+def _refused(char: str, line: int, column: int) -> str:
+    return (
+        f"malformed YAML at line {line}, column {column}: the character U+{ord(char):04X} "
+        "is not allowed in YAML*"
+    )
+
+
+def _mkfifo(name: str) -> Callable[[Path], None]:
+    return lambda path: os.mkfifo(path / name)
+
+
+def _symlink(name: str, target: str) -> Callable[[Path], None]:
+    return lambda path: (path / name).symlink_to(target)
+
+
+LLAMA_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "vocab_size": 100,
+}
+
+
+def _config_json(**changes: object) -> str:
+    import json
+
+    return json.dumps({**LLAMA_CONFIG, **changes}).replace('"@RAW@', "").replace('@RAW@"', "")
+
+
+def model_json(id: str, text: str | None, message: str, **kw: object) -> Row:
+    """``ct-resources estimate --model config.json`` with ``text`` as the file (issue 21, 3)."""
+    return cli(
+        id,
+        "estimate",
+        "--model",
+        "config.json",
+        "--transcoders",
+        "gemma",
+        "--gpu-gib",
+        "24",
+        message=message,
+        source="argument --model: ",
+        files=(("config.json", text),) if text is not None else (),
+        **kw,
+    )
+
+
+ROWS.extend(
+    [
+        *(
+            yaml(f"yaml-{name}-character", f"MODEL_NAME: a{char}b\n", _refused(char, 1, 14))
+            for name, char in (
+                ("nul", "\0"),
+                ("esc", "\x1b"),
+                ("c1-csi", "\x9b"),
+                ("ufffe", "\ufffe"),
+            )
+        ),
+        env(
+            "env-config-esc-character",
+            "CT_CONFIG",
+            "exp.yaml",
+            "exp.yaml: " + _refused("\x1b", 2, 1),
+            files=(("exp.yaml", "BATCH_SIZE: 2\n\x1b[2J\n"),),
+        ),
+        Row(
+            "ini-config-nul-character",
+            "usage",
+            "ini ct_config in ",
+            "exp.yaml: " + _refused("\0", 1, 1),
+            ini="ct_config = exp.yaml",
+            files=(("exp.yaml", "\0"),),
+        ),
+        marker(
+            "ct-config-path-esc-character",
+            "ct_config(path='bad.yaml')",
+            "bad.yaml: " + _refused("\x1b", 1, 9),
+            files=(("bad.yaml", "PARAMS: \x1b]0;owned\x07\n"),),
+        ),
+        notebook_config("nb-config-nul-character", 'PARAMS: {a: "\0"}\n', _refused("\0", 2, 14)),
+        notebook_config(
+            "nb-config-c1-character", "BATCH_SIZE: 2\x85\x9b\n", _refused("\x9b", 2, 15)
+        ),
+        *(
+            cli(
+                f"cli-config-{name}-character",
+                "estimate",
+                "--config",
+                "exp.yaml",
+                message=_refused(char, 1, 1),
+                source="ct-resources: error: exp.yaml: ",
+                files=(("exp.yaml", f"{char}BATCH_SIZE: 2\n"),),
+            )
+            for name, char in (("nul", "\0"), ("esc", "\x1b"), ("ufffe", "\ufffe"))
+        ),
+        # A file name holding an escape sequence is named escaped (N5).
+        option(
+            "config-name-escape-sequence",
+            "--ct-config",
+            "\x1b[2Jexp.yaml",
+            message="\\x1b[[]2Jexp.yaml: cannot read experiment config: No such file*",
+        ),
+        # --- ct-resources estimate --model config.json (issue 21, cause 3) -------------------
+        model_json(
+            "model-json-fifo",
+            None,
+            "config.json: not a regular file",
+            prepare=_mkfifo("config.json"),
+        ),
+        model_json(
+            "model-json-dev-zero",
+            None,
+            "config.json: not a regular file",
+            prepare=_symlink("config.json", "/dev/zero"),
+        ),
+        model_json("model-json-too-large", " " * (1 << 20) + "{}", "larger than 1 MiB"),
+        model_json(
+            "model-json-layers-1e400",
+            _config_json(num_hidden_layers="@RAW@1e400@RAW@"),
+            "num_hidden_layers must be a whole number, got inf",
+        ),
+        model_json(
+            "model-json-layers-400-digits",
+            _config_json(num_hidden_layers="@RAW@" + "9" * 400 + "@RAW@"),
+            "num_hidden_layers must be at most 16777216, got an integer of about 40? digits",
+        ),
+        model_json(
+            "model-json-layers-5000-digits",
+            _config_json(num_hidden_layers="@RAW@" + "9" * 5000 + "@RAW@"),
+            "cannot read model config config.json: an integer of over 4300 digits",
+        ),
+        model_json("model-json-deep", "[" * 100_000 + "]" * 100_000, "nested too deep"),
+        model_json(
+            "model-json-nan",
+            _config_json(hidden_size="@RAW@NaN@RAW@"),
+            "NaN is not a JSON number",
+        ),
+        model_json(
+            "model-json-infinity",
+            _config_json(vocab_size="@RAW@Infinity@RAW@"),
+            "Infinity is not a JSON number",
+        ),
+        model_json(
+            "model-json-minus-infinity",
+            _config_json(vocab_size="@RAW@-Infinity@RAW@"),
+            "-Infinity is not a JSON number",
+        ),
+        model_json(
+            "model-json-layers-text",
+            _config_json(num_hidden_layers="26"),
+            "num_hidden_layers must be a whole number, got '26'",
+        ),
+        model_json(
+            "model-json-layers-bool",
+            _config_json(num_hidden_layers=True),
+            "num_hidden_layers must be a whole number, got True",
+        ),
+        model_json(
+            "model-json-layers-float",
+            _config_json(num_hidden_layers=2.5),
+            "num_hidden_layers must be a whole number, got 2.5",
+        ),
+        model_json(
+            "model-json-layers-negative",
+            _config_json(num_hidden_layers=-3),
+            "n_layers must be positive, got -3",
+        ),
+        model_json(
+            "model-json-vocab-2**30",
+            _config_json(vocab_size=2**30),
+            "vocab_size must be at most 16777216",
+        ),
+        model_json(
+            "model-json-kv-heads-list",
+            _config_json(num_key_value_heads=[4]),
+            "num_key_value_heads must be a whole number, got [[]4]",
+        ),
+        model_json(
+            "model-json-head-dim-zero",
+            _config_json(hidden_size=2, num_attention_heads=4),
+            "head_dim must be positive, got 0",
+        ),
+        model_json(
+            "model-json-softcap-text",
+            _config_json(final_logit_softcapping="abc"),
+            "final_logit_softcapping must be a number from 0 to 1e6 or null, got 'abc'",
+        ),
+        model_json(
+            "model-json-softcap-1e400",
+            _config_json(final_logit_softcapping="@RAW@1e400@RAW@"),
+            "final_logit_softcapping must be a number*, got inf",
+        ),
+        model_json(
+            "model-json-model-type-list",
+            _config_json(model_type=["llama"]),
+            "model_type [[]'llama'] is not one of",
+        ),
+        model_json(
+            "model-json-model-type-5000-characters",
+            _config_json(model_type="x" * 5000),
+            "(5000 characters) is not one of",
+        ),
+        model_json(
+            "model-json-text-config-list",
+            '{"text_config": [1], "model_type": "gemma3"}',
+            "not a model config",
+        ),
+        model_json("model-json-a-string", '"llama"', "not a model config"),
+        model_json("model-json-empty", "", "cannot read model config config.json: 'Expecting"),
+        model_json(
+            "model-json-missing-key",
+            '{"model_type": "llama"}',
+            "missing or invalid key 'num_attention_heads'",
+        ),
+        model_json("model-json-not-utf8", '{"model_type": "\udcff"}', "not UTF-8 text"),
+        model_json(
+            "model-json-a-directory",
+            None,
+            "config.json/config.json: No such file",
+            prepare=lambda path: (path / "config.json").mkdir(),
+        ),
+    ]
+)
+
+
+def test_every_character_yaml_refuses_is_one_line_naming_file_and_position(
+    tmp_path: Path,
+) -> None:
+    """The pure reader, for each of the characters, in a key, a value and a PARAMS list:
+    one line naming the file, the line and the column, the character escaped."""
+    from pytest_ctresources.settings.config import ConfigError
+    from pytest_ctresources.settings.experiment_yaml import load_experiment_yaml
+
+    inputs = 0
+    for char in UNPRINTABLE_IN_YAML:
+        for text, line, column in (
+            (f"MODEL_NAME: gemma{char}\n", 1, 18),
+            (f"BATCH_SIZE: 2\nPARAMS:\n  layers: [1, {char}]\n", 3, 15),
+            (f"# {char}\n", 1, 3),
+        ):
+            path = tmp_path / f"exp{inputs}.yaml"
+            path.write_text(text, errors="surrogateescape")
+            with pytest.raises(ConfigError) as error:
+                load_experiment_yaml(path)
+            message = str(error.value)
+            assert message.startswith(f"{path}: "), message
+            assert fnmatch.fnmatchcase(message, f"*{_refused(char, line, column)}"), message
+            assert message.isprintable() and "\n" not in message
+            inputs += 1
+    assert inputs == 3 * len(UNPRINTABLE_IN_YAML) == 189
+
+
 def test_the_table_is_large_and_its_ids_distinct() -> None:
     ids = [row.id for row in ROWS]
     assert len(ids) == len(set(ids))
@@ -745,9 +1012,11 @@ def test_ct_resources_error_is_one_line(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     for name, text in row.files:
-        (tmp_path / name).write_text(text)
+        (tmp_path / name).write_text(text, errors="surrogateescape")
     for name, value in row.env:
         monkeypatch.setenv(name, value)
+    if row.prepare is not None:
+        row.prepare(tmp_path)
     with pytest.raises(SystemExit) as exc:
         cli_main(list(row.args))
     assert exc.value.code == 2

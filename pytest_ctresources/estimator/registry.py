@@ -658,6 +658,11 @@ def _read_config_json(file: Path, where: str) -> object:
         raise UnknownShape(f"cannot read model config {where}: nested too deep") from None
     except ValueError as exc:
         problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "integer string conversion" in problem:  # sys.get_int_max_str_digits()
+            raise UnknownShape(
+                f"cannot read model config {where}: an integer of over 4300 digits, more than "
+                "Python reads"
+            ) from None
         raise UnknownShape(f"cannot read model config {where}: {shown(problem)}") from None
 
 
