@@ -16,6 +16,7 @@ import os
 import stat
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -909,6 +910,324 @@ def test_every_character_yaml_refuses_is_one_line_naming_file_and_position(
             assert message.isprintable() and "\n" not in message
             inputs += 1
     assert inputs == 3 * len(UNPRINTABLE_IN_YAML) == 189
+
+
+# --- issue 21, cause 2: the pytest cache's learned needs are data that may be corrupt -------
+
+GOOD_NEED = '{"gib": 1.5, "gpu": "H200", "date": "2026-01-01"}'
+NEEDS_PATH = ".pytest_cache/v/ctresources/learned-needs"
+
+
+@dataclass(frozen=True)
+class CacheRow:
+    """One bad learned-needs cache: its bytes (or what ``prepare`` plants at the path) and
+    what the one warning says. ``kept``: the keys still learned afterwards."""
+
+    id: str
+    message: str
+    content: bytes | None = None
+    prepare: Callable[[Path], None] | None = None
+    kept: tuple[str, ...] = ()
+    as_root: bool | None = None
+
+
+def bad_entry(id: str, entry: str, *, key: str = '"t.py::test_bad"') -> CacheRow:
+    """A cache of one good need and one bad one: the bad one is dropped, the good kept."""
+    text = f'{{"t.py::test_good": {GOOD_NEED}, {key}: {entry}}}'
+    return CacheRow(
+        id,
+        "dropped 1 learned VRAM need(s) from pytest's cache that are not valid*",
+        text.encode("utf-8", "surrogateescape"),
+        kept=("t.py::test_good",),
+    )
+
+
+def _need(gib: str = "1.5", gpu: str = '"H200"', date: str = '"2026-01-01"') -> str:
+    return f'{{"gib": {gib}, "gpu": {gpu}, "date": {date}}}'
+
+
+def _plant(make: Callable[[Path], None]) -> Callable[[Path], None]:
+    def prepare(path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        make(path)
+
+    return prepare
+
+
+def _socket_at(path: Path) -> None:
+    import socket
+
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.close()
+
+
+def _victim_beside(path: Path) -> None:
+    victim = path.parent / "victim.txt"
+    victim.write_text(VICTIM_TEXT)
+    path.symlink_to(victim)
+
+
+CACHE_ROWS: list[CacheRow] = [
+    bad_entry("cache-gib-10**400", _need("1" + "0" * 400)),
+    bad_entry("cache-gib-1e400", _need("1e400")),
+    bad_entry("cache-gib-negative", _need("-1")),
+    bad_entry("cache-gib-2000", _need("2000")),
+    bad_entry("cache-gib-text", _need('"8"')),
+    bad_entry("cache-gib-bool", _need("true")),
+    bad_entry("cache-gib-null", _need("null")),
+    bad_entry("cache-gib-nan", _need("NaN")),
+    bad_entry("cache-gib-infinity", _need("Infinity")),
+    bad_entry("cache-gib-minus-infinity", _need("-Infinity")),
+    bad_entry("cache-gib-list", _need("[8]")),
+    bad_entry("cache-gib-object", _need('{"gib": 8}')),
+    bad_entry("cache-gib-missing", '{"gpu": "H200", "date": "2026-01-01"}'),
+    bad_entry("cache-gpu-missing", '{"gib": 1.5, "date": "2026-01-01"}'),
+    bad_entry("cache-date-missing", '{"gib": 1.5, "gpu": "H200"}'),
+    bad_entry("cache-gpu-5000-characters", _need(gpu='"' + "x" * 5000 + '"')),
+    bad_entry("cache-gpu-escape-sequence", _need(gpu='"\\u001b[2J"')),
+    bad_entry("cache-gpu-number", _need(gpu="3")),
+    bad_entry("cache-date-null", _need(date="null")),
+    bad_entry("cache-date-nul", _need(date='"\\u0000"')),
+    bad_entry("cache-entry-list", "[1.5]"),
+    bad_entry("cache-entry-text", '"1.5"'),
+    bad_entry("cache-entry-number", "1.5"),
+    bad_entry("cache-entry-null", "null"),
+    bad_entry("cache-entry-bool", "true"),
+    bad_entry("cache-key-empty", GOOD_NEED, key='""'),
+    bad_entry("cache-key-20000-characters", GOOD_NEED, key='"' + "k" * 20_000 + '"'),
+    bad_entry("cache-key-nul", GOOD_NEED, key='"t.py::\\u0000"'),
+    CacheRow("cache-not-json", "*are not valid JSON; discarded", b"{"),
+    CacheRow("cache-not-utf8", "*are not valid JSON; discarded", b'{"\xff": 1}'),
+    CacheRow("cache-5000-digits", "*are not valid JSON; discarded", b"1" * 5000),
+    CacheRow("cache-deep", "*are nested too deep; discarded", b"[" * 100_000 + b"]" * 100_000),
+    CacheRow("cache-a-list", "*are a list, not a mapping; discarded", b"[1, 2]"),
+    CacheRow("cache-a-string", "*are a str, not a mapping; discarded", b'"needs"'),
+    CacheRow("cache-null", "*are a NoneType, not a mapping; discarded", b"null"),
+    CacheRow("cache-too-large", "*are larger than 32 MiB; discarded", b" " * (32 << 20) + b"{}"),
+    CacheRow(
+        "cache-fifo",
+        "*is not a regular file, not learned VRAM needs; ignored and left alone*",
+        prepare=_plant(os.mkfifo),
+    ),
+    CacheRow(
+        "cache-directory",
+        "*is not a regular file, not learned VRAM needs; ignored and left alone*",
+        prepare=_plant(lambda path: path.mkdir()),
+    ),
+    CacheRow(
+        "cache-socket",
+        "cannot read the learned VRAM needs at *: No such device or address; ignored and left alone",
+        prepare=_plant(_socket_at),
+    ),
+    CacheRow(
+        "cache-symlink-to-a-file",
+        "*is a symbolic link, not learned VRAM needs; ignored and left alone*",
+        prepare=_plant(_victim_beside),
+    ),
+    CacheRow(
+        "cache-symlink-to-dev-zero",
+        "*is a symbolic link, not learned VRAM needs; ignored and left alone*",
+        prepare=_plant(lambda path: path.symlink_to("/dev/zero")),
+    ),
+    CacheRow(
+        "cache-dangling-symlink",
+        "*is a symbolic link, not learned VRAM needs; ignored and left alone*",
+        prepare=_plant(lambda path: path.symlink_to(path.parent / "nowhere")),
+    ),
+    CacheRow(
+        "cache-char-device",
+        "*is not a regular file, not learned VRAM needs; ignored and left alone*",
+        prepare=_plant(lambda path: os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 5))),
+        as_root=True,
+    ),
+]
+
+
+class _Cache:
+    """What the learned needs use of ``pytest.Cache``: where its values are."""
+
+    def __init__(self, cachedir: Path) -> None:
+        self._cachedir = cachedir
+
+    def set(self, key: str, value: object) -> None:  # only where nothing is at the path
+        import json
+
+        path = self._cachedir / "v" / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(value))
+
+
+class _Bounded:
+    """Fails the test after ``seconds`` instead of letting it hang (a FIFO opened for
+    reading without O_NONBLOCK waits for a writer forever)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __enter__(self) -> None:
+        import signal
+
+        def expire(signum: int, frame: object) -> None:
+            raise TimeoutError(f"still running after {self.seconds} s: a hang")
+
+        self.previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, self.seconds)
+
+    def __exit__(self, *exc: object) -> None:
+        import signal
+
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, self.previous)
+
+
+@pytest.mark.parametrize("row", CACHE_ROWS, ids=lambda r: r.id)
+def test_a_bad_learned_needs_cache_is_one_warning(tmp_path: Path, row: CacheRow) -> None:
+    """Loaded, each bad cache is exactly one LearnedNeedsWarning naming what is wrong; the
+    valid needs stay; nothing raises, nothing blocks; saving (``--ct-forget`` included)
+    writes through nothing and replaces only a regular file."""
+    from typing import cast
+
+    from pytest_ctresources.report.learned import LearnedNeeds, LearnedNeedsWarning
+
+    root = os.geteuid() == 0
+    if row.as_root is True and not root:
+        pytest.skip("mknod of a character device needs root")
+    path = tmp_path / NEEDS_PATH.removeprefix(".pytest_cache/")
+    if row.content is not None:
+        path.parent.mkdir(parents=True)
+        path.write_bytes(row.content)
+    if row.prepare is not None:
+        row.prepare(path)
+    before = os.lstat(path)
+    cache = cast(pytest.Cache, _Cache(tmp_path))
+    with _Bounded(20), pytest.warns(LearnedNeedsWarning) as warned:
+        needs = LearnedNeeds(cache)
+        for key in needs.keys():
+            needs.get(key)
+        forgotten = needs.forget()
+    assert len(warned) == 1, [str(w.message) for w in warned]
+    message = str(warned[0].message)
+    assert fnmatch.fnmatchcase(message, f"ctresources: {row.message}"), message
+    assert message.isprintable() and len(message) < 1000
+    assert needs.keys() == [] and forgotten == len(row.kept)
+    after = os.lstat(path)
+    if stat.S_ISREG(before.st_mode):
+        assert path.read_text() == "{}"  # a corrupt regular file is replaced by the save
+    else:
+        assert (after.st_mode, after.st_ino) == (before.st_mode, before.st_ino)
+    victim = path.parent / "victim.txt"
+    if victim.exists():
+        assert victim.read_text() == VICTIM_TEXT
+
+
+def test_a_bad_need_keeps_the_good_ones(tmp_path: Path) -> None:
+    from typing import cast
+
+    from pytest_ctresources.report.learned import LearnedNeeds, LearnedNeedsWarning
+
+    rows = [row for row in CACHE_ROWS if row.kept]
+    for row in rows:
+        path = tmp_path / row.id / "v/ctresources/learned-needs"
+        path.parent.mkdir(parents=True)
+        assert row.content is not None
+        path.write_bytes(row.content)
+        with pytest.warns(LearnedNeedsWarning):
+            needs = LearnedNeeds(cast(pytest.Cache, _Cache(tmp_path / row.id)))
+        assert needs.keys() == list(row.kept), row.id
+        assert needs.get("t.py::test_good") is not None
+
+
+CORRUPT_CACHE_TEST = """
+import pytest
+
+@pytest.mark.parametrize("case", ["a|b", "c"])
+def test_good(case):
+    pass
+"""
+
+
+def _all_bad_entries() -> bytes:
+    """Every bad entry of the table in one cache, each keyed to a test that runs, so each is
+    looked up at setup (a 10**400 need was an OverflowError there)."""
+    parts = [f'"test_gone.py::test_x": {GOOD_NEED}']  # valid, and stale: pruned
+    for number, row in enumerate(r for r in CACHE_ROWS if r.kept):
+        assert row.content is not None
+        entry = row.content.decode("utf-8", "surrogateescape")
+        bad = entry[entry.index("}, ") + 3 : -1]
+        key, _, value = bad.partition(": ")
+        if key == '"t.py::test_bad"':
+            key = f'"test_it.py::test_good[a|b]|{number}"'
+        parts.append(f"{key}: {value}")
+    # A key no file can have: the stale-key check was an INTERNALERROR (File name too long).
+    parts.append(f'"{"x" * 5000}.py::test_x": {GOOD_NEED}')
+    return ("{" + ", ".join(parts) + "}").encode("utf-8", "surrogateescape")
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["every-bad-entry", "deep", "fifo", "forget-through-symlink"],
+)
+def test_a_corrupt_cache_is_one_warning_and_the_run_goes_on(
+    pytester: pytest.Pytester, case: str
+) -> None:
+    """A whole run on a corrupt cache (in-process, under a bound): no traceback, no
+    INTERNALERROR, no hang; one LearnedNeedsWarning; the tests run; nothing written through."""
+    from pytest_ctresources.report.learned import LearnedNeedsWarning
+
+    path = pytester.path / NEEDS_PATH
+    path.parent.mkdir(parents=True)
+    args: tuple[str, ...] = ()
+    if case == "every-bad-entry":
+        path.write_bytes(_all_bad_entries())
+    elif case == "deep":
+        path.write_bytes(b"{" + b'"a": {' * 50_000 + b"}" * 50_001)
+    elif case == "fifo":
+        os.mkfifo(path)
+    else:
+        _victim_beside(path)
+        args = ("--ct-forget",)
+    pytester.makepyfile(test_it=CORRUPT_CACHE_TEST)
+    content = path.read_bytes() if case == "deep" else b""
+    # In-process, a warning at configure reaches this test's recorder; one at the end of
+    # the session, the run's own summary.
+    with _Bounded(60), warnings.catch_warnings(record=True) as at_configure:
+        warnings.simplefilter("always")
+        result = pytester.runpytest("-p", "no:randomly", *args)
+    output = result.stdout.str() + result.stderr.str()
+    assert "Traceback" not in output and "INTERNALERROR" not in output
+    result.assert_outcomes(passed=2)
+    ours = [w for w in at_configure if issubclass(w.category, LearnedNeedsWarning)]
+    assert len(ours) + output.count("LearnedNeedsWarning") == 1, output
+    if case == "deep":
+        assert path.read_bytes() == content  # nothing learned: no save, nothing written
+    elif case == "fifo":
+        assert stat.S_ISFIFO(os.lstat(path).st_mode)
+    elif case == "forget-through-symlink":
+        assert path.is_symlink() and (path.parent / "victim.txt").read_text() == VICTIM_TEXT
+    else:
+        assert path.read_text() == "{}"  # the bad entries pruned by the save
+
+
+def test_a_node_id_with_a_bar_keeps_its_learned_need() -> None:
+    """``|`` ends the node id in a key: a parameter id holding one (``test[a|b]``) made its
+    need stale, so it was pruned at every run and never used (issue 20)."""
+    from pytest_ctresources.report.learned import memory_key, nodeid_of, stale_keys
+    from pytest_ctresources.settings.config import CircuitTracerConfig
+
+    cfg = CircuitTracerConfig.defaults()
+    nodeids = ["t.py::test[a|b]", "t.py::test[100%|7C]", "t.py::test[%7C]", "t.py::plain"]
+    for nodeid in nodeids:
+        for key in (
+            memory_key(nodeid, cfg),
+            memory_key(nodeid, None, 24.0),
+            memory_key(nodeid, None),
+        ):
+            assert nodeid_of(key) == nodeid, key
+    keys = [memory_key(nodeid, cfg) for nodeid in nodeids]
+    assert len(set(keys)) == len(keys)
+    assert stale_keys(keys, set(nodeids), lambda file: True) == set()
+    assert memory_key("t.py::plain", None) == "t.py::plain"  # as earlier versions wrote it
 
 
 def test_the_table_is_large_and_its_ids_distinct() -> None:

@@ -638,9 +638,11 @@ def _read_config_json(file: Path, where: str) -> object:
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
         reason = exc.strerror if isinstance(exc, OSError) else "not a valid path"
         raise UnknownShape(f"cannot read model config {where}: {reason}") from None
+    # fstat before fdopen: fdopen of a directory raises IsADirectoryError.
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise UnknownShape(f"cannot read model config {where}: not a regular file")
     with os.fdopen(descriptor, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-            raise UnknownShape(f"cannot read model config {where}: not a regular file")
         try:
             data = handle.read(MAX_CONFIG_JSON_BYTES + 1)
         except OSError as exc:

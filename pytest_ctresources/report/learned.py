@@ -201,15 +201,19 @@ def _read_cache(cache: pytest.Cache) -> object:
                 left_alone=True,
             ) from None
         raise _Unreadable(
-            f"cannot read the learned VRAM needs at {shown_path}: {exc.strerror}"
+            f"cannot read the learned VRAM needs at {shown_path}: {exc.strerror}; ignored and "
+            "left alone",
+            left_alone=True,
         ) from None
+    # fstat before fdopen: fdopen of a directory raises IsADirectoryError.
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise _Unreadable(
+            f"{shown_path} is not a regular file, not learned VRAM needs; ignored and left "
+            "alone (remove it)",
+            left_alone=True,
+        )
     with os.fdopen(descriptor, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-            raise _Unreadable(
-                f"{shown_path} is not a regular file, not learned VRAM needs; ignored and left "
-                "alone (remove it)",
-                left_alone=True,
-            )
         try:
             data = handle.read(MAX_CACHE_BYTES + 1)
         except OSError as exc:
