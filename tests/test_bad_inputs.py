@@ -1230,10 +1230,318 @@ def test_a_node_id_with_a_bar_keeps_its_learned_need() -> None:
     assert memory_key("t.py::plain", None) == "t.py::plain"  # as earlier versions wrote it
 
 
+# --- settings through the pure resolution: every ini key and environment variable ----------
+
+_COUNTS = ("0", "-1", "1.5", "abc", BIG_INT, OVER_COUNT, "1e3", "0x10", "\x1b[31m8", "8 8")
+_GIBS = ("0", "-1", "nan", "inf", "1e400", "abc", "2000", "-inf", "1e-400", "\x00")
+_WORDS = ("ALWAYS", "yes", "\x1b[2J", "auto,never", "never never", "é", "None", "true\x00")
+_BOOLS = ("ALWAYS", "\x1b[2J", "never never", "é", "None", "true\x00", "2", "on off")
+_ALLOC_CONFS = (
+    "ALWAYS",
+    "\x1b[2J",
+    "expandable_segments:True:False",
+    ":",
+    "max_split_size_mb:1e400",
+    "max_split_size_mb:-1",
+    "garbage_collection_threshold:nan",
+    "roundup_power2_divisions:[",
+    "backend:",
+    "true\x00",
+)
+#: Each key or variable, what it must say, and the values it is given.
+SETTING_VALUES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("ct_batch_size", "must be *", _COUNTS),
+    ("ct_batch_size_max", "must be *", _COUNTS),
+    ("ct_max_feature_nodes", "must be *", _COUNTS),
+    ("ct_vram_capacity", "must be *GiB*", _GIBS),
+    ("ct_oom_retry_floor", "must be *", _COUNTS),
+    ("ct_estimate_prompt_tokens", "must be *", _COUNTS),
+    ("ct_default_vram_gib", "must be *GiB*", tuple(v for v in _GIBS if v not in ("0", "1e-400"))),
+    ("ct_lease_timeout", "must be *seconds*", tuple(v for v in _GIBS if v != "2000")),
+    ("ct_auto_margin", "must be a number from 0 to below 1*", _GIBS[1:8] + _GIBS[9:]),
+    (
+        "ct_progress_after",
+        "must be *seconds*",
+        ("-1", "nan", "inf", "1e400", "abc", "-inf", "\x00"),
+    ),
+    ("ct_leak_threshold", "must be *", ("-1", "nan", "inf", "1e400", "abc", "-inf", "\x00")),
+    ("ct_cleanup", "must be one of auto, always, never*", _WORDS),
+    ("ct_gpu_binding", "must be one of auto, off*", _WORDS),
+    ("ct_leases", "must be true or false*", _BOOLS),
+    ("ct_oom_retry", "must be true or false*", _BOOLS),
+    ("ct_alloc_conf", "*option*", _ALLOC_CONFS),
+    ("CT_BATCH_SIZE", "must be *", _COUNTS),
+    ("CT_BATCH_SIZE_MAX", "must be *", _COUNTS),
+    ("CT_MAX_FEATURE_NODES", "must be *", _COUNTS),
+    ("CT_VRAM_CAPACITY", "must be *GiB*", _GIBS),
+)
+
+
+def _already_in_rows(name: str, value: str) -> bool:
+    return any(row.ini == f"{name} = {value}" or (name, value) in row.env for row in ROWS)
+
+
+SETTING_ROWS = [
+    (name, value, message)
+    for name, message, values in SETTING_VALUES
+    for value in values
+    if not _already_in_rows(name, value)
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    SETTING_ROWS,
+    ids=[f"{name}={ascii(value)[1:21]}" for name, value, _m in SETTING_ROWS],
+)
+def test_every_setting_refuses_its_bad_values_in_one_line(
+    tmp_path: Path, name: str, value: str, message: str
+) -> None:
+    """The resolution every run does (pure, so a row costs no pytest run): a usage error of
+    one printable line naming the ini file and key, or the variable, quoting the value short."""
+    from pytest_ctresources.settings.resolve import resolve_settings
+
+    inifile = str(tmp_path / "tox.ini")
+    with pytest.raises(pytest.UsageError) as error:
+        if name.isupper():
+            resolve_settings({}, {}, {name: value}, None, tmp_path)
+        else:
+            resolve_settings({}, {name: value}, {}, inifile, tmp_path)
+    line = str(error.value)
+    source = f"env {name}: " if name.isupper() else f"ini {name} in {inifile}: "
+    assert line.startswith(source), line
+    assert fnmatch.fnmatchcase(line[len(source) :], message), line
+    assert line.isprintable() and len(line) < 1000, line
+
+
+# --- markers: many bad ones in one run, each failing its own test ---------------------------
+
+MARKER_BATCH: tuple[tuple[str, str], ...] = (
+    ("vram(gib=-1)", "gib must be a positive number of GiB, got -1"),
+    ("vram(gib='inf')", "got 'inf'"),
+    ("vram(gib=[8])", "got [[]8]"),
+    ("vram(gib=None)", "got None"),
+    ("vram(8, 9)", "too many positional arguments"),
+    ("vram(gib=8, extra=1)", "unknown keyword 'extra'"),
+    ("vram(gib=1e400)", "at most 1024 GiB, got inf"),
+    ("vram(gib=2000)", "at most 1024 GiB, got 2000"),
+    ("vram(gib=1e-400)", "positive number of GiB, got 0.0"),
+    ("vram(gib=complex(1, 1))", "got (1+1j)"),
+    ("vram(gib=float('-inf'))", "got -inf"),
+    ("ct_config(batch_size=-1)", "batch_size must be a positive integer or 'auto', got -1"),
+    ("ct_config(batch_size='8')", "got '8'"),
+    ("ct_config(batch_size=1.5)", "got 1.5"),
+    ("ct_config(batch_size=True)", "got True"),
+    ("ct_config(batch_size=2**31)", "at most 2147483647, got 2147483648"),
+    ("ct_config(max_feature_nodes=0)", "max_feature_nodes must be a positive integer, got 0"),
+    ("ct_config(max_n_logits=10**400)", "an integer of about 401 digits"),
+    ("ct_config(desired_logit_prob=2)", "a number in (0, 1], got 2"),
+    ("ct_config(offload='gpu')", "offload must be one of cpu, disk"),
+    ("ct_config(backend='tf')", "backend must be one of nnsight"),
+    ("ct_config(model_name='a\\nb')", "model_name must be one line of printable text"),
+    ("ct_config(model_name='')", "model_name must be a non-empty string"),
+    ("ct_config(lazy_encoder='yes')", "lazy_encoder must be true or false"),
+    ("ct_config(vram_gib=-1)", "vram_gib must be a positive number of GiB"),
+    ("ct_config(dtype=None)", "dtype must be one of float32"),
+    ("ct_config(batch_size_max=0)", "batch_size_max must be a positive integer"),
+    ("ct_config(verbose='loud')", "verbose must be true or false"),
+    ("ct_config(transcoder_set=3)", "transcoder_set must be a non-empty string, got 3"),
+    ("ct_config(model_family='')", "model_family must be a non-empty string"),
+    ("ct_config(path='')", ".: cannot read experiment config: Is a directory"),
+    ("ct_config(path='/dev/zero')", "/dev/zero: cannot read experiment config: not a regular"),
+    ("ct_config(path='a' * 5000)", "(5000 characters): cannot read experiment config: File name"),
+    ("ct_config(path='\\x1b[2J.yaml')", "\\x1b[[]2J.yaml: cannot read experiment config: No such"),
+    ("ct_config('exp.yaml')", "exp.yaml: cannot read experiment config: No such file"),
+    *(
+        (
+            f"ct_config(path='bad{code:02x}.yaml')",
+            f"bad{code:02x}.yaml: " + _refused(chr(code), 1, 9),
+        )
+        for code in (0x00, 0x01, 0x08, 0x0B, 0x0C, 0x1B, 0x7F, 0x80, 0x9B, 0x9F)
+    ),
+)
+
+
+def test_bad_markers_each_fail_their_own_test_in_one_run(pytester: pytest.Pytester) -> None:
+    """45 bad markers in one in-process run: each test fails at setup with one line naming
+    its marker and test; the good test passes; no traceback."""
+    source = "import pytest\n\n"
+    for number, (decorator, _message) in enumerate(MARKER_BATCH):
+        source += f"@pytest.mark.{decorator}\ndef test_bad_{number}(ct_config):\n    pass\n\n"
+    pytester.makepyfile(test_bad=source, test_good=GOOD_TEST)
+    for code in (0x00, 0x01, 0x08, 0x0B, 0x0C, 0x1B, 0x7F, 0x80, 0x9B, 0x9F):
+        (pytester.path / f"bad{code:02x}.yaml").write_text(f"PARAMS: {chr(code)}\n")
+    recorder = Reports()
+    result = pytester.runpytest("-p", "no:cacheprovider", "-p", "no:randomly", plugins=[recorder])
+    output = result.stdout.str() + result.stderr.str()
+    assert "Traceback" not in output and "INTERNALERROR" not in output
+    failed = {r.nodeid: r for r in recorder.reports if r.failed}
+    assert len(failed) == len(MARKER_BATCH)
+    for number, (decorator, message) in enumerate(MARKER_BATCH):
+        report = failed[f"test_bad.py::test_bad_{number}"]
+        assert report.when == "setup"
+        lines = [line for line in report.longreprtext.splitlines() if line]
+        name = decorator.split("(")[0]
+        row = Row(
+            decorator, "test", f"@pytest.mark.{name} on test_bad.py::test_bad_{number}:", message
+        )
+        _assert_one_line(lines, row, output)
+        assert lines[0].isprintable(), lines[0]
+    assert [r.nodeid for r in recorder.reports if r.passed and r.when == "call"] == [
+        "test_good.py::test_good"
+    ]
+
+
+# --- CT_FAKE_GPUS and ct-resources flags: pure, in-process -------------------------------
+
+FAKE_GPUS_ROWS: tuple[tuple[str, str], ...] = (
+    ("H200=-1", "capacity must be a positive number"),
+    ("=", "has an empty name"),
+    ("H200=", "is not a number of GiB"),
+    ("H200=1e400", "capacity must be a positive number"),
+    ("H200=nan", "capacity must be a positive number"),
+    ("H200=inf", "capacity must be a positive number"),
+    ("H200=-inf", "capacity must be a positive number"),
+    ("H200=0x10", "'0x10' is not a number of GiB"),
+    ("H200=24GiB", "'24GiB' is not a number of GiB"),
+    ("H200==", "is not a number of GiB"),
+    (";;=5", "entry 3 '=5' has an empty name"),
+    ("H200=2000", "at most 1024"),
+    ("H200=1e-400", "capacity must be a positive number"),
+    (" = 3", "has an empty name"),
+    ("a=b=c", "'c' is not a number of GiB"),
+    ("H200=--1", "is not a number of GiB"),
+    ("H200=8;H100=x", "entry 2 'H100=x'"),
+    ("\x1b[2J=\x1b[2J", "'\\x1b[[]2J' is not a number of GiB"),
+    ("H200=1" + "0" * 5000, "(5006 characters)"),
+    ("H200=\x00", "is not a number of GiB"),
+)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"), FAKE_GPUS_ROWS, ids=[ascii(v)[1:21] for v, _ in FAKE_GPUS_ROWS]
+)
+def test_a_bad_fake_gpus_entry_is_one_line(value: str, message: str) -> None:
+    from pytest_ctresources.gpu.detect import parse_fake_gpus
+
+    with pytest.raises(ValueError) as error:
+        parse_fake_gpus(value)
+    line = str(error.value)
+    assert line.startswith("CT_FAKE_GPUS: entry "), line
+    assert fnmatch.fnmatchcase(line, f"*{message}*"), line
+    assert line.isprintable() and len(line) < 1000, line
+
+
+CLI_FLAG_VALUES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("estimate", "--gpu-gib", ("-1", "", "1e400", "-inf", "0x1p3", "1,5", "24GB", "\x1b[2J")),
+    ("estimate", "--prompt-tokens", ("-1", "", "abc", "1e3", "0x10", "2147483648", "\x00")),
+    ("estimate", "--batch-size", ("-1", "1.0", "", "2147483648", "\x1b[2J")),
+    ("estimate", "--max-feature-nodes", ("0", "abc", OVER_COUNT, "1.5")),
+    ("estimate", "--active-features", ("-1", "nan", "inf", "abc", "1e400")),
+    ("estimate", "--ceiling", ("0", "-1", "abc", "1.5")),
+    ("estimate", "--dtype", ("", "float", "\x1b[2J")),
+    ("table", "--ceiling", ("-1", "abc", OVER_COUNT)),
+    ("table", "--active-features", ("0", "-1", "inf", "abc")),
+)
+CLI_ROWS = [
+    (command, flag, value)
+    for command, flag, values in CLI_FLAG_VALUES
+    for value in values
+    if not any(row.args == (command, flag, value) for row in ROWS)
+]
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "value"),
+    CLI_ROWS,
+    ids=[f"{c}{f}={ascii(v)[1:21]}" for c, f, v in CLI_ROWS],
+)
+def test_every_ct_resources_flag_refuses_its_bad_values_in_one_line(
+    capsys: pytest.CaptureFixture[str], command: str, flag: str, value: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli_main([command, f"{flag}={value}"])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    lines = _error_lines(err)
+    _assert_one_line(lines, Row(flag, "cli", f"argument {flag}: ", ""), out + err)
+    assert lines[0].isprintable(), lines[0]
+
+
+TABLE_LIST_ROWS: tuple[tuple[str, str], ...] = (
+    ("--cards", "0"),
+    ("--cards", "-24"),
+    ("--cards", "nan"),
+    ("--cards", "inf"),
+    ("--cards", "24,abc"),
+    ("--cards", "\x1b[2J"),
+    ("--prompt-tokens", "a,b"),
+    ("--prompt-tokens", "-1"),
+    ("--prompt-tokens", OVER_COUNT),
+    ("--dtypes", "x"),
+    ("--dtypes", "float32,\x00"),
+)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), TABLE_LIST_ROWS, ids=[f"{f}={ascii(v)[1:21]}" for f, v in TABLE_LIST_ROWS]
+)
+def test_ct_resources_table_lists_refuse_bad_entries_in_one_line(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["table", flag, value])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    lines = _error_lines(err)
+    _assert_one_line(lines, Row(flag, "cli", "ct-resources: error: bad list", ""), out + err)
+    assert lines[0].isprintable(), lines[0]
+
+
+# --- N5: names from files and devices reach the terminal escaped ----------------------------
+
+
+def test_escape_sequences_in_names_are_shown_escaped(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config file and a GPU whose names hold escape sequences: the -v header and the
+    summary show them escaped, as pytest shows node ids; nothing raw reaches the terminal."""
+    name = "\x1b]0;owned\x07\x1b[2Jexp.yaml"
+    (pytester.path / name).write_text("BATCH_SIZE: 4\n")
+    monkeypatch.setenv("CT_FAKE_GPUS", "\x1b[31mEvil\x1b[0m=24")
+    pytester.makepyfile(test_it=GOOD_TEST)
+    result = pytester.runpytest("-v", "-p", "no:randomly", "--ct-config", name)
+    result.assert_outcomes(passed=1)
+    output = result.stdout.str() + result.stderr.str()
+    assert "\x1b" not in output and "\x07" not in output
+    assert "\\x1b]0;owned\\x07\\x1b[2Jexp.yaml" in output
+    assert "\\x1b[31mEvil\\x1b[0m" in output
+
+
+#: Every distinct hostile input the tables above present, with its surface (issue 21: at
+#: least 400). The characters YAML refuses count once each, as the three places each is put
+#: are the same input to the reader.
+HOSTILE_INPUTS = {
+    *((row.kind, row.id) for row in ROWS),
+    *(("yaml-character", char) for char in UNPRINTABLE_IN_YAML),
+    *(("cache", row.id) for row in CACHE_ROWS),
+    *(("setting", name, value) for name, value, _m in SETTING_ROWS),
+    *(("marker", decorator) for decorator, _m in MARKER_BATCH),
+    *(("CT_FAKE_GPUS", value) for value, _m in FAKE_GPUS_ROWS),
+    *(("ct-resources", command, flag, value) for command, flag, value in CLI_ROWS),
+    *(("ct-resources table", flag, value) for flag, value in TABLE_LIST_ROWS),
+}
+
+
 def test_the_table_is_large_and_its_ids_distinct() -> None:
     ids = [row.id for row in ROWS]
     assert len(ids) == len(set(ids))
     assert len(ROWS) >= 100
+    assert len({row.id for row in CACHE_ROWS}) == len(CACHE_ROWS)
+    assert len(set(SETTING_ROWS)) == len(SETTING_ROWS)
+    assert len(set(CLI_ROWS)) == len(CLI_ROWS)
+    assert len({decorator for decorator, _m in MARKER_BATCH}) == len(MARKER_BATCH)
+    assert len(HOSTILE_INPUTS) >= 400, len(HOSTILE_INPUTS)
 
 
 class Reports:
