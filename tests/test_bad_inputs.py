@@ -1644,7 +1644,7 @@ def test_ct_resources_error_is_one_line(
         monkeypatch.setenv(name, value)
     if row.prepare is not None:
         row.prepare(tmp_path)
-    with pytest.raises(SystemExit) as exc:
+    with _Bounded(60), pytest.raises(SystemExit) as exc:  # a FIFO read whole hung
         cli_main(list(row.args))
     assert exc.value.code == 2
     out, err = capsys.readouterr()
