@@ -158,19 +158,25 @@ def test_newcomers_queue_behind_a_waiting_lease(tmp_path: Path) -> None:
     # asking for 1 GiB must queue behind it, not take the 2 GiB that are free.
     path = tmp_path / "gpu.ledger"
     holder = hold_lease(path, 10, 8)
+    # before_waiting runs once the waiter holds the turnstile and finds its units taken (no
+    # one else can hold the turnstile here): its line says it is queued, however slow the
+    # machine (a fixed pause was not enough under load).
+    waiting = HOLDER.replace(
+        "timeout_s=5", "timeout_s=30, before_waiting=lambda: print('waiting', flush=True)"
+    )
     waiter = subprocess.Popen(
-        [sys.executable, "-c", HOLDER.replace("timeout_s=5", "timeout_s=30"), str(path), "10", "8"],
+        [sys.executable, "-c", waiting, str(path), "10", "8"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     ledger = VramLedger(path, 10).open()
     try:
-        time.sleep(1.0)  # the waiter is queued on the turnstile by now
+        assert waiter.stdout is not None and waiter.stdout.readline().strip() == "waiting"
         with pytest.raises(LeaseTimeout):
             ledger.acquire(1, timeout_s=0.5)
         holder.kill()
-        assert waiter.stdout is not None and waiter.stdout.readline().strip() == "held"
+        assert waiter.stdout.readline().strip() == "held"
         assert ledger.acquire(1, timeout_s=5).gib == 1  # 2 GiB free again
     finally:
         holder.kill()
@@ -420,18 +426,22 @@ def test_a_replacement_worker_takes_the_crashed_workers_gpu(
     monkeypatch.setenv("CT_FAKE_GPUS", "A=10;B=10")
     pytester.makepyfile(
         """
-        import os, time, pytest
+        import glob, os, time, pytest
 
         def test_a_dies():
             if os.environ["PYTEST_XDIST_WORKER"] == "gw1":
                 os._exit(1)
-            time.sleep(3)
+            # gw0 stays on GPU 0 until the replacement has chosen its GPU (its first file
+            # says so): then that choice had gw0 to avoid.
+            deadline = time.time() + 120
+            while not glob.glob("after-*-gw2.txt"):
+                assert time.time() < deadline, "no replacement worker ran a test"
+                time.sleep(0.05)
 
         @pytest.mark.parametrize("i", range(6))
         def test_b_after(i):
             with open(f"after-{i}-{os.environ['PYTEST_XDIST_WORKER']}.txt", "w") as handle:
                 handle.write(os.environ["PYTEST_XDIST_WORKER"] + " " + os.environ["CUDA_VISIBLE_DEVICES"])
-            time.sleep(0.3)
         """
     )
     # --dist each: every worker runs every test, so gw1 dies and xdist starts gw2.
