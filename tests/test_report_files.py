@@ -53,8 +53,8 @@ def test_a_report_replaces_the_previous_one_privately_and_leaves_no_temporary(
     project: pytest.Pytester,
 ) -> None:
     for _ in range(2):  # the second run replaces the first run's report
-        # (In a process of its own: the fake CUDA stays patched into torch.cuda.)
-        project.runpytest_subprocess("--ct-report-json", "r.json", "--ct-report-plot", "p.png")
+        # In-process: the fake CUDA conftest gives torch.cuda back when its run ends.
+        project.runpytest("--ct-report-json", "r.json", "--ct-report-plot", "p.png")
         document = json.loads((project.path / "r.json").read_text())
         assert [t["nodeid"] for t in document["tests"]] == ["test_cuda.py::test_uses_cuda"]
         assert (project.path / "p.png").read_bytes().startswith(PNG_MAGIC)
