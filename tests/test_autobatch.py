@@ -54,15 +54,15 @@ def test_option_auto_on_cpu_fits_the_host_memory(
         "--ct-batch-size-max",
         "48",
         "-s",
+        "-vv",  # the header's settings, and each auto choice in the summary
         "--ct-report-json",
         "report.json",
     )
     result.assert_outcomes(passed=1)
+    # MAX_FEATURE_NODES is 40: 40 rows need one backward pass, as 48 would.
+    result.stdout.fnmatch_lines(["*batch_size=auto (--ct-batch-size)*", "*CHOICE 40*"])
     result.stdout.fnmatch_lines(
         [
-            # MAX_FEATURE_NODES is 40: 40 rows need one backward pass, as 48 would.
-            "test_auto.py CHOICE 40",
-            "*batch_size=auto (--ct-batch-size)*",
             "attributions: 1 in 1 test(s), batch size(s) 40",
             "  test_auto.py::test_attribution: auto batch size 40 (6 prompt tokens, * active "
             "features in all (* per layer and token), predicted * GiB; the model is not on a CUDA GPU: it fits the host's "
