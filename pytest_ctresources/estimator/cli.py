@@ -42,6 +42,7 @@ from pytest_ctresources.settings.config import (
     shown,
 )
 from pytest_ctresources.settings.sources import Source
+from pytest_ctresources.units import count_text
 
 GIB: Final = 1 << 30
 DEFAULT_PROMPT_TOKENS: Final = 32
@@ -465,7 +466,7 @@ def _print_estimate(
     )
     write = out.write
     write(
-        f"model        {model.name}: {model.n_params / 1e9:.2f}e9 parameters, {model.n_layers} "
+        f"model        {model.name}: {count_text(model.n_params)} parameters, {model.n_layers} "
         f"layers, d_model {model.d_model}, vocabulary {model.vocab_size}{softcap}\n"
     )
     write(f"transcoders  {tc.name}: {kind}, {tc.width} features per layer{skip}{usual}\n")
