@@ -34,6 +34,8 @@ class Placement:
     """The part of ``lease_gib`` that the resident model it reused already held."""
     lease_gave_up_after_s: float = 0.0
     """When it gave up waiting: the seconds it had waited (0 otherwise)."""
+    placed_because: str | None = None
+    """Why the VRAM scheduler sent it there (None: xdist's own scheduler, or a plain run)."""
 
     @property
     def waited_s(self) -> float:
@@ -64,6 +66,7 @@ def placement_from(nodeid: str, outcome: str, record: TestRecord) -> Placement |
         lease_wait_s=float(record.lease_wait_s or 0.0),
         lease_reused_gib=float(record.lease_reused_gib or 0.0),
         lease_gave_up_after_s=float(record.lease_gave_up_after_s or 0.0),
+        placed_because=record.placed_because,
     )
 
 
