@@ -162,3 +162,12 @@ def test_shard_and_gpu_list_parsing() -> None:
         parse_gpu_list("2xbig")
     with pytest.raises(ValueError, match="names no GPU"):
         parse_gpu_list(" , ")
+
+
+def test_the_fitted_bound_counts_what_cannot_run_beside_a_test_over_half_a_gpu() -> None:
+    big = [Gpu("B", "GPU 0 (Fake 80)", 80.0, 2)]
+    fits = fits_of(big, demands(60, 30, 30, duration=10.0))
+    # The 60 runs alone (no 30 fits beside it); the two 30s together: 10 + 10 s.
+    assert fitted_lower_bound(big, fits) == 20.0
+    outcome = simulate(big, fits, PlacementPolicy(Dispatcher(big, fits)))
+    assert outcome.wall_s == pytest.approx(20.0)

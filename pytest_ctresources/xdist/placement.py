@@ -249,7 +249,7 @@ class PlacementPolicy(Policy):
 
     def completed(self, worker: Worker, workers: list[Worker]) -> None:
         queues = [w.queue for w in workers]
-        for other in workers:
+        for other in sorted(workers, key=lambda w: len(w.queue)):  # idle workers first
             if not other.shutdown:
                 other.shutdown = refill(
                     self.dispatcher, other.gpu, other.queue, self._others(other, workers, queues)
@@ -393,9 +393,9 @@ def lower_bound(gpus: Sequence[Gpu], fits: Sequence[Fit]) -> float:
 def fitted_lower_bound(gpus: Sequence[Gpu], fits: Sequence[Fit]) -> float:
     """A bound that counts where tests fit: for each capacity ``c`` of the run, the tests
     that only GPUs of at least ``c`` GiB hold, over those GPUs' worker slots (work) and over
-    their GiB (need times duration), and those of them that need more than half the largest
-    of those GPUs (no two share one) over their number; and the longest test. No schedule
-    beats it either."""
+    their GiB (need times duration) and, on equal GPUs, what cannot run beside the tests
+    over half a GPU (:func:`_alone_bound`); and the longest test. No schedule beats it
+    either."""
     bound = lower_bound(gpus, fits)
     run = [fit for fit in fits if fit.skip_reason is None]
     for c in sorted({gpu.capacity_gib for gpu in gpus}):
@@ -405,14 +405,34 @@ def fitted_lower_bound(gpus: Sequence[Gpu], fits: Sequence[Fit]) -> float:
         only = [fit for fit in run if fit.need_gib > floor]
         slots = sum(g.workers for g in big)
         gib = sum(g.capacity_gib for g in big)
-        half = max(g.capacity_gib for g in big) / 2
         bound = max(
             bound,
             sum(f.duration_s for f in only) / slots,
             sum(f.duration_s * f.need_gib for f in only) / gib,
-            sum(f.duration_s for f in only if f.need_gib > half) / len(big),
+            _alone_bound(big, only),
         )
     return bound
+
+
+def _alone_bound(big: Sequence[Gpu], only: Sequence[Fit]) -> float:
+    """Per GPU of the set: the tests over half its GiB run one at a time, and the tests that
+    fit beside none of them run only while none of them does (at most as many at once as
+    its workers and GiB allow). Exact for a set of equal GPUs, 0 otherwise."""
+    capacity = big[0].capacity_gib
+    if any(g.capacity_gib != capacity or g.workers != big[0].workers for g in big):
+        return 0.0
+    heavy = [f for f in only if f.need_gib > capacity / 2]
+    if not heavy:
+        return 0.0
+    room = capacity - min(f.need_gib for f in heavy)
+    apart = [f for f in only if room < f.need_gib <= capacity / 2]
+    together = big[0].workers
+    if apart:
+        least = min(f.need_gib for f in apart)
+        together = max(1, min(together, int(capacity // least)))
+    heavy_s = sum(f.duration_s for f in heavy)
+    apart_s = sum(f.duration_s for f in apart)
+    return (heavy_s + apart_s / together) / len(big)
 
 
 # -------------------------------------------------------------------------------- shards

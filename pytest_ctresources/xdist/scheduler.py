@@ -222,7 +222,8 @@ class VramScheduling:
         return report.key if report is not None else None
 
     def _check_all(self) -> None:
-        for node in self.nodes:
+        # The idlest workers first: a busy worker must not take what an idle one could run.
+        for node in sorted(self.nodes, key=lambda node: len(self.node2pending[node])):
             self._check(node)
 
     def _check(self, node: Any, depth: int = 2) -> None:
