@@ -16,7 +16,7 @@ lines that call the room doing the work (docs/architecture.md draws the map):
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import pytest
 
@@ -162,6 +162,7 @@ def pytest_configure(config: pytest.Config) -> None:
         from pytest_ctresources.notebooks.items import NotebookSupport
 
         config.pluginmanager.register(NotebookSupport(config), NotebookSupport.name)
+    _plan_and_shard(config, runtime)
     leases.start(config, runtime)  # VRAM leases where tests run; the ledger directory checked
     if runtime.settings.strict:
         config.pluginmanager.register(
@@ -192,6 +193,17 @@ def _report_to_placement(config: pytest.Config, runtime: Runtime) -> None:
     channel = placement_channel(config)
     if channel is None:
         return
+    worker = PlacementWorker(channel, _need_of(runtime))
+    facts = runtime.gpu_facts(may_import_torch=False)
+    gpu = runtime.binding.gpu if runtime.binding is not None else facts.gpu(0)
+    capacity = runtime.settings.vram_capacity_gib
+    worker.report_gpu(worker_gpu(gpu, facts, capacity.value if capacity is not None else None))
+    config.pluginmanager.register(worker, PlacementWorker.name)
+    config.stash[_PLACEMENT_KEY] = worker
+
+
+def _need_of(runtime: Runtime) -> Callable[[pytest.Item], float | None]:
+    """A collected test's need in GiB, as its setup will decide it (None: none)."""
 
     def need_of(item: pytest.Item) -> float | None:
         try:
@@ -200,13 +212,54 @@ def _report_to_placement(config: pytest.Config, runtime: Runtime) -> None:
             return None  # it fails at setup, with its own message
         return need.gib if need is not None else None
 
-    worker = PlacementWorker(channel, need_of)
-    facts = runtime.gpu_facts(may_import_torch=False)
-    gpu = runtime.binding.gpu if runtime.binding is not None else facts.gpu(0)
+    return need_of
+
+
+def _plan_and_shard(config: pytest.Config, runtime: Runtime) -> None:
+    """``--ct-plan`` (collect only, print the plan) and ``--ct-shard K/N`` (job K's share)."""
+    plan = config.getoption("ct_plan", None)
+    shard = config.getoption("ct_shard", None)
+    if plan is None and shard is None:
+        return
+    from pytest_ctresources.report import durations
+    from pytest_ctresources.xdist import plan_hooks
+
+    def learned() -> dict[str, float]:
+        return durations.read(config.cache if hasattr(config, "cache") else None)
+
     capacity = runtime.settings.vram_capacity_gib
-    worker.report_gpu(worker_gpu(gpu, facts, capacity.value if capacity is not None else None))
-    config.pluginmanager.register(worker, PlacementWorker.name)
-    config.stash[_PLACEMENT_KEY] = worker
+
+    def detected() -> list[plan_hooks.PlanGpu]:
+        facts = runtime.gpu_facts(may_import_torch=False)
+        return plan_hooks.detected_gpus(facts, capacity.value if capacity is not None else None)
+
+    if plan is not None:
+        config.option.collectonly = True
+        workers = config.getoption("ct_plan_workers", None) or 1
+        config.pluginmanager.register(
+            plan_hooks.PlanReporter(
+                config, plan_hooks.plan_gpus(plan, detected), workers, _need_of(runtime), learned
+            ),
+            plan_hooks.PlanReporter.name,
+        )
+    if shard is not None:
+        given = config.getoption("ct_runner_gpus", None)
+
+        def runners() -> list[float]:
+            if given:
+                return list(given)
+            gpus = detected()
+            if not gpus:
+                raise pytest.UsageError(
+                    "--ct-shard: no GPU detected; give the jobs' GPUs (--ct-runner-gpus 80)"
+                )
+            return [gpus[0].capacity_gib]
+
+        job, jobs = shard
+        config.pluginmanager.register(
+            plan_hooks.ShardSelection(job, jobs, runners, _need_of(runtime), learned),
+            plan_hooks.ShardSelection.name,
+        )
 
 
 def _act_per_test(config: pytest.Config, runtime: Runtime) -> None:

@@ -214,6 +214,8 @@ class Outcome:
     """Test index -> skip reason."""
     waited_s: float
     """Seconds workers spent waiting for room on their GPU, in all."""
+    workers: dict[int, str] = field(default_factory=dict)
+    """Test index -> the worker that ran (or skipped) it."""
 
 
 class Policy:
@@ -329,6 +331,7 @@ def simulate(
     waiting: dict[str | None, list[int]] = {key: [] for key in leased}
     ran: dict[int, str] = {}
     skipped: dict[int, str] = {}
+    ran_by: dict[int, str] = {}
     events: list[tuple[float, int, int]] = []  # (end, sequence, worker position)
     state = {"now": 0.0, "waited": 0.0, "sequence": 0}
     wait_since: dict[int, float] = {}
@@ -352,6 +355,7 @@ def simulate(
             waiting[worker.gpu].remove(position)
             state["waited"] += state["now"] - wait_since.pop(position)
         worker.running = i
+        ran_by[i] = worker.name
         if reason is not None:
             skipped[i] = reason
             duration = 0.0
@@ -379,7 +383,7 @@ def simulate(
             try_start(waiter)
         for candidate in range(len(workers)):
             try_start(candidate)
-    return Outcome(state["now"], ran, skipped, state["waited"])
+    return Outcome(state["now"], ran, skipped, state["waited"], ran_by)
 
 
 def lower_bound(gpus: Sequence[Gpu], fits: Sequence[Fit]) -> float:
