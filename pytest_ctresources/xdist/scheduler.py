@@ -8,6 +8,8 @@ one test at a time, chosen by :mod:`~pytest_ctresources.xdist.placement`'s
 :class:`~pytest_ctresources.xdist.placement.Dispatcher`: only to a worker whose GPU holds it,
 first where it fits the room the other workers on that GPU leave, largest first. A test no
 GPU of the run holds goes to a worker on the largest, which skips it naming that GPU.
+Where the workers' GPUs all have the same capacity (or there are none), every worker holds
+what any holds: the scheduler hands the run to xdist's own ``LoadScheduling``, unchanged.
 
 The workers' GPUs and the tests' needs come over :mod:`~pytest_ctresources.xdist.exchange`'s
 channel; durations from earlier runs (:mod:`~pytest_ctresources.report.durations`).
@@ -107,7 +109,9 @@ class VramScheduling:
         self.collection: list[str] | None = None
         self.dispatcher: Dispatcher | None = None
         self.fits: list[Fit] = []
-        self._told: set[str] = set()
+        self._log = log
+        self.load: Any = None
+        """xdist's own LoadScheduling, where the run's GPUs are all alike (see schedule)."""
 
     # -- the protocol's state -------------------------------------------------------------
     @property
@@ -120,6 +124,8 @@ class VramScheduling:
 
     @property
     def tests_finished(self) -> bool:
+        if self.load is not None:
+            return bool(self.load.tests_finished)
         if not self.collection_is_completed or self.dispatcher is None:
             return False
         if self.dispatcher.pending:
@@ -128,16 +134,22 @@ class VramScheduling:
 
     @property
     def has_pending(self) -> bool:
+        if self.load is not None:
+            return bool(self.load.has_pending)
         if self.dispatcher is not None and self.dispatcher.pending:
             return True
         return any(self.node2pending.values())
 
     # -- nodes ----------------------------------------------------------------------------
     def add_node(self, node: Any) -> None:
+        if self.load is not None:
+            return self.load.add_node(node)  # type: ignore[no-any-return]
         assert node not in self.node2pending
         self.node2pending[node] = []
 
     def add_node_collection(self, node: Any, collection: Sequence[str]) -> None:
+        if self.load is not None:
+            return self.load.add_node_collection(node, collection)  # type: ignore[no-any-return]
         assert node in self.node2pending
         if self.collection_is_completed and self.collection is not None:
             if list(collection) != self.collection:
@@ -153,6 +165,8 @@ class VramScheduling:
         self.node2collection[node] = list(collection)
 
     def remove_node(self, node: Any) -> str | None:
+        if self.load is not None:
+            return self.load.remove_node(node)  # type: ignore[no-any-return]
         pending = self.node2pending.pop(node)
         if not pending:
             return None
@@ -165,10 +179,14 @@ class VramScheduling:
 
     # -- tests ----------------------------------------------------------------------------
     def mark_test_complete(self, node: Any, item_index: int, duration: float = 0) -> None:
+        if self.load is not None:
+            return self.load.mark_test_complete(node, item_index, duration)  # type: ignore[no-any-return]
         self.node2pending[node].remove(item_index)
         self._check_all()
 
     def mark_test_pending(self, item: str) -> None:
+        if self.load is not None:
+            return self.load.mark_test_pending(item)  # type: ignore[no-any-return]
         assert self.collection is not None and self.dispatcher is not None
         self.dispatcher.put_back(self.collection.index(item))
         self._check_all()
@@ -178,6 +196,18 @@ class VramScheduling:
 
     def schedule(self) -> None:
         assert self.collection_is_completed
+        if self.load is not None:
+            return self.load.schedule()  # type: ignore[no-any-return]
+        if self.collection is None and len({g.capacity_gib for g in self._gpus()}) <= 1:
+            # GPUs all alike (or none): every worker's GPU holds what any does; xdist's own
+            # scheduler, with the state gathered so far, as a run without placement has.
+            from xdist.scheduler import LoadScheduling
+
+            self.load = LoadScheduling(self.config, self._log)
+            self.load.numnodes = self.numnodes
+            self.load.node2collection = self.node2collection
+            self.load.node2pending = self.node2pending
+            return self.load.schedule()  # type: ignore[no-any-return]
         if self.collection is not None:
             self._check_all()
             return
@@ -194,7 +224,7 @@ class VramScheduling:
         self.fits = fits_of(gpus, demands)
         self.dispatcher = Dispatcher(gpus, self.fits)
         big = largest(gpus)
-        if big is not None:
+        if big is not None and len(gpus) > 1:
             for node in self.nodes:
                 self.controller.tell(
                     _worker_id(node), {"largest": [big.key, big.label, big.capacity_gib]}
