@@ -221,26 +221,32 @@ def _plan_and_shard(config: pytest.Config, runtime: Runtime) -> None:
     shard = config.getoption("ct_shard", None)
     if plan is None and shard is None:
         return
-    from pytest_ctresources.report import durations
-    from pytest_ctresources.xdist import plan_hooks
+    # Names imported from the modules themselves (not ``from package import module``): the
+    # stash key ``ct-resources plan`` reads must be this very module's.
+    from pytest_ctresources.report.durations import read
+    from pytest_ctresources.xdist.plan_hooks import (
+        PlanGpu,
+        PlanReporter,
+        ShardSelection,
+        detected_gpus,
+        plan_gpus,
+    )
 
     def learned() -> dict[str, float]:
-        return durations.read(config.cache if hasattr(config, "cache") else None)
+        return read(config.cache if hasattr(config, "cache") else None)
 
     capacity = runtime.settings.vram_capacity_gib
 
-    def detected() -> list[plan_hooks.PlanGpu]:
+    def detected() -> list[PlanGpu]:
         facts = runtime.gpu_facts(may_import_torch=False)
-        return plan_hooks.detected_gpus(facts, capacity.value if capacity is not None else None)
+        return detected_gpus(facts, capacity.value if capacity is not None else None)
 
     if plan is not None:
         config.option.collectonly = True
         workers = config.getoption("ct_plan_workers", None) or 1
         config.pluginmanager.register(
-            plan_hooks.PlanReporter(
-                config, plan_hooks.plan_gpus(plan, detected), workers, _need_of(runtime), learned
-            ),
-            plan_hooks.PlanReporter.name,
+            PlanReporter(config, plan_gpus(plan, detected), workers, _need_of(runtime), learned),
+            PlanReporter.name,
         )
     if shard is not None:
         given = config.getoption("ct_runner_gpus", None)
@@ -257,8 +263,8 @@ def _plan_and_shard(config: pytest.Config, runtime: Runtime) -> None:
 
         job, jobs = shard
         config.pluginmanager.register(
-            plan_hooks.ShardSelection(job, jobs, runners, _need_of(runtime), learned),
-            plan_hooks.ShardSelection.name,
+            ShardSelection(job, jobs, runners, _need_of(runtime), learned),
+            ShardSelection.name,
         )
 
 

@@ -55,6 +55,12 @@ def check_sizes(pytester: pytest.Pytester, result: pytest.RunResult) -> None:
     assert why["30GiB"].startswith("needs 30.0 GiB: only GPU 1 (Big) hold(s) it")
     assert why["10GiB"].startswith("fits every GPU")
     assert why["90GiB"] == "too big for every GPU: sent to the largest, which skips it"
+    result.stdout.fnmatch_lines(
+        [
+            "  placed by VRAM: 2 test(s) on the only GPUs that hold them, 3 that fit every GPU, "
+            "1 too big for every GPU (skipped on the largest); * packed beside other workers' tests"
+        ]
+    )
 
 
 def test_tests_go_to_a_gpu_that_holds_them_and_skip_only_where_none_does(

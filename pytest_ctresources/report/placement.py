@@ -99,4 +99,22 @@ def placement_lines(placements: list[Placement]) -> list[str]:
         if timeouts:
             line += f", {timeouts} lease timeout(s)"
         out.append(line)
+    out += _placed_by_vram(placements)
     return out
+
+
+def _placed_by_vram(placements: list[Placement]) -> list[str]:
+    """One line on the VRAM scheduler's reasons, where it placed the run (the JSON report's
+    ``placed_because`` has each test's)."""
+    reasons = [p.placed_because for p in placements if p.placed_because]
+    if not reasons:
+        return []
+    only = sum(1 for r in reasons if " hold(s) it" in r)
+    every = sum(1 for r in reasons if r.startswith("fits every GPU"))
+    too_big = sum(1 for r in reasons if r.startswith("too big"))
+    packed = sum(1 for r in reasons if "packed beside" in r)
+    return [
+        f"  placed by VRAM: {only} test(s) on the only GPUs that hold them, {every} that fit "
+        f"every GPU, {too_big} too big for every GPU (skipped on the largest); {packed} "
+        "packed beside other workers' tests"
+    ]
