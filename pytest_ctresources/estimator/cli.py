@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(pytest-ctresources)",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from pytest_ctresources.estimator.plan_cli import add_plan_parser
+
+    add_plan_parser(commands)
     gpus = commands.add_parser("gpus", help="the GPUs the plugin detects")
     gpus.add_argument("--json", action="store_true", help="one JSON object")
     estimate = commands.add_parser(
@@ -615,6 +618,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "gpus":
             status = run_gpus(args, sys.stdout)
+        elif args.command == "plan":
+            from pytest_ctresources.estimator.plan_cli import run_plan
+
+            status = run_plan(args, sys.stdout)
         elif args.command == "table":
             status = run_table(args, sys.stdout)
         else:
