@@ -43,7 +43,13 @@ def test_a_run_that_does_not_use_the_plugin_imports_nothing_heavy(
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*HEAVY::END*"])
     if verbose:
-        result.stdout.fnmatch_lines(["ctresources: no CUDA GPU detected (NVML unavailable*"])
+        # Not asked, the header says so and nothing more; asked, it names the GPU, from
+        # NVML, still without torch.
+        result.stdout.fnmatch_lines(["ctresources: inactive (nothing in this project asks*"])
+        asked = pytester.runpytest_subprocess(*args, "-o", "ct_cleanup=auto")
+        asked.stdout.fnmatch_lines(
+            ["ctresources: no CUDA GPU detected (NVML unavailable*", "*HEAVY::END*"]
+        )
 
 
 def test_options_and_fixtures_under_xdist(pytester: pytest.Pytester) -> None:
