@@ -163,7 +163,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
         config.pluginmanager.register(NotebookSupport(config), NotebookSupport.name)
     _plan_and_shard(config, runtime)
-    leases.start(config, runtime)  # VRAM leases where tests run; the ledger directory checked
+    if activation.project_wide:  # else once collection found a test that asks
+        leases.start(config, runtime)  # VRAM leases where tests run; the ledger dir checked
     if runtime.settings.strict:
         config.pluginmanager.register(
             accounting.StrictChecks(runtime), accounting.StrictChecks.name
@@ -288,7 +289,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     if not any(activation.acts_for(item) for item in session.items):
         return
-    _act_per_test(config, runtime_of(config))
+    runtime = runtime_of(config)
+    _act_per_test(config, runtime)
+    leases.start(config, runtime)
     if ALLOC_KEY not in config.stash and not cuda_initialised():
         _apply_alloc_conf(config)
 

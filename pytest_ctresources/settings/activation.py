@@ -111,7 +111,8 @@ def item_asks(item: pytest.Item) -> bool:
     names = getattr(item, "fixturenames", ())
     if any(name in names for name in FIXTURES):
         return True
-    return any(item.get_closest_marker(name) is not None for name in MARKERS)
+    # One walk over the item's markers (and its parents'), not one per marker name.
+    return any(mark.name in MARKERS for mark in item.iter_markers())
 
 
 ACTIVATION_KEY = pytest.StashKey[Activation]()
