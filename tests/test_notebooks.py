@@ -381,7 +381,8 @@ def test_a_notebook_with_nothing_to_receive_runs_as_under_nbmake_alone(
     )
     monkeypatch.setenv("IPYTHONDIR", str(ipython_dir))
     runs = {}
-    for name, extra in (("alone", ["-p", "no:ctresources"]), ("plugin", [])):
+    # The plugin asked for (an option that changes nothing here), so that it runs the notebook.
+    for name, extra in (("alone", ["-p", "no:ctresources"]), ("plugin", ["--ct-no-leases"])):
         path = write(pytester.path / name / "probe.ipynb", notebook(*PROBE_CELLS))
         monkeypatch.setenv("PROBE_OUT", str(pytester.path / f"{name}.json"))
         result = pytester.runpytest_subprocess(
@@ -740,7 +741,11 @@ def test_parallel_notebooks_do_not_collide(pytester: pytest.Pytester) -> None:
     for index in range(6):
         write(pytester.path / f"nb{index}.ipynb", notebook("import time\ntime.sleep(0.2)"))
     for _ in range(3):
-        pytester.runpytest_subprocess("--nbmake", "-n", "2").assert_outcomes(passed=6)
+        # Asked for, so that the plugin starts the kernels (a project that does not ask
+        # gets nbmake's own, on TCP).
+        pytester.runpytest_subprocess("--nbmake", "-n", "2", "--ct-no-leases").assert_outcomes(
+            passed=6
+        )
 
 
 def test_kernel_figures_reach_the_report(pytester: pytest.Pytester) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,7 @@ from pytest_ctresources.estimator.estimate import (
     estimate,
 )
 from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig, shown
+from pytest_ctresources.settings.sources import printable
 
 
 class UnknownShape(LookupError):
@@ -608,6 +611,81 @@ _FAMILIES: Final = {
 }
 
 
+#: The largest ``config.json`` read (a real one is a few KiB; Gemma-3's, with its vision
+#: tower, under 10 KiB).
+MAX_CONFIG_JSON_BYTES: Final = 1 << 20
+#: The largest dimension a ``config.json`` may give (real vocabularies are under 2**19).
+MAX_DIMENSION: Final = 1 << 24
+
+_CONFIG_KEYS: Final = {
+    "n_layers": "num_hidden_layers",
+    "d_model": "hidden_size",
+    "d_mlp": "intermediate_size",
+    "vocab_size": "vocab_size",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+}
+
+
+def _read_config_json(file: Path, where: str) -> object:
+    """The JSON in ``file``, read as the input it is: a regular file (opening a FIFO for
+    reading waits for a writer forever, ``/dev/zero`` never ends), at most
+    :data:`MAX_CONFIG_JSON_BYTES`; nesting is bounded by json's decoder (a RecursionError)."""
+    try:
+        # O_NONBLOCK: a FIFO opens at once instead of waiting for a writer.
+        descriptor = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        reason = exc.strerror if isinstance(exc, OSError) else "not a valid path"
+        raise UnknownShape(f"cannot read model config {where}: {reason}") from None
+    # fstat before fdopen: fdopen of a directory raises IsADirectoryError.
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise UnknownShape(f"cannot read model config {where}: not a regular file")
+    with os.fdopen(descriptor, "rb") as handle:
+        try:
+            data = handle.read(MAX_CONFIG_JSON_BYTES + 1)
+        except OSError as exc:
+            raise UnknownShape(f"cannot read model config {where}: {exc.strerror}") from None
+    if len(data) > MAX_CONFIG_JSON_BYTES:
+        raise UnknownShape(
+            f"cannot read model config {where}: larger than {MAX_CONFIG_JSON_BYTES >> 20} MiB "
+            "(the limit for a config.json)"
+        )
+    try:
+        return json.loads(data, parse_constant=_no_constant)
+    except UnicodeDecodeError:
+        raise UnknownShape(f"cannot read model config {where}: not UTF-8 text") from None
+    except RecursionError:  # json's decoder stops at Python's recursion limit
+        raise UnknownShape(f"cannot read model config {where}: nested too deep") from None
+    except ValueError as exc:
+        problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "integer string conversion" in problem:  # sys.get_int_max_str_digits()
+            raise UnknownShape(
+                f"cannot read model config {where}: an integer of over 4300 digits, more than "
+                "Python reads"
+            ) from None
+        raise UnknownShape(f"cannot read model config {where}: {shown(problem)}") from None
+
+
+def _no_constant(name: str) -> object:
+    """JSON has no NaN or Infinity (Python's json reads them unless told not to)."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _dimension(text: Mapping[str, Any], name: str, key: str, where: str) -> int:
+    """Dimension ``name`` of the model, from ``text[key]``: a JSON integer from 1 to
+    :data:`MAX_DIMENSION` (``1e400`` is a float of infinity, 400 digits no model has)."""
+    value = text[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UnknownShape(f"{where}: {key} must be a whole number, got {shown(value)}")
+    if value <= 0:
+        raise UnknownShape(f"{where}: {name} must be positive, got {value}")
+    if value > MAX_DIMENSION:
+        raise UnknownShape(f"{where}: {key} must be at most {MAX_DIMENSION}, got {shown(value)}")
+    return value
+
+
 def model_from_config_json(path: str | Path) -> ModelShape:
     """A model's shape from its Hugging Face ``config.json`` (or the folder holding it).
 
@@ -615,51 +693,63 @@ def model_from_config_json(path: str | Path) -> ModelShape:
     is counted as circuit-tracer loads it.
 
     Raises:
-        UnknownShape: the file is missing, not JSON, or lacks a needed key.
+        UnknownShape: the file is missing, not a regular file of at most
+            :data:`MAX_CONFIG_JSON_BYTES`, not JSON, or lacks a needed key; a dimension is
+            not a whole number from 1 to :data:`MAX_DIMENSION`. One line naming the file
+            and the field.
     """
     file = Path(path)
-    if file.is_dir():
-        file = file / "config.json"
     try:
-        config: dict[str, Any] = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise UnknownShape(f"cannot read model config {str(file)!r}: {exc}") from None
+        if file.is_dir():
+            file = file / "config.json"
+    except (OSError, ValueError):
+        pass  # reading it says what is wrong
+    where = printable(str(file))
+    config = _read_config_json(file, where)
     if not isinstance(config, dict) or not isinstance(config.get("text_config", {}), dict):
-        raise UnknownShape(f"{file}: not a model config (a JSON object of the model's settings)")
+        raise UnknownShape(f"{where}: not a model config (a JSON object of the model's settings)")
     vision = "vision_config" in config and "text_config" in config
     text = config.get("text_config", config)
-    model_type = str(text.get("model_type", config.get("model_type", "")))
-    family = _FAMILIES.get(model_type)
+    model_type = text.get("model_type", config.get("model_type", ""))
+    family = _FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise UnknownShape(
-            f"{file}: model_type {model_type!r} is not one of {', '.join(sorted(_FAMILIES))}"
+            f"{where}: model_type {shown(model_type)} is not one of {', '.join(sorted(_FAMILIES))}"
         )
     try:
-        n_heads = int(text["num_attention_heads"])
-        d_model = int(text["hidden_size"])
+        if text.get("num_key_value_heads") is None:
+            text = {**text, "num_key_value_heads": text["num_attention_heads"]}
         dims = {
-            "n_layers": int(text["num_hidden_layers"]),
-            "d_model": d_model,
-            "d_mlp": int(text["intermediate_size"]),
-            "vocab_size": int(text["vocab_size"]),
-            "n_heads": n_heads,
-            "n_kv_heads": int(text.get("num_key_value_heads", n_heads)),
-            "head_dim": int(text.get("head_dim") or d_model // max(n_heads, 1)),
+            name: _dimension(text, name, key, where)
+            for name, key in _CONFIG_KEYS.items()
+            if key != "head_dim" or text.get("head_dim")
         }
-    except (KeyError, TypeError, ValueError) as exc:
-        raise UnknownShape(f"{file}: missing or invalid key {exc}") from None
-    bad = [name for name, value in dims.items() if value <= 0]
-    if bad:
-        raise UnknownShape(f"{file}: {bad[0]} must be positive, got {dims[bad[0]]}")
+    except KeyError as exc:
+        raise UnknownShape(f"{where}: missing or invalid key {exc}") from None
+    if "head_dim" not in dims:
+        dims["head_dim"] = dims["d_model"] // dims["n_heads"]
+    if dims["head_dim"] <= 0:  # d_model smaller than n_heads
+        raise UnknownShape(f"{where}: head_dim must be positive, got {dims['head_dim']}")
     tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
     params = count_params(family=family, tied=tied, **dims)
     if vision:
-        params += _SIGLIP_PARAMS + 1152 * d_model + 1152
+        params += _SIGLIP_PARAMS + 1152 * dims["d_model"] + 1152
     softcap = text.get("final_logit_softcapping")
     if family == "gemma2" and "final_logit_softcapping" not in text:
         softcap = 30.0  # Gemma2Config's default
+    if softcap is not None and (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, int | float)
+        or not math.isfinite(softcap)
+        or not 0 <= softcap <= 1e6
+    ):
+        raise UnknownShape(
+            f"{where}: final_logit_softcapping must be a number from 0 to 1e6 or null, got "
+            f"{shown(softcap)}"
+        )
+    name = config.get("_name_or_path")
     return ModelShape(
-        name=str(config.get("_name_or_path") or file.parent.name),
+        name=printable(name)[:200] if isinstance(name, str) and name else file.parent.name,
         family=family,
         n_params=params,
         final_logit_softcap=float(softcap) if softcap else None,

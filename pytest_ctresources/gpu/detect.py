@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from pytest_ctresources.settings.config import MAX_GIB, shown
+from pytest_ctresources.settings.sources import printable
 
 __all__ = [
     "DEVICE_ORDER_ENV",
@@ -194,7 +195,8 @@ def parse_fake_gpus(text: str) -> list[tuple[str, float]]:
                 f"{FAKE_GPUS_ENV}: entry {position} {shown(raw)}: capacity must be a positive "
                 f"number of GiB, at most {MAX_GIB:g}; {_FAKE_FORMAT}"
             )
-        gpus.append((name, gib))
+        # An escape sequence in a name would rewrite the terminal where the name is shown.
+        gpus.append((printable(name), gib))
     return gpus
 
 
@@ -502,10 +504,11 @@ def _load_torch() -> Any:
 
 
 def _text(value: object) -> str:
-    """pynvml returns bytes for strings in old versions (and str in new ones)."""
+    """pynvml returns bytes for strings in old versions (and str in new ones). Escaped where
+    not printable: a name (a driver's, a MIG profile's) reaches the terminal and reports."""
     if isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
-    return str(value)
+        return printable(value.decode("utf-8", errors="replace"))
+    return printable(str(value))
 
 
 def _reason(exc: BaseException) -> str:

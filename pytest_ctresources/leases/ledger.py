@@ -38,6 +38,15 @@ Fairness and deadlock:
 - A turnstile byte: every process takes it before taking units, and a process that cannot
   get its units keeps it while it waits, so newcomers queue behind the waiter and a large
   lease is not starved by a stream of small ones.
+- A stopped process (Ctrl-Z, SIGSTOP, a debugger) keeps its locks but does nothing with
+  them: a waiter that is stopped must not hold the queue. The turnstile has
+  :data:`GATE_LANES` lanes; a newcomer that finds a lane held by a stopped process (state
+  ``T`` or ``t`` in ``/proc/<pid>/stat``, the holder's pid from ``F_GETLK``) goes on to the
+  next lane, and queues only behind a waiter that can run. ``WANTED`` has lanes too, and a
+  stopped process's ``WANTED`` frees no one's cache. A stopped waiter that is resumed waits
+  on in its lane, beside the one that went past it (for a while two waiters, not one, go
+  first). Where the holder cannot be seen (no ``/proc``, another pid namespace: ``F_GETLK``
+  says pid 0) it is taken to be running, as before.
 
 POSIX record locks belong to the process: they never conflict within it, and closing *any*
 descriptor of a file drops all of them. So each process opens a file once (a shared handle
@@ -67,6 +76,12 @@ POLL_MAX_SECONDS = 0.5
 TURNSTILE = 1 << 40
 WANTED = TURNSTILE + 2
 RESIDENT = 1 << 41
+#: Lanes of the turnstile and of ``WANTED``: the first is the byte older versions use, so
+#: that they queue with this one; the next ones are taken only past stopped holders.
+LANE_COUNT = 16
+GATE_LANES = (TURNSTILE, *range(TURNSTILE + 16, TURNSTILE + 16 + LANE_COUNT - 1))
+WANTED_LANES = (WANTED, *range(TURNSTILE + 48, TURNSTILE + 48 + LANE_COUNT - 1))
+_FLOCK = "hhqqi"  # struct flock on Linux (l_type, l_whence, l_start, l_len, l_pid)
 SEATS_NAME = "seats"
 LEDGER_SUFFIX = ".ledger"
 RUN_PREFIX = "run-"
@@ -74,6 +89,23 @@ RUN_PREFIX = "run-"
 
 class LeaseTimeout(Exception):
     """A lease was not granted within the timeout."""
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (``T``: SIGSTOP, SIGTSTP, Ctrl-Z; ``t``: stopped
+    by a tracer). False where it cannot be told (no ``/proc``, no such process, pid 0)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            text = handle.read(4096)
+    except OSError:
+        return False
+    # "pid (comm) state ...": the name may hold spaces and parentheses, the state follows
+    # the last ")".
+    _, _, rest = text.rpartition(b")")
+    fields = rest.split()
+    return bool(fields) and fields[0] in (b"T", b"t")
 
 
 class LedgerDirError(Exception):
@@ -102,9 +134,18 @@ def ledger_root() -> Path:
     return Path(tempfile.gettempdir()) / f"pytest-ctresources-{_uid()}"
 
 
+def _named(path: Path) -> str:
+    """``path`` as a one-line message shows it: escaped where it holds a control character
+    (a ``TMPDIR`` with a newline or an escape sequence), shortened where it is too long."""
+    from pytest_ctresources.settings.config import shown
+
+    text = str(path)
+    return text if text.isprintable() and len(text) <= 200 else shown(text)
+
+
 def _refuse(path: Path, problem: str) -> LedgerDirError:
     return LedgerDirError(
-        f"pytest-ctresources: the VRAM ledger directory {path} {problem}; it must be a "
+        f"pytest-ctresources: the VRAM ledger directory {_named(path)} {problem}; it must be a "
         "directory of your own that only you can use: remove it, or set TMPDIR to a directory "
         "of your own"
     )
@@ -184,13 +225,25 @@ def ledger_path(gpu_key: str) -> Path:
 
 def _open_lock_file(path: Path) -> int:
     """Open (creating it 0600) a lock file: never through a link, only a regular file of ours."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+    try:
+        seen = os.lstat(path)
+    except OSError:
+        seen = None
+    if seen is not None and not (stat.S_ISREG(seen.st_mode) or stat.S_ISLNK(seen.st_mode)):
+        # Refused before it is opened: opening a device node can have effects of its own.
+        # (A link is refused by O_NOFOLLOW below, which names its target.)
+        raise LedgerDirError(
+            f"pytest-ctresources: cannot use the VRAM ledger file {_named(path)}: it is a "
+            f"{_kind(seen.st_mode)}, not a regular file; remove it"
+        )
     try:
         fd = os.open(path, flags, 0o600)
     except OSError as exc:
+        remedy = "; remove it" if seen is not None else ""
         raise LedgerDirError(
-            f"pytest-ctresources: cannot open the VRAM ledger file {path}: "
-            f"{_what_is_file(path, exc)}; remove it"
+            f"pytest-ctresources: cannot open the VRAM ledger file {_named(path)}: "
+            f"{_what_is_file(path, exc)}{remedy}"
         ) from None
     info = os.fstat(fd)
     problem = None
@@ -201,7 +254,8 @@ def _open_lock_file(path: Path) -> int:
     if problem is not None:
         os.close(fd)
         raise LedgerDirError(
-            f"pytest-ctresources: cannot use the VRAM ledger file {path}: {problem}; remove it"
+            f"pytest-ctresources: cannot use the VRAM ledger file {_named(path)}: {problem}; "
+            "remove it"
         )
     return fd
 
@@ -361,6 +415,19 @@ class _LockFile:
                 self.mine.discard(byte)
                 fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, byte, os.SEEK_SET)
 
+    def holder(self, byte: int) -> int | None:
+        """The pid of another process holding ``byte`` (0: held, by a process this one
+        cannot see), or None if no other process holds it."""
+        import struct
+
+        with self.lock:
+            if byte in self.mine:
+                return None
+            query = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0) + bytes(8)
+            answer = fcntl.fcntl(self.fd, fcntl.F_GETLK, query)
+        kind, _whence, _start, _length, pid = struct.unpack_from(_FLOCK, answer)
+        return None if kind == fcntl.F_UNLCK else pid
+
     def held_elsewhere(self, byte: int) -> bool:
         """Whether another process holds ``byte`` (False for this process's own bytes)."""
         with self.lock:
@@ -372,6 +439,27 @@ class _LockFile:
                 return True
             fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, byte, os.SEEK_SET)
             return False
+
+
+@dataclass
+class Queue:
+    """What one request saw at the turnstile, for the timeout's message."""
+
+    at_gate: bool = True
+    """Not through the turnstile yet."""
+    ahead: int | None = None
+    """The pid of the running waiter it queues behind (0: not visible from here)."""
+    stopped: set[int] = field(default_factory=set)
+    """Stopped processes whose lanes it went past."""
+
+
+def _stopped(pids: set[int]) -> str:
+    listed = ", ".join(str(pid) for pid in sorted(pids))
+    which = "process" if len(pids) == 1 else "processes"
+    return (
+        f"stopped {which} (pid {listed}: Ctrl-Z or SIGSTOP); resume (fg, or kill -CONT) or end "
+        f"{'it' if len(pids) == 1 else 'them'}"
+    )
 
 
 @dataclass
@@ -402,6 +490,7 @@ class VramLedger:
     sleep: Callable[[float], None] = time.sleep
     _file: _LockFile | None = field(default=None, init=False, repr=False)
     _last_used: int | None = field(default=None, init=False, repr=False)
+    _queue: Queue = field(default_factory=Queue, init=False, repr=False)
 
     @property
     def units(self) -> int:
@@ -461,18 +550,44 @@ class VramLedger:
             pause = min(POLL_MAX_SECONDS, pause * 1.5)
 
         handle = self.file
+        self._queue = Queue()
+        lane = None
         try:
             # Through the turnstile first, newcomers included: while a process waits for its
-            # units holding it, everyone else queues behind it.
-            while not handle.try_lock(TURNSTILE):
+            # units holding it, everyone else queues behind it (unless it is stopped).
+            while (lane := self._through_gate(GATE_LANES, self._queue)) is None:
                 wait()
+            self._queue.at_gate = False
             while (got := self._take(need, check_used=True)) is None:
                 self._want_idle_caches(need)
                 wait()
         finally:
-            handle.unlock(WANTED)
-            handle.unlock(TURNSTILE)
+            for wanted in WANTED_LANES:
+                handle.unlock(wanted)
+            if lane is not None:
+                handle.unlock(lane)
         return Lease(gib, got, self.clock() - start if waited else 0.0)
+
+    def _through_gate(self, lanes: tuple[int, ...], queue: Queue | None = None) -> int | None:
+        """Take the first lane of ``lanes`` that is free, going past those a stopped process
+        holds; None while a process that can run holds one first (it goes first). ``queue``
+        notes who was in the way, for the timeout's message."""
+        handle = self.file
+        ahead = None
+        for lane in lanes:
+            if handle.try_lock(lane):
+                return lane
+            holder = handle.holder(lane)
+            if holder is None:
+                break  # let go since: taken at the next poll, in turn
+            if not process_stopped(holder):
+                ahead = holder
+                break
+            if queue is not None:
+                queue.stopped.add(holder)
+        if queue is not None:
+            queue.ahead = ahead
+        return None
 
     def try_extend(self, lease: Lease, gib: float) -> bool:
         """Add ``gib`` to ``lease`` if free now, behind no waiter (never waits).
@@ -482,12 +597,13 @@ class VramLedger:
         """
         need = units_for(gib)
         handle = self.file
-        if not handle.try_lock(TURNSTILE):
+        lane = self._through_gate(GATE_LANES)
+        if lane is None:
             return False  # someone waits: they go first
         try:
             got = self._take(need, check_used=False)
         finally:
-            handle.unlock(TURNSTILE)
+            handle.unlock(lane)
         if got is None:
             return False
         with handle.lock:
@@ -528,8 +644,14 @@ class VramLedger:
             target.gib = len(target.units) / UNITS_PER_GIB
 
     def wanted_elsewhere(self) -> bool:
-        """Whether another process waits for units that idle resident models hold."""
-        return self.file.held_elsewhere(WANTED)
+        """Whether another process that can run waits for units that idle resident models
+        hold (a stopped one's ``WANTED`` would free caches for no one)."""
+        handle = self.file
+        for wanted in WANTED_LANES:
+            holder = handle.holder(wanted)
+            if holder is not None and not process_stopped(holder):
+                return True
+        return False
 
     def free_gib(self) -> float:
         """The budget not leased by anyone right now (probes each unit)."""
@@ -557,10 +679,25 @@ class VramLedger:
         waited = self.clock() - start
         if waited < timeout_s:
             return
-        message = (
-            f"waited {waited:.0f} s for a VRAM lease of {gib:.1f} GiB; the GPU's budget is "
-            f"{self.budget_gib:.1f} GiB and {self.free_gib():.1f} GiB of it is free"
+        message = f"waited {waited:.0f} s for a VRAM lease of {gib:.1f} GiB"
+        queue = self._queue
+        if queue.at_gate and queue.ahead is not None:
+            # Held at the turnstile: what is free is not the reason, the queue is.
+            who = f"pid {queue.ahead}" if queue.ahead else "a process not visible here"
+            message += (
+                f", queued behind another run's request ({who}), itself waiting for its lease; "
+                "requests are served in turn"
+            )
+        elif queue.at_gate and queue.stopped:
+            message += f", queued behind {_stopped(queue.stopped)}, every lane of the queue"
+        message += (
+            f"; the GPU's budget is {self.budget_gib:.1f} GiB and {self.free_gib():.1f} GiB of "
+            "it is free"
         )
+        stopped = self._stopped_holders()
+        if stopped:
+            held = sum(stopped.values()) / UNITS_PER_GIB
+            message += f"; {held:.1f} GiB of it is leased by {_stopped(set(stopped))}"
         if self._last_used is not None:
             beyond = self._last_used / GIB - self.held_gib()
             if beyond > 0:
@@ -569,6 +706,22 @@ class VramLedger:
                     " GiB is used beyond the leases (other processes, CUDA contexts)"
                 )
         raise LeaseTimeout(message + " (ct_lease_timeout)")
+
+    def _stopped_holders(self) -> dict[int, int]:
+        """Units of this run's range held by stopped processes, by pid (at a timeout only:
+        one ``F_GETLK`` a unit)."""
+        handle = self.file
+        counts: dict[int, int] = {}
+        stopped: dict[int, bool] = {}
+        for unit in range(self.units):
+            pid = handle.holder(unit)
+            if pid is None:
+                continue
+            if pid not in stopped:
+                stopped[pid] = process_stopped(pid)
+            if stopped[pid]:
+                counts[pid] = counts.get(pid, 0) + 1
+        return counts
 
     def _take(self, need: int, check_used: bool) -> list[int] | None:
         """Lock ``need`` free units of this run's range, from the top down, or none."""
@@ -601,7 +754,7 @@ class VramLedger:
         """Hold ``WANTED`` (once) if idle resident models elsewhere would make room."""
         handle = self.file
         with handle.lock:
-            if WANTED in handle.mine:
+            if handle.mine.intersection(WANTED_LANES):
                 return
             free = resident = 0
             for unit in range(self.units):
@@ -612,7 +765,7 @@ class VramLedger:
                 elif handle.held_elsewhere(RESIDENT + unit):
                     resident += 1
             if resident and free + resident >= need:
-                handle.try_lock(WANTED)
+                self._through_gate(WANTED_LANES)
 
 
 def own_cached_bytes() -> int:

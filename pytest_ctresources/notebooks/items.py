@@ -7,7 +7,11 @@ collection and the item:
 - experiment YAML files that name a ``NOTEBOOK`` are collected as one test item each, when
   they are ours: listed by the ``ct_notebook_configs`` ini key (files, folders, globs) or
   named on the command line. Any other YAML file is left to whoever owns it;
-- nbmake's own notebook items are turned into the same item class;
+- nbmake's own notebook items are turned into the same item class where the plugin has
+  something to say to them: the project asks for the plugin (settings/activation.py), or the
+  notebook has ``ctresources`` metadata. Any other notebook keeps nbmake's own item, and runs
+  exactly as under nbmake alone. The swap happens in the notebook file's collect report,
+  before ``pytest_itemcollected``, so every hook after that sees (and marks) the item that runs;
 - notebook metadata (``"ctresources": {"vram_gib": 20, "marks": ["slow"]}``) becomes marks,
   so ``-m`` and VRAM skips work on notebooks as on tests;
 - a notebook that receives values (an experiment item, or a setting the user set) runs with
@@ -24,8 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import os
+import stat
 import warnings
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,16 +40,23 @@ import pytest
 from pytest_ctresources.core.runtime import runtime_of
 from pytest_ctresources.core.state import state_of
 from pytest_ctresources.exceptions import CtResourcesWarning
+from pytest_ctresources.notebooks.inputs import read_notebook, trusted_notebook
 from pytest_ctresources.notebooks.kernels import kernel_environment, kernel_launch
 from pytest_ctresources.notebooks.params import (
+    METADATA_KEY,
     check_params,
     inject_parameters,
     injected_values,
     notebook_metadata,
     values_with_sources,
 )
+from pytest_ctresources.settings.activation import ACTIVATION_KEY, ASKED
 from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig, ConfigError
-from pytest_ctresources.settings.experiment_yaml import ExperimentFile, load_experiment_yaml
+from pytest_ctresources.settings.experiment_yaml import (
+    MAX_BYTES,
+    ExperimentFile,
+    load_experiment_yaml,
+)
 from pytest_ctresources.settings.options import NOTEBOOK_CONFIGS_INI
 
 if TYPE_CHECKING:
@@ -51,6 +64,7 @@ if TYPE_CHECKING:
     from pytest_ctresources.estimator.auto import Budget, Room
 
 YAML_SUFFIXES = (".yaml", ".yml")
+NOTEBOOK_LINE = b"NOTEBOOK:"
 
 
 class NotebookWarning(CtResourcesWarning):
@@ -88,16 +102,19 @@ def make_item_class() -> type:
             parent: Any,
             filename: str,
             experiment: ExperimentFile | None = None,
+            config_error: str | None = None,
             **kwargs: Any,
         ) -> None:
             pytest.Item.__init__(self, name, parent, **kwargs)
             self.filename = filename
             self.experiment = experiment
-            self._prepare()
+            self.stash[ASKED] = True  # the plugin runs it: it acts for it (activation.py)
+            if config_error is not None:  # a config that could not be read: nothing to prepare
+                state_of(self).config_error = config_error
+            else:
+                self._prepare()
 
         def _prepare(self) -> None:
-            import nbformat
-
             settings = runtime_of(self.config).settings
             try:
                 # The item's own experiment config (the YAML naming the notebook) beats the
@@ -109,28 +126,29 @@ def make_item_class() -> type:
                     if experiment is not None:
                         check_params(experiment.params, experiment.path)
                 state_of(self).config = cfg
+                if self.experiment is not None:
+                    # A config is data anyone may have written: it names only a notebook
+                    # of the user's, in its own tree or the rootdir (docs/security.md).
+                    config_path = Path(self.experiment.path).resolve()
+                    self.filename = str(
+                        trusted_notebook(
+                            self.experiment.path,
+                            Path(self.filename),
+                            shown_path(self.filename, self.config),
+                            (config_path.parent, self.config.rootpath),
+                        )
+                    )
+                where = shown_path(self.filename, self.config)
+                # Read once here, so that a notebook nbformat or nbclient cannot run fails
+                # its own item at setup in one line, and its metadata marks select it.
+                marks, need = notebook_metadata(read_notebook(Path(self.filename), where), where)
             except ConfigError as exc:
                 state_of(self).config_error = str(exc)
                 return
-            if self.experiment is not None and not Path(self.filename).is_file():
-                state_of(self).config_error = (
-                    f"{self.experiment.path}: NOTEBOOK names "
-                    f"{shown_path(self.filename, self.config)}, which is not a file"
-                )
-                return
             try:
-                nb = nbformat.read(self.filename, as_version=4)
-            except Exception:  # nbformat raises many kinds for a file that is no notebook
-                return  # no metadata to read; the run fails it as nbmake does, with its message
-            where = shown_path(self.filename, self.config)
-            try:
-                marks, need = notebook_metadata(nb, where)
                 for mark in marks:
                     # Under --strict-markers an unregistered name fails here (pytest.fail).
                     self.add_marker(mark)
-            except ConfigError as exc:
-                state_of(self).config_error = str(exc)
-                return
             except pytest.fail.Exception as exc:
                 state_of(self).config_error = f"{where}: metadata 'ctresources.marks': {exc.msg}"
                 return
@@ -230,9 +248,11 @@ def run_notebook(item: Any) -> None:
     if cfg.batch_size == AUTO:
         cfg = _resolve_auto(item, runtime, cfg)
     source = Path(item.filename)
-    # Read as nbmake's runner reads it: a file that is no notebook raises what nbmake
-    # reports (its own message for one that is not JSON).
-    nb = nbformat.read(str(source), as_version=4)
+    where = shown_path(source, item.config)
+    try:  # read again: the file may have changed since collection
+        nb = read_notebook(source, where)
+    except ConfigError as exc:
+        pytest.fail(str(exc), pytrace=False)
     values = injected_values(cfg)
     settings = runtime.settings
     experiment = item.experiment or settings.experiment
@@ -275,6 +295,10 @@ def run_notebook(item: Any) -> None:
                 result = run.execute()
             except DeadKernelError as exc:
                 raise KernelDied(f"the kernel running {source} died: {exc}") from None
+            except RuntimeError as exc:
+                # jupyter_client's word for a kernel that exited before it answered, or did
+                # not answer within the start-up timeout.
+                raise KernelDied(f"{where}: its kernel did not start: {exc}") from None
     finally:
         if launch is not None and launch.figures is not None:
             state_of(item).kernel_figures = launch.figures
@@ -323,6 +347,7 @@ class NotebookSupport:
 
     def __init__(self, config: pytest.Config) -> None:
         self._item_class: Any = None
+        self.project_wide = project_wide(config)
         self.configs = NotebookConfigs(config)
         for pattern in self.configs.unmatched:
             # As pytest says of testpaths that match nothing: a typo would collect nothing.
@@ -353,24 +378,79 @@ class NotebookSupport:
             return None
         return ExperimentNotebookFile.from_parent(parent, path=file_path)
 
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        # Before -m deselection runs: nbmake's items become ours, with the metadata marks.
-        for index, item in enumerate(items):
-            if getattr(item, "nbmake", False) and not isinstance(item, self.item_class):
-                items[index] = self.item_class.from_parent(
-                    item.parent,
-                    name=item.name,
-                    filename=item.filename,  # type: ignore[attr-defined]
-                )
+    @pytest.hookimpl(wrapper=True, trylast=True)
+    def pytest_make_collect_report(
+        self, collector: pytest.Collector
+    ) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+        # Innermost of the wrappers, so that every other plugin's wrapper, and every hook
+        # after collection (pytest_itemcollected, modifyitems), sees the item that will run.
+        report = yield
+        if report.result:
+            report.result = [self._ours(node) for node in report.result]
+        return report
+
+    def _ours(self, node: pytest.Item | pytest.Collector) -> pytest.Item | pytest.Collector:
+        """``node`` itself, or the plugin's item in place of nbmake's item where the plugin
+        has something to say to that notebook."""
+        if not getattr(node, "nbmake", False) or isinstance(node, self.item_class):
+            return node
+        filename = str(node.filename)  # type: ignore[union-attr]
+        if not (self.project_wide or has_ctresources_metadata(Path(filename))):
+            return node
+        item: pytest.Item = self.item_class.from_parent(
+            node.parent, name=node.name, filename=filename
+        )
+        return item
+
+
+def project_wide(config: pytest.Config) -> bool:
+    """Whether the project asks the plugin to act for every test (settings/activation.py)."""
+    activation = config.stash.get(ACTIVATION_KEY, None)
+    if activation is None:  # not decided by the plugin's wiring yet: decide it the same way
+        from pytest_ctresources.settings.resolve import activation_from_config
+
+        activation = activation_from_config(config, config.option)
+    return activation.project_wide
+
+
+def has_ctresources_metadata(path: Path) -> bool:
+    """Whether the notebook at ``path`` has ``ctresources`` metadata (then the plugin runs
+    it). A file that cannot be read as JSON has none: nbmake reports it as it would alone."""
+    import json
+
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO would block collection
+            return False
+        data = path.read_bytes()
+    except OSError:
+        return False
+    if METADATA_KEY.encode() not in data:  # most notebooks: no JSON parse at collection
+        return False
+    try:
+        nb = json.loads(data)
+    except (ValueError, RecursionError):
+        return False
+    metadata = nb.get("metadata") if isinstance(nb, dict) else None
+    return isinstance(metadata, dict) and METADATA_KEY in metadata
 
 
 def _names_a_notebook(path: Path) -> bool:
+    """Whether the YAML file at ``path`` has a ``NOTEBOOK:`` line in the most a config may
+    hold (:data:`MAX_BYTES`; a larger one is refused when it is read). A FIFO or a device is
+    no config: opened without blocking, it is never read."""
     try:
-        with path.open(encoding="utf-8") as handle:
-            return any(line.startswith("NOTEBOOK:") for line in handle)
-    except (OSError, UnicodeDecodeError):
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
         return False
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):  # os.fdopen refuses a directory
+        os.close(descriptor)
+        return False
+    with os.fdopen(descriptor, "rb") as handle:
+        try:
+            head = handle.read(MAX_BYTES + 1)
+        except OSError:
+            return False
+    return head.startswith(NOTEBOOK_LINE) or b"\n" + NOTEBOOK_LINE in head
 
 
 class ExperimentNotebookFile(pytest.File):
@@ -383,9 +463,9 @@ class ExperimentNotebookFile(pytest.File):
         try:
             experiment = load_experiment_yaml(self.path)
         except ConfigError as exc:
-            item = item_class.from_parent(self, name=self.path.name, filename=str(self.path))
-            state_of(item).config_error = str(exc)
-            yield item
+            yield item_class.from_parent(
+                self, name=self.path.name, filename=str(self.path), config_error=str(exc)
+            )
             return
         assert experiment.notebook is not None
         yield item_class.from_parent(

@@ -6,16 +6,20 @@ nbmake would start, in the project's own IPython profile:
 - its environment: the pytest process's, plus the session's settings (``CT_*``); the
   allocator default ``PYTORCH_CUDA_ALLOC_CONF`` comes with the pytest process's environment.
   It is passed to ``start_kernel(env=...)``; ``os.environ`` is never changed;
-- for an IPython kernel (ipykernel), a start-up file run by a line on its command line
-  (``--IPKernelApp.code_to_run``) that applies ``--ct-vram-capacity`` inside the kernel and
-  writes the kernel's CUDA peak to a file at exit. It leaves no name in the notebook's
-  namespace, and the project's ``IPYTHONDIR``, profile, start-up files and the profile's
-  own ``exec_files``/``exec_lines`` still run (a list given on the command line would
-  replace the profile's; ``code_to_run``, the ``ipython -c`` option, is one no profile
-  needs);
+- for an IPython kernel (ipykernel), a start-up file given as an extra IPython config file
+  (``--IPKernelApp.extra_config_file``), which IPython executes after the profile's own
+  config files, in a namespace of its own: it applies ``--ct-vram-capacity`` inside the
+  kernel and writes the kernel's CUDA peak to a file at exit, and configures nothing. It
+  leaves no name in the notebook's namespace, and the project's ``IPYTHONDIR``, profile,
+  start-up files, ``exec_lines``/``exec_files`` and ``code_to_run``/``file_to_run`` all still
+  run (``--IPKernelApp.code_to_run``, used before, replaced the profile's ``code_to_run``,
+  and IPython skips ``file_to_run`` when ``code_to_run`` is set; a list on the command line
+  would replace the profile's list);
 - IPC sockets instead of TCP ports, so parallel xdist workers never race for a port
   (nbmake#129: jupyter_client picks free ports by binding and closing them, and the kernel
-  binds them later). The sockets live in a private directory made for each kernel.
+  binds them later). The sockets live in a private directory made for each kernel; where
+  that directory's path is too long for a socket address (a long ``TMPDIR``), in a private
+  directory under ``/tmp``, and where even that cannot be, on TCP as under nbmake alone.
 
 Imported only under ``--nbmake`` (it imports jupyter_client's machinery when a kernel starts).
 """
@@ -40,41 +44,46 @@ VRAM_FILE_ENV = "CT_NOTEBOOK_VRAM_FILE"
 CAPACITY_ENV = "CT_VRAM_CAPACITY"
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
-# Runs in the kernel at start-up, in the notebook's namespace (IPython runs code_to_run
-# there, after the profile's start-up files, exec_lines and exec_files), without a visible
-# cell or an execution count; the one name it defines it deletes. It caps the
-# allocator like the pytest process (importing torch only when a cap is set) and reports the
-# kernel's CUDA figures at exit, using only what the kernel itself loaded.
+# Executed by IPython in the kernel process as an extra config file, after the profile's own
+# config files and before the kernel and its shell exist: nothing it defines reaches the
+# notebook, and it sets no config (``c`` is left empty), so the profile's settings all stand.
+# It caps the allocator like the pytest process (importing torch only when a cap is set) and
+# reports the kernel's CUDA figures at exit, using only what the kernel itself loaded.
 KERNEL_STARTUP = """\
-def _ctresources_kernel_startup():
-    import atexit
-    import os
+import atexit
+import os
 
-    if os.environ.get("CT_VRAM_CAPACITY"):
-        from pytest_ctresources.gpu.allocator import CapacityCap
+if os.environ.get("CT_VRAM_CAPACITY"):
+    from pytest_ctresources.gpu.allocator import CapacityCap
 
-        CapacityCap(float(os.environ["CT_VRAM_CAPACITY"])).arm(import_torch=True)
-
-    def report_vram():
-        import json, sys
-        path = os.environ.get("CT_NOTEBOOK_VRAM_FILE")
-        torch = sys.modules.get("torch")
-        if not path or torch is None or not torch.cuda.is_initialized():
-            return
-        device = torch.cuda.current_device()
-        with open(path, "w") as handle:
-            json.dump({
-                "device": device,
-                "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
-                "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
-            }, handle)
-
-    atexit.register(report_vram)
+    CapacityCap(float(os.environ["CT_VRAM_CAPACITY"])).arm(import_torch=True)
 
 
-_ctresources_kernel_startup()
-del _ctresources_kernel_startup
+def _ctresources_report_vram():
+    import json, sys
+    path = os.environ.get("CT_NOTEBOOK_VRAM_FILE")
+    torch = sys.modules.get("torch")
+    if not path or torch is None or not torch.cuda.is_initialized():
+        return
+    device = torch.cuda.current_device()
+    with open(path, "w") as handle:
+        json.dump({
+            "device": device,
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        }, handle)
+
+
+atexit.register(_ctresources_report_vram)
 """
+
+#: How the start-up file reaches ipykernel: IPython loads this extra config file after the
+#: profile's (``--config`` is its short form, which a kernelspec may already use).
+STARTUP_OPTION = "--IPKernelApp.extra_config_file"
+
+#: The longest socket path the kernel may be given: ``sun_path`` holds 108 bytes with its
+#: NUL, and jupyter_client appends ``-<port>`` (one digit for the five channels, but be safe).
+MAX_SOCKET_PATH = 100
 
 
 def kernel_environment(
@@ -98,12 +107,16 @@ def kernel_environment(
     return env
 
 
-def startup_line(path: str) -> str:
-    """The line ipykernel runs at start-up (``code_to_run``): the start-up file, executed in
-    the notebook's namespace under its own name (so a traceback names the file), read
-    without leaving a name or an open file behind."""
-    text = f"__import__('pathlib').Path({path!r}).read_text(encoding='utf-8')"
-    return f"exec(compile({text}, {path!r}, 'exec'))"
+def startup_argument(path: str, argv: list[str]) -> str | None:
+    """The argument that makes ipykernel (kernelspec command ``argv``) load the start-up
+    file, or None where it must not be given: a kernel that is not ipykernel would refuse
+    the option, and one whose kernelspec already names an extra config file would lose it
+    (the option holds one file)."""
+    if not is_ipython_kernel(argv):
+        return None
+    if any("--config" in part or "extra_config_file" in part for part in argv):
+        return None
+    return f"{STARTUP_OPTION}={path}"
 
 
 def is_ipython_kernel(argv: list[str]) -> bool:
@@ -129,13 +142,15 @@ def ipc_kernel_manager() -> type:
         """A kernel on IPC sockets, started with the plugin's start-up file if it is ipykernel."""
 
         startup_file = Unicode(
-            "", config=True, help="a file ipykernel runs at start-up (IPKernelApp.code_to_run)"
+            "", config=True, help="a file ipykernel loads at start-up (as an extra config file)"
         )
 
         def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
             arguments = list(extra_arguments or [])
-            if self.startup_file and is_ipython_kernel(list(self.kernel_spec.argv)):
-                arguments.append(f"--IPKernelApp.code_to_run={startup_line(self.startup_file)}")
+            if self.startup_file:
+                argument = startup_argument(self.startup_file, list(self.kernel_spec.argv))
+                if argument is not None:
+                    arguments.append(argument)
             command: list[str] = super().format_kernel_cmd(arguments)
             return command
 
@@ -163,7 +178,10 @@ def kernel_launch(extra_env: Mapping[str, str]) -> Iterator[KernelLaunch]:
 
     # mkdtemp: a new directory, mode 0700, that nobody else can have prepared or can enter.
     scratch = Path(tempfile.mkdtemp(prefix="ctresources-nb-"))
+    sockets: Path | None = None
     try:
+        sockets = socket_directory(scratch)
+        transport = {"transport": "ipc", "ip": str(sockets / "kernel")} if sockets else {}
         startup = scratch / "startup.py"
         startup.write_text(KERNEL_STARTUP, encoding="utf-8")
         vram_file = scratch / "vram.json"
@@ -172,11 +190,8 @@ def kernel_launch(extra_env: Mapping[str, str]) -> Iterator[KernelLaunch]:
             manager_class=ipc_kernel_manager(),
             config=Config(
                 {
-                    "IpcKernelManager": {
-                        "transport": "ipc",
-                        "ip": str(scratch / "kernel"),
-                        "startup_file": str(startup),
-                    }
+                    # No socket directory: jupyter_client's TCP default, as under nbmake.
+                    "IpcKernelManager": {**transport, "startup_file": str(startup)}
                 }
             ),
         )
@@ -185,7 +200,29 @@ def kernel_launch(extra_env: Mapping[str, str]) -> Iterator[KernelLaunch]:
         finally:
             launch.figures = read_figures(vram_file)
     finally:
+        if sockets is not None and sockets != scratch:
+            shutil.rmtree(sockets, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def socket_directory(scratch: Path) -> Path | None:
+    """Where a kernel's IPC sockets go: ``scratch`` when its socket paths fit in a socket
+    address, else a private directory made under ``/tmp`` (the temp directory a long
+    ``TMPDIR`` replaced), else None (use TCP, as nbmake does)."""
+    if fits_socket_path(scratch):
+        return scratch
+    short = Path("/tmp")
+    if short.is_dir() and fits_socket_path(short / "ctresources-nb-xxxxxxxx"):
+        try:
+            return Path(tempfile.mkdtemp(prefix="ctresources-nb-", dir=short))
+        except OSError:  # /tmp not writable here
+            return None
+    return None
+
+
+def fits_socket_path(directory: Path) -> bool:
+    """Whether the kernel's socket paths in ``directory`` fit in ``sun_path``."""
+    return len(os.fsencode(directory / "kernel-99999")) <= MAX_SOCKET_PATH
 
 
 def read_figures(path: Path) -> VramFigures | None:

@@ -19,7 +19,8 @@ import unicodedata
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from pytest_ctresources.settings.config import FIELDS, CircuitTracerConfig, ConfigError
+from pytest_ctresources.notebooks.inputs import finite_need
+from pytest_ctresources.settings.config import FIELDS, CircuitTracerConfig, ConfigError, shown
 
 if TYPE_CHECKING:
     from nbformat import NotebookNode
@@ -77,6 +78,15 @@ def python_literal(value: object) -> str:
     raise NotALiteral(f"{article} {name}{hint}, which has no Python literal")
 
 
+def _quoted(key: object) -> str:
+    """A ``PARAMS`` key as messages quote it: whole (repr-escaped, so one line) up to 200
+    characters, so that a key that is code is shown as it is; longer, or not a string
+    (an integer of 5000 digits), cut short."""
+    if isinstance(key, str) and len(key) <= 200:
+        return repr(key)
+    return shown(key)
+
+
 def check_params(params: Mapping[Any, Any], where: str) -> None:
     """Check that every ``PARAMS`` entry of the config file ``where`` can become a notebook
     variable: its key a plain identifier that is no setting, its value a literal.
@@ -91,7 +101,7 @@ def check_params(params: Mapping[Any, Any], where: str) -> None:
             or (key.startswith("__") and key.endswith("__"))
         ):
             raise ConfigError(
-                f"{where}: PARAMS key {key!r} is not a name a notebook variable can have: "
+                f"{where}: PARAMS key {_quoted(key)} is not a name a notebook variable can have: "
                 "a notebook gets each PARAMS entry as NAME = value, so a key must be a plain "
                 "Python identifier (letters, digits, underscores; no keyword, no __dunder__)"
             )
@@ -99,7 +109,7 @@ def check_params(params: Mapping[Any, Any], where: str) -> None:
             # Python binds the NFKC form of an identifier: the checks above and below must
             # see the name the notebook will get (a fullwidth B makes BATCH_SIZE there).
             raise ConfigError(
-                f"{where}: PARAMS key {key!r} is not a name a notebook variable can have "
+                f"{where}: PARAMS key {_quoted(key)} is not a name a notebook variable can have "
                 f"as written: Python would read it as "
                 f"{unicodedata.normalize('NFKC', key)!r}; write that"
             )
@@ -111,9 +121,11 @@ def check_params(params: Mapping[Any, Any], where: str) -> None:
         try:
             python_literal(value)
         except NotALiteral as exc:
-            raise ConfigError(f"{where}: PARAMS value of {key!r} is {exc}") from None
+            raise ConfigError(f"{where}: PARAMS value of {_quoted(key)} is {exc}") from None
         except RecursionError:
-            raise ConfigError(f"{where}: PARAMS value of {key!r} is nested too deeply") from None
+            raise ConfigError(
+                f"{where}: PARAMS value of {_quoted(key)} is nested too deeply"
+            ) from None
 
 
 def injected_values(cfg: CircuitTracerConfig) -> dict[str, Any]:
@@ -189,6 +201,11 @@ def inject_parameters(nb: NotebookNode, values: Mapping[str, Any]) -> str | None
     return "has no cell tagged 'parameters': the injected parameters run first"
 
 
+def _key(key: str) -> str:
+    """A metadata key as messages show it: as written, unless that could break the line."""
+    return key if key.isprintable() and len(key) <= 60 else shown(key)
+
+
 def notebook_metadata(nb: NotebookNode, where: str) -> tuple[list[str], float | None]:
     """The marks and VRAM need a notebook declares in ``metadata.ctresources``.
 
@@ -196,25 +213,25 @@ def notebook_metadata(nb: NotebookNode, where: str) -> tuple[list[str], float | 
     """
     raw = nb.get("metadata", {}).get(METADATA_KEY, {})
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: metadata '{METADATA_KEY}' must be an object, got {raw!r}")
+        raise ConfigError(f"{where}: metadata '{METADATA_KEY}' must be an object, got {shown(raw)}")
     unknown = set(raw) - {"marks", "vram_gib"}
     if unknown:
+        names = ", ".join(_key(key) for key in sorted(unknown))
         raise ConfigError(
-            f"{where}: unknown key(s) {', '.join(sorted(unknown))} in metadata "
-            f"'{METADATA_KEY}'; known: marks, vram_gib"
+            f"{where}: unknown key(s) {names} in metadata '{METADATA_KEY}'; known: marks, vram_gib"
         )
     marks = raw.get("marks", [])
     if not isinstance(marks, list) or not all(
         isinstance(m, str) and m.isidentifier() for m in marks
     ):
         raise ConfigError(
-            f"{where}: metadata '{METADATA_KEY}.marks' must be a list of mark names, got {marks!r}"
+            f"{where}: metadata '{METADATA_KEY}.marks' must be a list of mark names, "
+            f"got {shown(marks)}"
         )
     need = raw.get("vram_gib")
-    if need is not None and (
-        isinstance(need, bool) or not isinstance(need, (int, float)) or not need > 0
-    ):
+    if need is not None and not finite_need(need):
         raise ConfigError(
-            f"{where}: metadata '{METADATA_KEY}.vram_gib' must be a positive number, got {need!r}"
+            f"{where}: metadata '{METADATA_KEY}.vram_gib' must be a positive number, "
+            f"got {shown(need)}"
         )
     return marks, float(need) if need is not None else None

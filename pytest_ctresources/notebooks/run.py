@@ -17,6 +17,7 @@ Imported only under ``--nbmake``.
 
 from __future__ import annotations
 
+import atexit
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,17 @@ from nbmake.nb_result import NotebookError, NotebookResult
 from nbmake.nb_run import CellImportError, NotebookRun
 
 from pytest_ctresources.notebooks.kernels import KernelLaunch
+
+#: nbclient's own wait for a kernel to start, in seconds.
+STARTUP_TIMEOUT = 60
+
+
+def startup_timeout(cell_timeout: int | None) -> int:
+    """How long to wait for the kernel to start: nbclient's 60 s, or the cell timeout where
+    that is shorter (``None`` or ``-1``: no cell timeout)."""
+    if cell_timeout is None or cell_timeout <= 0:
+        return STARTUP_TIMEOUT
+    return min(STARTUP_TIMEOUT, cell_timeout)
 
 
 class KernelRun(NotebookRun):  # type: ignore[misc]  # (Any base: nbmake is untyped here)
@@ -77,12 +89,22 @@ class KernelRun(NotebookRun):  # type: ignore[misc]  # (Any base: nbmake is unty
                 allow_errors=allow_errors or self.find_import_errors,
                 interrupt_on_timeout=self.find_import_errors,
                 record_timing=True,
+                # nbclient waits 60 s for a kernel that never answers; a notebook whose
+                # cells may take only N s should not wait longer for its kernel to start.
+                startup_timeout=startup_timeout(timeout),
                 kernel_manager_class=self.launch.manager_class,
                 config=self.launch.config,
                 **extra_kwargs,
             )
             client.on_cell_executed = self._cell_hook(client)
-            client.execute(cwd=str(self.filename.parent), env=self.launch.env)
+            try:
+                client.execute(cwd=str(self.filename.parent), env=self.launch.env)
+            finally:
+                # nbclient 0.10 registers its kernel cleanup with atexit before starting the
+                # kernel and unregisters it only once the kernel has started: a kernel that
+                # fails to start would leave it to fail again ("Exception ignored in atexit
+                # callback", a traceback) when the pytest process exits.
+                atexit.unregister(client._cleanup_kernel)
         except CellImportError:
             error = self._get_error(nb)
         except CellExecutionError:

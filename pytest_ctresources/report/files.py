@@ -14,12 +14,13 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import signal
 import stat
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -39,6 +40,15 @@ SCHEMA_VERSION = 2
 JSON_FLAG = "--ct-report-json"
 PLOT_FLAG = "--ct-report-plot"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+#: How every JSON report begins: an object whose first key is ``schema``, the report's
+#: (``json.dumps`` keeps it first; any spacing, as a tool that rewrites the file may leave).
+JSON_MARK = re.compile(rb'\{\s*"schema"\s*:\s*"' + re.escape(SCHEMA.encode()) + rb'"\s*,')
+#: The PNG ``tEXt`` chunk that marks a VRAM plot the plugin wrote (matplotlib writes it,
+#: after ``IHDR``, from ``savefig(metadata=...)``): any other PNG is someone's image.
+PLOT_MARK_KEY = "pytest-ctresources"
+PLOT_MARK_VALUE = "vram-plot"
+#: How much of an existing file is read to recognise a report (the marks are at its start).
+HEAD_BYTES = 4096
 
 
 class TargetError(ValueError):
@@ -59,19 +69,76 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _is_ours(path: Path, flag: str) -> bool:
-    """Whether a regular file at ``path`` is empty or a report of this kind (earlier run's)."""
-    try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
+def named(value: str) -> str:
+    """A path as a one-line message shows it: as typed, or, holding a control character
+    (a newline, an escape sequence) or too long to read, escaped and shortened as pytest
+    shows a node id."""
+    return value if value.isprintable() and len(value) <= 200 else shown(value)
+
+
+def _png_marked(head: bytes) -> bool:
+    """Whether ``head`` is the start of a PNG holding the plugin's ``tEXt`` mark before its
+    image data (chunks: 4-byte length, 4-byte type, data, 4-byte CRC)."""
+    if not head.startswith(PNG_MAGIC):
         return False
+    mark = PLOT_MARK_KEY.encode("latin-1") + b"\0" + PLOT_MARK_VALUE.encode("latin-1")
+    offset = len(PNG_MAGIC)
+    while offset + 8 <= len(head):
+        length = int.from_bytes(head[offset : offset + 4], "big")
+        kind = head[offset + 4 : offset + 8]
+        if kind in (b"IDAT", b"IEND") or offset + 12 + length > len(head):
+            return False  # (a chunk cut short, or longer than the file: not ours)
+        if kind == b"tEXt" and head[offset + 8 : offset + 8 + length] == mark:
+            return True
+        offset += 12 + length
+    return False
+
+
+def _recognised(head: bytes, flag: str) -> bool:
+    """Whether ``head`` (the start of a file) is a report of ``flag``'s kind the plugin wrote."""
+    return _png_marked(head) if flag == PLOT_FLAG else JSON_MARK.match(head) is not None
+
+
+def refusal(path: Path, value: str, flag: str) -> str | None:
+    """Why the entry at ``path`` may not be replaced by a report of ``flag``, in one line; None
+    when nothing is there or it is a report of that kind the plugin wrote for this user.
+
+    Only such a file is replaced (issue 21, N3): not any PNG, not another user's report (root
+    would make it root's and 0600), not another user's empty file. The user's own empty file
+    is a name reserved for the report (``mktemp``) and is replaced. Never follows a link and
+    never opens anything but a regular file (opening a device can have effects); the checks
+    are made on what was opened.
+    """
+    try:
+        seen = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(seen.st_mode):
+        return f"{value} is {_kind(seen.st_mode)}"
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        descriptor = os.open(path, flags)
+    except OSError as exc:
+        return f"{value} cannot be read to tell whether it is a report ({exc.strerror})"
     with os.fdopen(descriptor, "rb") as handle:
-        head = handle.read(256)
-    if not head:
-        return True
-    if flag == PLOT_FLAG:
-        return head.startswith(PNG_MAGIC)
-    return head.lstrip().startswith(b"{") and f'"{SCHEMA}"'.encode() in head
+        info = os.fstat(handle.fileno())
+        if (info.st_dev, info.st_ino) != (seen.st_dev, seen.st_ino) or not stat.S_ISREG(
+            info.st_mode
+        ):
+            return f"{value} changed while it was looked at"
+        if info.st_uid != os.geteuid():
+            return f"{value} belongs to uid {info.st_uid}, not to you (uid {os.geteuid()})"
+        if info.st_size == 0:
+            return None
+        head = handle.read(HEAD_BYTES)
+    if _recognised(head, flag):
+        return None
+    what = (
+        "a PNG image that pytest-ctresources wrote (its VRAM plot)"
+        if flag == PLOT_FLAG
+        else "a pytest-ctresources JSON report"
+    )
+    return f"{value} exists and is not {what}"
 
 
 def check_target(value: str, flag: str, invocation_dir: Path) -> Path:
@@ -80,6 +147,7 @@ def check_target(value: str, flag: str, invocation_dir: Path) -> Path:
     if "\0" in value:
         raise TargetError(f"{shown(value)} is not a valid path (it contains a NUL character)")
     path = invocation_dir / value
+    value = named(value)
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
@@ -90,17 +158,13 @@ def check_target(value: str, flag: str, invocation_dir: Path) -> Path:
     if mode is not None and not stat.S_ISREG(mode):
         raise TargetError(f"{value} is {_kind(mode)}")
     if not parent.is_dir():
-        raise TargetError(f"cannot write {value}: directory {parent} does not exist")
+        raise TargetError(f"cannot write {value}: directory {named(str(parent))} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK) or (
         mode is not None and not os.access(path, os.W_OK)
     ):
         raise TargetError(f"cannot write {value}: permission denied")
-    if mode is not None and not _is_ours(path, flag):
-        what = "a PNG image" if flag == PLOT_FLAG else "a pytest-ctresources JSON report"
-        raise TargetError(
-            f"{value} exists and is not {what}: it is not replaced (remove it, or name another "
-            "path)"
-        )
+    if mode is not None and (problem := refusal(path, value, flag)) is not None:
+        raise TargetError(f"{problem}: it is not replaced (remove it, or name another path)")
     return path
 
 
@@ -177,15 +241,17 @@ def build_report(
     }
 
 
-def write_file(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+def write_file(path: Path, write: Callable[[IO[bytes]], None], flag: str | None = None) -> None:
     """Write ``path`` without ever destroying what is there if it fails or is not ours.
 
     ``write`` fills a temporary file created exclusively (``O_EXCL``, mode 0600, never
     through a link) in the same directory; it is synced, then renamed over ``path`` only if
-    ``path`` is still a regular file or absent. A reader never sees a half-written file, a
-    failure (disk full, directory gone, read-only file system) leaves the old file intact
-    and no temporary behind, and a device node or a link planted at ``path`` during the run
-    is left alone. Raises ``OSError`` or :class:`TargetError`.
+    ``path`` is still a regular file or absent, and, for a report of ``flag``, one the plugin
+    wrote for this user (:func:`refusal`: what another user put there during the run is
+    theirs). A reader never sees a half-written file, a failure (disk full, directory gone,
+    read-only file system) leaves the old file intact and no temporary behind, and a device
+    node or a link planted at ``path`` during the run is left alone. Raises ``OSError`` or
+    :class:`TargetError`.
     """
     descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
@@ -198,7 +264,9 @@ def write_file(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         except FileNotFoundError:
             mode = stat.S_IFREG
         if not stat.S_ISREG(mode):
-            raise TargetError(f"{path} is now {_kind(mode)}; it is left alone")
+            raise TargetError(f"{named(str(path))} is now {_kind(mode)}; it is left alone")
+        if flag is not None and (problem := refusal(path, named(str(path)), flag)) is not None:
+            raise TargetError(f"{problem}; it is left alone")
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
@@ -211,7 +279,7 @@ def write_json(path: Path, document: dict[str, Any]) -> None:
     def dump(handle: IO[bytes]) -> None:
         handle.write(json.dumps(document, indent=2, default=str).encode("utf-8") + b"\n")
 
-    write_file(path, dump)
+    write_file(path, dump, JSON_FLAG)
 
 
 def write_plot(
@@ -221,12 +289,18 @@ def write_plot(
     from pytest_ctresources.report import plot
 
     drawn = plot.figure(summary, capacity_gib, capacity_note)
-    write_file(path, lambda handle: drawn.savefig(handle, format="png", dpi=plot.DPI))
+    # The mark tells a later run this file is the plugin's to replace (refusal).
+    metadata = {PLOT_MARK_KEY: PLOT_MARK_VALUE}
+    write_file(
+        path,
+        lambda handle: drawn.savefig(handle, format="png", dpi=plot.DPI, metadata=metadata),
+        PLOT_FLAG,
+    )
 
 
 def _reason(exc: BaseException, path: Path) -> str:
     if isinstance(exc, FileNotFoundError) and not path.parent.is_dir():
-        return f"its directory {path.parent} no longer exists"
+        return f"its directory {named(str(path.parent))} no longer exists"
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror  # the temporary file's name, in exc.filename, would only confuse
     text = str(exc).strip()
@@ -239,7 +313,8 @@ def _attempt(flag: str, path: Path, write: Callable[[], None]) -> bool:
     except Exception as exc:  # a report that cannot be written never changes the outcome
         warnings.warn(
             ReportFileWarning(
-                f"ctresources: {flag} {path} was not written: {_reason(exc, path)}; the file "
+                f"ctresources: {flag} {named(str(path))} was not written: {_reason(exc, path)}; "
+                "the file "
                 "there, if any, is unchanged"
             ),
             stacklevel=1,
@@ -300,7 +375,15 @@ class SigtermReport:
     Python handler: it is called), as coverage.py's ``sigterm`` option does. A SIGTERM
     that arrives while a report is being written waits until the file is complete.
     ``restore`` (at unconfigure) puts the previous handler back if ours is still there.
+
+    Code the run runs may take SIGTERM over: nbclient runs each notebook under an asyncio
+    loop whose ``add_signal_handler``/``remove_signal_handler`` leave ``SIG_DFL`` behind, so
+    after one notebook a SIGTERM would end the run with no report. As a plugin, the guard
+    looks after each phase of each test (:meth:`pytest_runtest_makereport`) and takes
+    SIGTERM back (:meth:`reassert`).
     """
+
+    name = "ctresources-sigterm-report"
 
     def __init__(self, write: Callable[[], None]) -> None:
         self._write = write
@@ -321,6 +404,34 @@ class SigtermReport:
         signal.signal(signal.SIGTERM, self._handle)
         self._installed = True
         return True
+
+    def reassert(self) -> None:
+        """Take SIGTERM back if something replaced our handler since :meth:`install`.
+
+        ``SIG_DFL`` (what asyncio's ``remove_signal_handler`` leaves, after nbclient) is
+        taken back keeping what we chain to: the state before the test is restored. Another
+        Python handler is chained to, as one there at start-up would be. ``SIG_IGN`` (and a
+        handler not set from Python) is the code's explicit choice and is left as it is.
+        """
+        if not self._installed or threading.current_thread() is not threading.main_thread():
+            return
+        current = signal.getsignal(signal.SIGTERM)
+        if current == self._handle or current is None or current == signal.SIG_IGN:
+            return
+        if current != signal.SIG_DFL:
+            self._previous = current
+        signal.signal(signal.SIGTERM, self._handle)
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        """Right after each phase of a test (setup, call, teardown), before its report is
+        processed: a notebook item replaces the handler in its call phase."""
+        try:
+            return (yield)
+        finally:
+            self.reassert()
 
     def restore(self) -> None:
         if self._installed and signal.getsignal(signal.SIGTERM) == self._handle:
@@ -368,4 +479,5 @@ def on_sigterm(config: pytest.Config, reporter: SummaryReporter) -> None:
     guard = SigtermReport(lambda: reporter.finish(None, signal.Signals.SIGTERM.name))
     if guard.install():
         config.stash[SIGTERM_KEY] = guard
+        config.pluginmanager.register(guard, SigtermReport.name)
         config.add_cleanup(guard.restore)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pytest_ctresources.report.summary import wrapped
+from pytest_ctresources.settings.sources import printable
 from pytest_ctresources.xdist.binding import plan_line
 
 if TYPE_CHECKING:
@@ -34,4 +35,6 @@ def header_lines(config: pytest.Config, runtime: Runtime) -> list[str]:
         if plan is not None:
             lines.append(f"ctresources: {plan}")
     width = config.get_terminal_writer().fullwidth
-    return [part for line in lines for part in wrapped(line, width)]
+    # Each line quotes names from files and devices (an experiment config's path, a model
+    # name, a GPU's): escaped, an escape sequence in one cannot rewrite the terminal.
+    return [part for line in lines for part in wrapped(printable(line), width)]

@@ -8,17 +8,32 @@ one. The controller reads and writes the cache; xdist workers get the controller
 
 from __future__ import annotations
 
+import errno
 import json
+import math
+import os
+import stat
+import tempfile
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig
-from pytest_ctresources.settings.sources import Source
+from pytest_ctresources.exceptions import CtResourcesWarning
+from pytest_ctresources.settings.config import AUTO, MAX_GIB, CircuitTracerConfig, shown
+from pytest_ctresources.settings.sources import Source, printable
 
 CACHE_KEY = "ctresources/learned-needs"
+#: The largest learned-needs file read (a need takes about 200 bytes: 100,000 tests fit).
+MAX_CACHE_BYTES = 32 << 20
+#: The longest key kept: a node id (a path of at most 4096 bytes, a test name, parameter
+#: ids) and the memory-relevant config. Longer is no key memory_key wrote.
+MAX_KEY_CHARS = 16_384
+#: The longest GPU name or date kept (NVML names are under 96 bytes).
+MAX_TEXT_CHARS = 256
 #: The config fields whose values change a test's peak memory.
 MEMORY_FIELDS = (
     "model_name",
@@ -46,16 +61,28 @@ def memory_key(
     """
     capped = f"|capacity={capacity_gib:g}GiB" if capacity_gib is not None else ""
     if cfg is None:
-        return nodeid + capped
+        return _escaped(nodeid) + capped
     if cfg.batch_size == AUTO:
         return ""
     values = {name: getattr(cfg, name) for name in MEMORY_FIELDS}
-    return f"{nodeid}|{json.dumps(values, sort_keys=True)}{capped}"
+    return f"{_escaped(nodeid)}|{json.dumps(values, sort_keys=True)}{capped}"
+
+
+def _escaped(nodeid: str) -> str:
+    """The node id as a key holds it: ``|`` ends the node id in a key, so one inside it (a
+    parameter id ``test[a|b]``) is written ``%7C`` and ``%`` itself ``%25``. A node id with
+    neither, nearly every one, is its own key, as in the keys earlier versions wrote."""
+    if "|" not in nodeid and "%" not in nodeid:
+        return nodeid
+    return nodeid.replace("%", "%25").replace("|", "%7C")
 
 
 def nodeid_of(key: str) -> str:
-    """The test a key belongs to."""
-    return key.split("|", 1)[0]
+    """The test a key belongs to (what :func:`memory_key` was given)."""
+    escaped = key.split("|", 1)[0]
+    if "%" not in escaped:
+        return escaped
+    return escaped.replace("%7C", "|").replace("%25", "%")
 
 
 def stale_keys(
@@ -73,9 +100,18 @@ def stale_keys(
     for key in keys:
         nodeid = nodeid_of(key)
         file = nodeid.split("::", 1)[0]
-        if (file in files and nodeid not in collected) or not exists(file):
+        if (file in files and nodeid not in collected) or not _exists(exists, file):
             stale.add(key)
     return stale
+
+
+def _exists(exists: Callable[[str], bool], file: str) -> bool:
+    """Whether ``file`` exists; a name no file can have (longer than the file system allows,
+    a NUL in it: a key from a corrupt cache) is a test that no longer exists."""
+    try:
+        return exists(file)
+    except (OSError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -91,6 +127,165 @@ class LearnedNeed:
         return Source.learned(self.gib, self.gpu, self.date)
 
 
+class LearnedNeedsWarning(CtResourcesWarning):
+    """The learned needs in pytest's cache could not be read or saved, or some were dropped."""
+
+
+def _warn(message: str) -> None:
+    warnings.warn(LearnedNeedsWarning(f"ctresources: {message}"), stacklevel=3)
+
+
+def _valid_entry(key: object, entry: object) -> bool:
+    """Whether a cached ``key: entry`` is one :meth:`LearnedNeeds.update` could have written:
+    the cache is a file anyone who can write the project can change, so it is data that may
+    be corrupt (a ``10**400`` need overflowed at setup, a 5000-character key was a file
+    name too long)."""
+    if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS or "\0" in key:
+        return False
+    if not isinstance(entry, dict):
+        return False
+    gib, gpu, date = entry.get("gib"), entry.get("gpu"), entry.get("date")
+    if isinstance(gib, bool) or not isinstance(gib, int | float):
+        return False
+    # An int over a float's range: float() raises; compare before converting.
+    if isinstance(gib, int) and not 0 <= gib <= MAX_GIB:
+        return False
+    if not (math.isfinite(gib) and 0 <= gib <= MAX_GIB):
+        return False
+    return all(
+        isinstance(text, str) and len(text) <= MAX_TEXT_CHARS and text.isprintable()
+        for text in (gpu, date)
+    )
+
+
+def _value_path(cache: pytest.Cache) -> Path | None:
+    """Where ``cache`` keeps :data:`CACHE_KEY`'s value (pytest's ``Cache.get`` opens it as
+    it finds it, so a FIFO there blocks forever and a link is followed, and ``Cache.set``
+    writes through a link; pytest offers no public accessor for the path, so its
+    ``_cachedir`` field is read, and None falls back to ``get``/``set``)."""
+    cachedir = getattr(cache, "_cachedir", None)
+    return Path(cachedir, "v", *CACHE_KEY.split("/")) if isinstance(cachedir, Path) else None
+
+
+class _Unreadable(Exception):
+    """The cached needs cannot be used; the message says why. ``left_alone``: what is at the
+    path is not a regular file (a link, a FIFO, a directory), which saving must not touch."""
+
+    def __init__(self, message: str, *, left_alone: bool = False) -> None:
+        super().__init__(message)
+        self.left_alone = left_alone
+
+
+def _read_cache(cache: pytest.Cache) -> object:
+    """The cached value, read as data that may be hostile: only a regular file (never
+    through a link, never blocking on a FIFO), at most :data:`MAX_CACHE_BYTES`, JSON whose
+    depth json's decoder bounds. Raises :class:`_Unreadable`."""
+    path = _value_path(cache)
+    if path is None:
+        try:
+            return cache.get(CACHE_KEY, {})
+        except RecursionError:
+            raise _Unreadable(
+                "the learned VRAM needs in pytest's cache are nested too deep"
+            ) from None
+    shown_path = printable(str(path))
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _Unreadable(
+                f"{shown_path} is a symbolic link, not learned VRAM needs; ignored and left "
+                "alone (remove it)",
+                left_alone=True,
+            ) from None
+        raise _Unreadable(
+            f"cannot read the learned VRAM needs at {shown_path}: {exc.strerror}; ignored and "
+            "left alone",
+            left_alone=True,
+        ) from None
+    # fstat before fdopen: fdopen of a directory raises IsADirectoryError.
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise _Unreadable(
+            f"{shown_path} is not a regular file, not learned VRAM needs; ignored and left "
+            "alone (remove it)",
+            left_alone=True,
+        )
+    with os.fdopen(descriptor, "rb") as handle:
+        try:
+            data = handle.read(MAX_CACHE_BYTES + 1)
+        except OSError as exc:
+            raise _Unreadable(
+                f"cannot read the learned VRAM needs at {shown_path}: {exc.strerror}"
+            ) from None
+    if len(data) > MAX_CACHE_BYTES:
+        raise _Unreadable(
+            f"the learned VRAM needs at {shown_path} are larger than {MAX_CACHE_BYTES >> 20} MiB"
+        )
+    try:
+        return json.loads(data)
+    except RecursionError:  # json's decoder stops at Python's recursion limit
+        raise _Unreadable(f"the learned VRAM needs at {shown_path} are nested too deep") from None
+    except ValueError:  # not JSON, not UTF-8, an integer of over 4300 digits
+        raise _Unreadable(f"the learned VRAM needs at {shown_path} are not valid JSON") from None
+
+
+def _write_cache(cache: pytest.Cache, needs: dict[str, dict[str, Any]]) -> None:
+    """Save ``needs`` beside nothing of anyone else's: the new content goes to a fresh file
+    that replaces the old entry (``rename`` replaces a link, never writes through it), and
+    only where the cache holds a regular file or nothing, in real directories."""
+    path = _value_path(cache)
+    if path is None:
+        cache.set(CACHE_KEY, needs)
+        return
+    shown_path = printable(str(path))
+    for directory in (path.parent.parent, path.parent):
+        try:
+            mode = os.lstat(directory).st_mode
+        except FileNotFoundError:
+            # Nothing there to write through: pytest creates its directories itself.
+            cache.set(CACHE_KEY, needs)
+            return
+        except OSError as exc:
+            _warn(f"learned VRAM needs not saved: {shown_path}: {exc.strerror}")
+            return
+        if not stat.S_ISDIR(mode):
+            _warn(
+                f"learned VRAM needs not saved: {printable(str(directory))} in pytest's "
+                "cache is not a directory (a link or another file); left alone"
+            )
+            return
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = stat.S_IFREG | 0o644
+    except OSError as exc:
+        _warn(f"learned VRAM needs not saved: {shown_path}: {exc.strerror}")
+        return
+    if not stat.S_ISREG(mode):
+        _warn(
+            f"learned VRAM needs not saved: {shown_path} is not a regular file (a link, a "
+            "FIFO, a directory); left alone"
+        )
+        return
+    data = json.dumps(needs, ensure_ascii=False, indent=2).encode("utf-8")
+    try:
+        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".learned-needs.")
+    except OSError as exc:
+        _warn(f"learned VRAM needs not saved: {shown_path}: {exc.strerror}")
+        return
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(data)
+            os.fchmod(handle.fileno(), stat.S_IMODE(mode))
+        os.replace(temporary, path)
+    except OSError as exc:
+        os.unlink(temporary)
+        _warn(f"learned VRAM needs not saved: {shown_path}: {exc.strerror}")
+
+
 class LearnedNeeds:
     """The learned needs of this project, loaded once per process."""
 
@@ -98,17 +293,41 @@ class LearnedNeeds:
         self, cache: pytest.Cache | None, shipped: Mapping[str, Any] | None = None
     ) -> None:
         """From ``cache``; or, in an xdist worker, from the needs its controller ``shipped``
-        (then nothing is saved here: the controller saves)."""
+        (then nothing is saved here: the controller saves). Entries that are not needs are
+        dropped, with one warning."""
         self._cache = cache if shipped is None else None
+        raw: object = {}
         if shipped is not None:
-            raw: object = dict(shipped)
-        else:
-            raw = cache.get(CACHE_KEY, {}) if cache is not None else {}
-        self._needs: dict[str, dict[str, Any]] = raw if isinstance(raw, dict) else {}
+            raw = dict(shipped)
+        elif cache is not None:
+            try:
+                raw = _read_cache(cache)
+            except _Unreadable as exc:
+                # Discarded, as pytest's stepwise discards a cache it cannot read; a regular
+                # file is replaced by the next save, anything else is never touched.
+                _warn(str(exc) + ("" if exc.left_alone else "; discarded"))
+                if exc.left_alone:
+                    self._cache = None
+        if not isinstance(raw, dict):
+            _warn(
+                f"the learned VRAM needs in pytest's cache are a {type(raw).__name__}, not a "
+                "mapping; discarded"
+            )
+            raw = {}
+        self._needs: dict[str, dict[str, Any]] = {
+            key: entry for key, entry in raw.items() if _valid_entry(key, entry)
+        }
+        dropped = [key for key in raw if key not in self._needs]
+        if dropped:
+            first = dropped[0] if isinstance(dropped[0], str) else str(dropped[0])
+            _warn(
+                f"dropped {len(dropped)} learned VRAM need(s) from pytest's cache that are "
+                f"not valid (the first: {shown(first)})"
+            )
 
     def to_mapping(self) -> dict[str, dict[str, Any]]:
         """The needs as the cache keeps them (what a controller ships to its workers)."""
-        return {key: dict(entry) for key, entry in self._needs.items() if isinstance(entry, dict)}
+        return {key: dict(entry) for key, entry in self._needs.items()}
 
     def __bool__(self) -> bool:
         return bool(self._needs)
@@ -117,10 +336,7 @@ class LearnedNeeds:
         entry = self._needs.get(key)
         if entry is None:
             return None
-        try:
-            return LearnedNeed(float(entry["gib"]), str(entry["gpu"]), str(entry["date"]))
-        except (TypeError, KeyError, ValueError):
-            return None
+        return LearnedNeed(float(entry["gib"]), str(entry["gpu"]), str(entry["date"]))
 
     def update(self, learned: Mapping[str, LearnedNeed]) -> None:
         for key, need in learned.items():
@@ -128,7 +344,7 @@ class LearnedNeeds:
 
     def save(self) -> None:
         if self._cache is not None:
-            self._cache.set(CACHE_KEY, self._needs)
+            _write_cache(self._cache, self._needs)
 
     def keys(self) -> list[str]:
         return list(self._needs)

@@ -21,6 +21,8 @@ from pytest_ctresources.gpu.measure import GIB
 from pytest_ctresources.report.learned import LearnedNeed
 from pytest_ctresources.report.placement import Placement, placement_from, placement_lines
 from pytest_ctresources.report.record import TestRecord
+from pytest_ctresources.settings.activation import activation_of
+from pytest_ctresources.units import bytes_text
 
 if TYPE_CHECKING:
     from pytest_ctresources.core.runtime import Runtime
@@ -117,6 +119,13 @@ def wrapped(line: str, width: int) -> list[str]:
         break_long_words=False,
         break_on_hyphens=False,
     ) or [line]
+
+
+def capped(lines: list[str], top: int) -> list[str]:
+    """The first ``top`` lines, and how many more there are (``--ct-report-top``)."""
+    if len(lines) <= top:
+        return lines
+    return [*lines[:top], f"  ... and {len(lines) - top} more (in the JSON report)"]
 
 
 def session_value(source: str, value: str) -> str:
@@ -261,11 +270,6 @@ class RunSummary:
             if record.outcome == "passed" and record.memory_key and not record.oom_halvings
         }
 
-    def is_empty(self) -> bool:
-        """Whether the summary has no line to print beyond the settings and the GPUs (the VRAM
-        table aside): a section with nothing under its title is left out."""
-        return not self.lines([], [])
-
     def slowest_lines(self, top: int) -> list[str]:
         """The slowest attributions, ``--durations`` style, with their phases and batches."""
         calls = [(timing, nodeid) for nodeid, timings in self.timings.items() for timing in timings]
@@ -285,29 +289,73 @@ class RunSummary:
             )
         return out
 
-    def lines(self, settings_lines: list[str], gpu_lines: list[str]) -> list[str]:
+    def totals_line(self) -> str | None:
+        """One line of totals: the tests that used CUDA and the highest peak, the
+        attributions, the skips for VRAM (None when there is nothing to count)."""
+        parts = []
+        if self.records:
+            top = max(self.records.values(), key=lambda r: r.peak_reserved_bytes)
+            parts.append(
+                f"{len(self.records)} test(s) used CUDA, highest peak "
+                f"{bytes_text(top.peak_reserved_bytes)} reserved ({top.nodeid})"
+            )
         calls = sum(len(sizes) for sizes in self.attributions.values())
-        sizes = sorted({size for values in self.attributions.values() for size in values})
-        out = [line.removeprefix("ctresources: ") for line in settings_lines]
-        out += gpu_lines
-        if calls:  # a count of nothing is left out
-            out.append(
-                f"attributions: {calls} in {len(self.attributions)} test(s)"
+        if calls:
+            sizes = sorted({size for values in self.attributions.values() for size in values})
+            parts.append(
+                f"{calls} attribution(s) in {len(self.attributions)} test(s)"
                 + (f", batch size(s) {', '.join(map(str, sizes))}" if sizes else "")
             )
-        out += [f"  {nodeid}: {text}" for nodeid, text in sorted(self.halvings.items())]
-        for nodeid, choices in sorted(self.auto_choices.items()):
-            out += [f"  {nodeid}: auto {text}" for text in choices]
+        if self.vram_skips:
+            parts.append(f"{len(self.vram_skips)} skipped for VRAM")
+        return "; ".join(parts) if parts else None
+
+    def action_lines(self, flags: list[str], top: int, *, quiet: bool) -> list[str]:
+        """What went wrong or needs action (flags, skips for VRAM, lease waits), each list
+        capped at ``top``; under ``-q`` the counts alone."""
+        out: list[str] = []
+        if flags:
+            if quiet:
+                kinds: dict[str, int] = {}
+                for flag in flags:
+                    kind = flag.split(" ", 1)[0]
+                    kinds[kind] = kinds.get(kind, 0) + 1
+                out.append(
+                    "flagged: " + ", ".join(f"{count} {kind}" for kind, count in kinds.items())
+                )
+            else:
+                out += capped(flags, top)
         if self.vram_skips:
             out.append(f"skipped for VRAM: {len(self.vram_skips)} test(s)")
-        out += [f"  {nodeid}: {reason}" for nodeid, reason in sorted(self.vram_skips.items())]
+            if not quiet:
+                out += capped(
+                    [f"  {nodeid}: {reason}" for nodeid, reason in sorted(self.vram_skips.items())],
+                    top,
+                )
+        placements = list(self.placements.values())
+        if any(p.waited_s > 0 or p.lease_wait_s < 0 for p in placements):
+            out += placement_lines(placements) if not quiet else placement_lines(placements)[:1]
+        return out
+
+    def detail_lines(self, top: int, verbosity: int) -> list[str]:
+        """``-v``: the settings tests kept of their own, notebook values, placements, resident
+        models, reruns, the slowest attributions; ``-vv`` also each ``auto`` choice."""
+        out = [f"  {nodeid}: {text}" for nodeid, text in sorted(self.halvings.items())]
+        if verbosity >= 2:
+            for nodeid, choices in sorted(self.auto_choices.items()):
+                out += [f"  {nodeid}: auto {text}" for text in choices]
+        elif self.auto_choices:
+            count = sum(len(choices) for choices in self.auto_choices.values())
+            out.append(f"auto chose {count} batch size(s) (each with its reasons under -vv)")
         for (name, source, value), nodeids in sorted(self.own_settings.items()):
             out.append(
                 f"{len(nodeids)} test(s) keep their own {name} over {session_value(source, value)}"
             )
-        out += self.notebook_lines()
-        out += placement_lines(list(self.placements.values()))
-        out += self.resident_lines()
+        out += capped(self.notebook_lines(), top + 1)
+        placements = list(self.placements.values())
+        if not any(p.waited_s > 0 or p.lease_wait_s < 0 for p in placements):
+            out += placement_lines(placements)  # with waits, it is among the actions
+        out += capped(self.resident_lines(), top + 1)
         # Reruns of tests the plugin said nothing of are another plugin's business.
         reruns = [count for nodeid, count in self.reruns.items() if nodeid in self._acted]
         if reruns:
@@ -315,8 +363,13 @@ class RunSummary:
                 f"reruns (another plugin ran failed attempts again): {len(reruns)} test(s) "
                 f"ran again, {sum(reruns)} attempt(s) in all; each is reported by its last"
             )
-        out += self.slowest_lines(5)
+        out += self.slowest_lines(min(top, 5))
         return out
+
+    @property
+    def acted(self) -> bool:
+        """Whether some test's report carried a record: the plugin acted for it."""
+        return bool(self._acted)
 
     def notebook_lines(self) -> list[str]:
         """The values each notebook item ran with (what the header's session-wide settings do
@@ -469,41 +522,55 @@ class SummaryReporter:
         self.written = report_files.write_reports(self, exitstatus, signal_name)
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        """Quiet by default, as pytest-timeout and pytest-memray are: what went wrong or needs
+        action and one line of totals; ``-v`` adds the VRAM table and the details, ``-vv``
+        every ``auto`` choice; ``-q`` shortens the actions to counts. Every list is capped at
+        ``--ct-report-top``; the JSON report keeps everything."""
         settings = self.runtime.settings
+        verbosity = self.config.get_verbosity()
+        top = settings.report_top
         if self.forgotten is not None:
             terminalreporter.write_line(
                 f"ctresources: --ct-forget cleared {self.forgotten} learned VRAM need(s)"
             )
-        show_vram = bool(self.summary.records) or settings.report_forced
-        if self.summary.is_empty() and not show_vram and not self.written:
-            return
         self.summary.flag(settings.leak_threshold_bytes.value)
-        terminalreporter.section("ctresources summary")
-        width = terminalreporter.config.get_terminal_writer().fullwidth
-        # Under -v the header has said the settings and the GPU already.
-        described = not self.verbose
-        settings_lines = settings.header_lines() if described else []
-        gpu_lines = (
-            self.runtime.gpu_facts(may_import_torch=False).summary_lines() if described else []
-        )
+        show_table = (bool(self.summary.records) and verbosity >= 1) or settings.report_forced
         table: list[str] = []
         flags: list[str] = []
-        if show_vram:
+        if self.summary.records or settings.report_forced:
             capacity, note = self.capacity()
-            table, flags = self.summary.vram_lines(settings.report_top, capacity, note)
+            table, flags = self.summary.vram_lines(top, capacity, note)
+        actions = self.summary.action_lines(flags, top, quiet=verbosity < 0)
+        details = self.summary.detail_lines(top, verbosity) if verbosity >= 1 else []
+        totals = self.summary.totals_line() if verbosity >= 0 else None
         here = self.config.invocation_params.dir
         written = [
             f"wrote the {what}: {path.relative_to(here) if path.is_relative_to(here) else path}"
             for what, path in self.written
         ]
-        for line in self.summary.lines(settings_lines, gpu_lines):
+        # A failing run says the settings it ran with (under -v the header said them).
+        failed = terminalreporter.stats.get("failed") or terminalreporter.stats.get("error")
+        described = []
+        acted = self.summary.acted or activation_of(self.config).project_wide
+        if failed and verbosity == 0 and acted:
+            described = [
+                *(line.removeprefix("ctresources: ") for line in settings.header_lines()),
+                *self.runtime.gpu_facts(may_import_torch=False).summary_lines(),
+            ]
+        lines = [*described, *actions, *([totals] if totals else []), *details]
+        if not (lines or show_table or written):
+            return
+        terminalreporter.section("ctresources summary")
+        width = terminalreporter.config.get_terminal_writer().fullwidth
+        for line in lines:
             self._write_folded(terminalreporter, line, width)
-        for index, line in enumerate(table):  # the rows' columns line up: never folded
-            if index == 0:
-                self._write_folded(terminalreporter, line, width)
-            else:
-                terminalreporter.write_line(line)
-        for line in [*flags, *written]:
+        if show_table:
+            for index, line in enumerate(table):  # the rows' columns line up: never folded
+                if index == 0:
+                    self._write_folded(terminalreporter, line, width)
+                else:
+                    terminalreporter.write_line(line)
+        for line in written:
             self._write_folded(terminalreporter, line, width)
 
     @staticmethod

@@ -158,6 +158,9 @@ class CtSession:
         ``oom_retry_floor``; each halving is recorded in :attr:`halvings`. Attribution results
         do not depend on the batch size, so the retry is safe.
         """
+        # A wrong keyword or value is the test's mistake: pytest shows the test's frame and
+        # the one-line message, not this method.
+        __tracebackhide__ = True
         kwargs = self.cfg.attribute_kwargs()
         unknown = set(overrides) - _attribute_parameters()
         if unknown:

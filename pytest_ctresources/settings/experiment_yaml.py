@@ -32,7 +32,7 @@ from pytest_ctresources.settings.config import (
     shown,
     validate_typed,
 )
-from pytest_ctresources.settings.sources import Source
+from pytest_ctresources.settings.sources import Source, printable
 
 _FIELD_BY_KEY = {spec.yaml_key: name for name, spec in FIELDS.items()}
 KNOWN_KEYS: tuple[str, ...] = (*_FIELD_BY_KEY, PARAMS_KEY, NOTEBOOK_KEY)
@@ -185,7 +185,12 @@ def _parse(shown_path: str, text: str) -> Any:
     """The document in ``text``, within the bounds; raises :class:`ConfigError`."""
     import yaml
 
-    loader = _bounded_loader(yaml)(text)
+    try:
+        # PyYAML's reader checks every character when the loader is made: a NUL, a C0 or C1
+        # control, a raw ESC or U+FFFE is a ReaderError here, before anything is parsed.
+        loader = _bounded_loader(yaml)(text)
+    except yaml.reader.ReaderError as exc:
+        raise ConfigError(f"{shown_path}: {_unacceptable(text, exc)}") from None
     try:
         node = loader.get_single_node()
         if node is None:
@@ -203,6 +208,20 @@ def _parse(shown_path: str, text: str) -> Any:
         raise ConfigError(f"{shown_path}: unreadable YAML: {type(exc).__name__}") from None
     finally:
         loader.dispose()
+
+
+def _unacceptable(text: str, exc: Any) -> str:
+    """Where a character YAML does not allow is, and which (never the character itself: a
+    raw ESC quoted back would reach the terminal)."""
+    position = exc.position if isinstance(exc.position, int) else 0
+    before = text[:position]
+    line = before.count("\n") + 1
+    column = position - (before.rfind("\n") + 1) + 1
+    character = exc.character if isinstance(exc.character, int) else ord(text[position])
+    return (
+        f"malformed YAML at line {line}, column {column}: the character U+{character:04X} "
+        "is not allowed in YAML (a control or non-character code point)"
+    )
 
 
 def _read(shown_path: str, path: str) -> str:
@@ -264,13 +283,18 @@ def load_experiment_yaml(path: str | os.PathLike[str]) -> ExperimentFile:
         absolute = str(resolved.resolve())
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
         reason = exc.strerror if isinstance(exc, OSError) else "not a valid path"
-        where = str(path) if str(path).isprintable() and len(str(path)) <= 200 else shown(str(path))
-        raise ConfigError(f"{where}: cannot read experiment config: {reason}") from None
+        raise ConfigError(f"{_where(str(path))}: cannot read experiment config: {reason}") from None
     return _load(str(path), absolute, stat_result.st_mtime_ns)
 
 
+def _where(path: str) -> str:
+    """The file as a message names it: escaped (a name can hold an escape sequence), short."""
+    return printable(path) if len(path) <= 200 else shown(path)
+
+
 @functools.lru_cache(maxsize=64)
-def _load(shown_path: str, absolute: str, _mtime_ns: int) -> ExperimentFile:
+def _load(path: str, absolute: str, _mtime_ns: int) -> ExperimentFile:
+    shown_path = _where(path)
     data = _parse(shown_path, _read(shown_path, absolute))
     if data is None:
         data = {}
@@ -288,7 +312,7 @@ def _load(shown_path: str, absolute: str, _mtime_ns: int) -> ExperimentFile:
         )
     values, params = _validate(shown_path, data)
     return ExperimentFile(
-        shown_path, values, params, Path(absolute).parent / notebook if notebook else None
+        path, values, params, Path(absolute).parent / notebook if notebook else None
     )
 
 

@@ -14,6 +14,16 @@ SourceKind = Literal["default", "ini", "yaml", "marker", "env", "option", "learn
 T = TypeVar("T")
 
 
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable escaped as Python writes it
+    (``\\x1b``, ``\\u2028``, ``\\udcff``), as pytest escapes node ids: a file name, an ini
+    path or a GPU name can hold an escape sequence, which raw would rewrite the terminal.
+    Printable text, non-ASCII letters included, is returned as it is."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else ascii(char)[1:-1] for char in text)
+
+
 @dataclass(frozen=True)
 class Source:
     """One origin of a setting: its layer (``kind``) and the precise place within it."""
@@ -39,7 +49,7 @@ class Source:
 
     @classmethod
     def ini(cls, key: str, inifile: str | None) -> Source:
-        return cls("ini", f"ini {key}" + (f" in {inifile}" if inifile else ""))
+        return cls("ini", f"ini {key}" + (f" in {printable(inifile)}" if inifile else ""))
 
     @classmethod
     def override(cls, key: str) -> Source:
@@ -48,11 +58,11 @@ class Source:
 
     @classmethod
     def yaml(cls, path: str, key: str) -> Source:
-        return cls("yaml", f"{key} in {path}", path)
+        return cls("yaml", f"{key} in {printable(path)}", path)
 
     @classmethod
     def marker(cls, name: str, nodeid: str) -> Source:
-        return cls("marker", f"@pytest.mark.{name} on {nodeid}")
+        return cls("marker", f"@pytest.mark.{name} on {printable(nodeid)}")
 
     @classmethod
     def estimate(cls, what: str) -> Source:
@@ -60,7 +70,7 @@ class Source:
 
     @classmethod
     def learned(cls, gib: float, gpu: str, date: str) -> Source:
-        return cls("learned", f"measured {gib:.1f} GiB on {gpu}, {date}")
+        return cls("learned", f"measured {gib:.1f} GiB on {printable(gpu)}, {printable(date)}")
 
 
 @dataclass(frozen=True)

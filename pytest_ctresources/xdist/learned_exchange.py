@@ -40,7 +40,10 @@ class LearnedNeedsExchange:
 
     def pytest_testnodedown(self, node: Any, error: object) -> None:
         output = getattr(node, "workeroutput", None) or {}
-        self._stale(output.get(STALE_LEARNED_OUTPUT, ()))
+        stale = output.get(STALE_LEARNED_OUTPUT, ())
+        if isinstance(stale, list | tuple):
+            # Keys only: anything else a worker sent prunes nothing.
+            self._stale(key for key in stale if isinstance(key, str))
 
 
 def shipped_needs(config: pytest.Config) -> Mapping[str, Any] | None:
