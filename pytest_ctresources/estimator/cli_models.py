@@ -13,8 +13,9 @@ its arguments (:func:`add_arguments`) and runs them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pytest_ctresources.bundled import catalogue
@@ -77,18 +78,29 @@ def table_pairs(
         if set_given is not None:
             raise ModelsError("--transcoders needs --model (the set goes with a model)")
         return list(examples)
-    try:
+    # Each error names the flag its name came from, as estimate's do.
+    with _named("--model"):
         model = registry.resolve_model_name(model_given)
         registry.model_shape(model)  # an unknown name: the nearest ones, in one line
-        if set_given is not None:
+    if set_given is not None:
+        with _named("--transcoders"):
             set_name = registry.resolve_transcoder_set(set_given, model)
             registry.check_pair(model, set_name)
             registry.transcoder_info(set_name, model)
-            return [(model, set_name)]
-        rows = [(name, set_name) for name, set_name in examples if name == model]
-        return rows or [(model, registry.usual_transcoder_set(model))]
+        return [(model, set_name)]
+    rows = [(name, set_name) for name, set_name in examples if name == model]
+    if rows:
+        return rows
+    with _named("--model"):
+        return [(model, registry.usual_transcoder_set(model))]
+
+
+@contextlib.contextmanager
+def _named(flag: str) -> Iterator[None]:
+    try:
+        yield
     except registry.UnknownShape as exc:
-        raise ModelsError(f"{exc.args[0] if exc.args else exc}") from None
+        raise ModelsError(f"argument {flag}: {exc}") from None
 
 
 def models_payload() -> dict[str, Any]:
