@@ -97,12 +97,14 @@ class LiveLine:
         self._ticker: threading.Thread | None = None
         self._stop = threading.Event()
         self._shown = False
+        self._started = False  # this call's terminal and ticker were asked for
         self._last = 0.0
 
     def update(self, timing: AttributionTiming) -> None:
         """The call moved on (the probe, in the test's thread)."""
         self._timing = timing
-        if self._ticker is None:
+        if self._ticker is None and not self._started:
+            self._started = True
             self._start()
         self._draw()
 
@@ -119,11 +121,13 @@ class LiveLine:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
-            self._timing, self._last = None, 0.0
+            self._timing, self._last, self._started = None, 0.0, False
 
     def _start(self) -> None:
         """The terminal's descriptor and the ticker, once per call (in the test's thread)."""
         self._fd = _terminal_fd(self._config)
+        if self._fd is None:  # not a terminal after all: nothing to tick for
+            return
         self._stop.clear()
         self._ticker = threading.Thread(target=self._tick, name="ctresources-progress", daemon=True)
         self._ticker.start()
