@@ -16,12 +16,18 @@ lines that call the room doing the work (docs/architecture.md draws the map):
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import pytest
 
 from pytest_ctresources.core import accounting
-from pytest_ctresources.core.runtime import RUNTIME_KEY, Runtime, runtime_of, start_runtime
+from pytest_ctresources.core.runtime import (
+    RUNTIME_KEY,
+    Runtime,
+    runs_no_tests,
+    runtime_of,
+    start_runtime,
+)
 from pytest_ctresources.core.state import state_of
 from pytest_ctresources.gpu.allocator import ALLOC_KEY, AllocConf
 from pytest_ctresources.gpu.cleanup import cuda_initialised
@@ -37,6 +43,7 @@ from pytest_ctresources.settings.options import DEFAULT_ALLOC_CONF, add_options,
 from pytest_ctresources.settings.parametrize_tests import parametrize_from_params
 from pytest_ctresources.settings.resolve import activation_from_config
 from pytest_ctresources.xdist.binding import Binding, bind_worker, is_worker, open_seats
+from pytest_ctresources.xdist.exchange import PlacementWorker, placement_channel
 from pytest_ctresources.xdist.learned_exchange import LearnedNeedsExchange, send_stale
 
 __all__ = ["ct_config", "ct_session"]
@@ -44,6 +51,8 @@ __all__ = ["ct_config", "ct_session"]
 _BINDING_KEY = pytest.StashKey[Binding]()
 #: The user properties the plugin wrote for the item's last attempt (a rerun replaces them).
 _WRITTEN_KEY = pytest.StashKey[list[tuple[str, object]]]()
+#: In an xdist worker of a run placed by VRAM: its side of the placement channel.
+_PLACEMENT_KEY = pytest.StashKey[PlacementWorker]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -112,6 +121,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[RUNTIME_KEY] = runtime
     if activation.project_wide:
         _act_per_test(config, runtime)
+        if hasattr(config, "workerinput"):
+            _report_to_placement(config, runtime)
     if runtime.learned():
         config.pluginmanager.register(
             StaleLearnedNeeds(
@@ -132,6 +143,8 @@ def pytest_configure(config: pytest.Config) -> None:
                 LearnedNeedsExchange(runtime.learned, reporter.stale_learned.update),
                 LearnedNeedsExchange.name,
             )
+        if activation.project_wide:
+            _learn_durations_and_place(config)
         # pytest-html's hooks exist only where it is loaded; it writes on this process only.
         # Its table's header is drawn before any test runs: the VRAM columns appear where the
         # project asks for the plugin as a whole.
@@ -150,10 +163,109 @@ def pytest_configure(config: pytest.Config) -> None:
         from pytest_ctresources.notebooks.items import NotebookSupport
 
         config.pluginmanager.register(NotebookSupport(config), NotebookSupport.name)
+    _plan_and_shard(config, runtime)
     leases.start(config, runtime)  # VRAM leases where tests run; the ledger directory checked
     if runtime.settings.strict:
         config.pluginmanager.register(
             accounting.StrictChecks(runtime), accounting.StrictChecks.name
+        )
+
+
+def _learn_durations_and_place(config: pytest.Config) -> None:
+    """On the controller (or the plain run) of a project that asks: learn durations, and
+    where xdist distributes, place tests by VRAM (xdist/scheduler.py)."""
+    from pytest_ctresources.report.durations import LearnedDurations
+
+    durations = LearnedDurations(config.cache if hasattr(config, "cache") else None)
+    config.pluginmanager.register(durations, LearnedDurations.name)
+    if config.pluginmanager.hasplugin("xdist") and runs_no_tests(config):
+        from pytest_ctresources.xdist.scheduler import PlacementController
+
+        config.pluginmanager.register(
+            PlacementController(durations.known), PlacementController.name
+        )
+
+
+def _report_to_placement(config: pytest.Config, runtime: Runtime) -> None:
+    """In an xdist worker of a run placed by VRAM: report the GPU, and the needs once
+    collected (xdist/exchange.py)."""
+    from pytest_ctresources.xdist.exchange import worker_gpu
+
+    channel = placement_channel(config)
+    if channel is None:
+        return
+    worker = PlacementWorker(channel, _need_of(runtime))
+    facts = runtime.gpu_facts(may_import_torch=False)
+    gpu = runtime.binding.gpu if runtime.binding is not None else facts.gpu(0)
+    capacity = runtime.settings.vram_capacity_gib
+    worker.report_gpu(worker_gpu(gpu, facts, capacity.value if capacity is not None else None))
+    config.pluginmanager.register(worker, PlacementWorker.name)
+    config.stash[_PLACEMENT_KEY] = worker
+
+
+def _need_of(runtime: Runtime) -> Callable[[pytest.Item], float | None]:
+    """A collected test's need in GiB, as its setup will decide it (None: none)."""
+
+    def need_of(item: pytest.Item) -> float | None:
+        try:
+            need = accounting.resolve_need(item, runtime)[1]
+        except markers.MarkerError:
+            return None  # it fails at setup, with its own message
+        return need.gib if need is not None else None
+
+    return need_of
+
+
+def _plan_and_shard(config: pytest.Config, runtime: Runtime) -> None:
+    """``--ct-plan`` (collect only, print the plan) and ``--ct-shard K/N`` (job K's share)."""
+    plan = config.getoption("ct_plan", None)
+    shard = config.getoption("ct_shard", None)
+    if plan is None and shard is None:
+        return
+    # Names imported from the modules themselves (not ``from package import module``): the
+    # stash key ``ct-resources plan`` reads must be this very module's.
+    from pytest_ctresources.report.durations import read
+    from pytest_ctresources.xdist.plan_hooks import (
+        PlanGpu,
+        PlanReporter,
+        ShardSelection,
+        detected_gpus,
+        plan_gpus,
+    )
+
+    def learned() -> dict[str, float]:
+        return read(config.cache if hasattr(config, "cache") else None)
+
+    capacity = runtime.settings.vram_capacity_gib
+
+    def detected() -> list[PlanGpu]:
+        facts = runtime.gpu_facts(may_import_torch=False)
+        return detected_gpus(facts, capacity.value if capacity is not None else None)
+
+    if plan is not None:
+        config.option.collectonly = True
+        workers = config.getoption("ct_plan_workers", None) or 1
+        config.pluginmanager.register(
+            PlanReporter(config, plan_gpus(plan, detected), workers, _need_of(runtime), learned),
+            PlanReporter.name,
+        )
+    if shard is not None:
+        given = config.getoption("ct_runner_gpus", None)
+
+        def runners() -> list[float]:
+            if given:
+                return list(given)
+            gpus = detected()
+            if not gpus:
+                raise pytest.UsageError(
+                    "--ct-shard: no GPU detected; give the jobs' GPUs (--ct-runner-gpus 80)"
+                )
+            return [gpus[0].capacity_gib]
+
+        job, jobs = shard
+        config.pluginmanager.register(
+            ShardSelection(job, jobs, runners, _need_of(runtime), learned),
+            ShardSelection.name,
         )
 
 
@@ -242,12 +354,17 @@ class PerTestHooks:
         except markers.MarkerError as exc:
             failure = str(exc)
         else:
+            placement = item.config.stash.get(_PLACEMENT_KEY, None)
             if reason is not None:
+                if placement is not None and state.need is not None:
+                    reason = placement.explain_skip(reason, state.need.gib)
                 # A skip mark, evaluated by pytest's skipping plugin right after this hook, reports
                 # the test's own location rather than this file's.
                 item.add_marker(pytest.mark.skip(reason=reason))
             if runtime.binding is not None:  # a bound xdist worker: its worker and GPU
                 state.record.place(runtime.binding.worker, runtime.binding.gpu)
+            if placement is not None:
+                state.record.placed_because = placement.why(item.nodeid)
             return
         pytest.fail(failure, pytrace=False)
 

@@ -50,7 +50,7 @@ def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytes
 
 
 def test_report_table_and_flags(project: pytest.Pytester) -> None:
-    result = project.runpytest("-p", "no:randomly")
+    result = project.runpytest("-p", "no:randomly", "-v")  # the table is -v's
     result.assert_outcomes(passed=6, warnings=1)
     result.stdout.fnmatch_lines(
         [
@@ -174,7 +174,7 @@ def test_no_empty_summary_section_for_a_lease_that_made_nobody_wait(
 
 
 def test_report_top(project: pytest.Pytester) -> None:
-    result = project.runpytest("-p", "no:randomly", "--ct-report-top", "1")
+    result = project.runpytest("-p", "no:randomly", "-v", "--ct-report-top", "1")
     text = result.stdout.str()
     assert "top 1 by peak reserved" in text
     assert "  test_suite.py::test_declared_ok" not in text
@@ -226,7 +226,7 @@ def test_workers_decide_from_the_learned_needs_the_controller_ships(
 
 
 def test_merged_report_under_xdist(project: pytest.Pytester) -> None:
-    result = project.runpytest("-n", "2", "--ct-report-json", "r.json")
+    result = project.runpytest("-n", "2", "-v", "--ct-report-json", "r.json")
     result.assert_outcomes(passed=6, warnings=1)
     result.stdout.fnmatch_lines(["VRAM per test (*); 5 test(s) used CUDA*"])
     assert len(json.loads((project.path / "r.json").read_text())["tests"]) == 5
@@ -462,7 +462,7 @@ def test_the_resident_model_is_no_leak_and_strict_still_fails_a_real_one(
     pytester.makeconftest(FAKE_CUDA_CONFTEST)
     pytester.makefile(".yaml", exp=TINY_YAML)
     pytester.makepyfile(test_resident=RESIDENT_SUITE)
-    result = pytester.runpytest("--ct-config", "exp.yaml", "--ct-strict")
+    result = pytester.runpytest("--ct-config", "exp.yaml", "--ct-strict", "-v")
     # test_really_leaks passes its call and errors at teardown: pytest counts both. The small
     # tests beside the model are measured without it: no UNDER-DECLARED, no UNMARKED.
     result.assert_outcomes(passed=5, errors=1, warnings=1)
@@ -470,9 +470,13 @@ def test_the_resident_model_is_no_leak_and_strict_still_fails_a_real_one(
     result.stdout.fnmatch_lines(
         [
             "*ctresources --ct-strict: test_resident.py::test_really_leaks left 0.50 GiB*",
+            "LEAK test_resident.py::test_really_leaks: 0.50 GiB still allocated after teardown and cleanup",
+        ]
+    )
+    result.stdout.fnmatch_lines(  # -v's details, after the actions
+        [
             "resident models (kept loaded between tests by ct_session; not leaks):",
             "  main GPU 0: ctresources/tiny-gemma-2 (float32) 9.00 GiB, loaded by test_resident.py::test_loads_the_model",
-            "LEAK test_resident.py::test_really_leaks: 0.50 GiB still allocated after teardown and cleanup",
         ]
     )
     assert "LEAK test_resident.py::test_loads_the_model" not in out

@@ -26,6 +26,9 @@ def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytes
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
     pytester.makepyfile(test_env=SHOW_ENVIRONMENT)
+    # A project that asks for the plugin (settings/activation.py): only there is the
+    # allocator default the plugin's to set.
+    pytester.makeini("[pytest]\nct_cleanup = auto\n")
     return pytester
 
 
@@ -77,3 +80,23 @@ def test_a_value_torch_would_reject_is_never_set() -> None:
     assert environ == {}
     AllocConf("expandable_segments:True", environ).apply()
     assert environ == {ALLOC_CONF_ENV: "expandable_segments:True"}
+
+
+def test_a_project_that_asks_only_through_a_test_gets_the_default_before_it_runs(
+    project: pytest.Pytester,
+) -> None:
+    project.makeini("[pytest]\n")
+    project.makepyfile(
+        test_env="""
+        import os
+
+        def test_show(ct_config):
+            print("ENV", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "(unset)"))
+        """
+    )
+    project.runpytest_subprocess("-s").stdout.fnmatch_lines(["*ENV expandable_segments:True"])
+
+
+def test_a_project_that_does_not_ask_gets_no_default(project: pytest.Pytester) -> None:
+    project.makeini("[pytest]\n")
+    project.runpytest_subprocess("-s").stdout.fnmatch_lines(["*ENV PYTORCH_CUDA_ALLOC_CONF (unset)"])

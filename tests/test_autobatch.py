@@ -54,20 +54,20 @@ def test_option_auto_on_cpu_fits_the_host_memory(
         "--ct-batch-size-max",
         "48",
         "-s",
+        "-vv",  # the header's settings, and each auto choice in the summary
         "--ct-report-json",
         "report.json",
     )
     result.assert_outcomes(passed=1)
+    # MAX_FEATURE_NODES is 40: 40 rows need one backward pass, as 48 would.
+    result.stdout.fnmatch_lines(["*batch_size=auto (--ct-batch-size)*", "*CHOICE 40*"])
     result.stdout.fnmatch_lines(
         [
-            # MAX_FEATURE_NODES is 40: 40 rows need one backward pass, as 48 would.
-            "test_auto.py CHOICE 40",
-            "*batch_size=auto (--ct-batch-size)*",
             "attributions: 1 in 1 test(s), batch size(s) 40",
             "  test_auto.py::test_attribution: auto batch size 40 (6 prompt tokens, * active "
-            "features in all (* per layer and token), predicted * GiB; the model is not on a CUDA GPU: it fits the host's "
+            "features in all (* per layer and token), predicted * of host memory; the model is not on a CUDA GPU: it fits the host's "
             "available memory, * GiB (*) less 5% margin; the ceiling 48; 40 needs the same 1 "
-            "backward passes over 40 feature rows)",
+            "backward batch(es) over 40 feature rows)",
         ]
     )
     report = json.loads((project.path / "report.json").read_text())

@@ -14,6 +14,15 @@ from tests.fake_cuda import FAKE_CUDA_CONFTEST
 
 pytest_plugins = ["pytester"]
 
+
+@pytest.fixture(autouse=True)
+def asks_for_the_plugin(request: pytest.FixtureRequest) -> None:
+    """Every project of these tests asks for the plugin (one ini key): its cleanup acts only
+    where asked (settings/activation.py). A test that writes its own ini replaces this one;
+    tests/test_coexistence.py runs projects that do not ask."""
+    if "pytester" in request.fixturenames:
+        request.getfixturevalue("pytester").makeini("[pytest]\nct_cleanup = auto\n")
+
 FIGURE_TESTS = """
 import matplotlib
 matplotlib.use("Agg")
@@ -492,7 +501,7 @@ def test_env():
 @pytest.mark.parametrize(
     ("ini", "expected"),
     [
-        ("", "expandable_segments:True"),
+        ("ct_cleanup = auto", "expandable_segments:True"),
         ("ct_alloc_conf =", "None"),
         ("ct_alloc_conf = garbage_collection_threshold:0.6", "garbage_collection_threshold:0.6"),
     ],
@@ -516,7 +525,7 @@ def test_alloc_conf_set_in_conftest_time(
         "import os\nprint('CONFTEST', os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))\n"
     )
     pytester.makepyfile("def test_a(): pass")
-    result = pytester.runpytest_subprocess("-s")
+    result = pytester.runpytest_subprocess("-s", "-o", "ct_cleanup=auto")
     result.stdout.fnmatch_lines(["CONFTEST expandable_segments:True"])
 
 

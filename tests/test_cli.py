@@ -91,7 +91,7 @@ def test_text_output_has_the_breakdown_and_the_table(capsys: pytest.CaptureFixtu
         "24",
     )
     lines = out.splitlines()
-    assert lines[0].startswith("model        google/gemma-2-2b-it: 2.61e9 parameters, 26 layers")
+    assert lines[0].startswith("model        google/gemma-2-2b-it: 2.6B parameters, 26 layers")
     assert "transcoders  mwhanna/gemma-scope-transcoders: per-layer, 16384" in lines[1]
     assert "bfloat16, batch size " in lines[2] and "(auto), 60 prompt tokens" in lines[2]
     features = math.ceil(1020 / 26 * 26 * 59)

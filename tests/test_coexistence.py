@@ -164,7 +164,7 @@ def test_reruns_are_counted_and_the_final_attempt_recorded(
         """
     )
     pytester.makeconftest(FAKE_CUDA_CONFTEST)
-    result = pytester.runpytest(*args, "--ct-report-json", "report.json")
+    result = pytester.runpytest(*args, "-v", "--ct-report-json", "report.json")
     assert result.parseoutcomes() == {"passed": 1, "rerun": 1}
     result.stdout.fnmatch_lines(
         [
@@ -344,7 +344,7 @@ def test_reruns_alone_print_no_summary_and_the_rerun_line_counts_right(
             assert attempts >= (2 if name == "a" else 1)
         """
     )
-    result = pytester.runpytest("--reruns", "2")
+    result = pytester.runpytest("--reruns", "2", "-v")
     assert result.parseoutcomes() == {"passed": 3, "rerun": 4}
     result.stdout.fnmatch_lines(
         [

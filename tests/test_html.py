@@ -184,8 +184,11 @@ def pytest_html_results_table_row(report, cells):
 
 
 def test_without_cuda_the_summary_plot_says_so(pytester: pytest.Pytester) -> None:
+    # Without a test that used CUDA the picture is drawn only when asked (--ct-report).
     pytester.makepyfile("def test_cpu(): pass")
-    pytester.runpytest("--html", "report.html").assert_outcomes(passed=1)
+    pytester.runpytest("--html", "other.html", "-o", "ct_cleanup=auto").assert_outcomes(passed=1)
+    assert "ctresources-vram-plot" not in (pytester.path / "other.html").read_text()
+    pytester.runpytest("--html", "report.html", "--ct-report").assert_outcomes(passed=1)
     report = (pytester.path / "report.html").read_text()
     assert "VRAM per test (pytest-ctresources): 0 test(s) used CUDA; no CUDA GPU detected" in (
         html.unescape(report)
@@ -254,7 +257,9 @@ def test_nothing_heavy_is_imported_before_the_summary_draws(pytester: pytest.Pyt
         """
     )
     pytester.makepyfile("def test_cpu(): pass")
-    result = pytester.runpytest_subprocess("-s", "-p", "no:nbmake", "--html", "report.html")
+    result = pytester.runpytest_subprocess(
+        "-s", "-p", "no:nbmake", "--html", "report.html", "--ct-report"
+    )
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*HEAVY::END*"])
     assert "data:image/png;base64," in (pytester.path / "report.html").read_text()

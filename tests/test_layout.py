@@ -15,7 +15,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pytest_ctresources"
 #: The modules at the top of the package: the wiring, the public API, and what users import.
-TOP_LEVEL = {"__init__", "plugin", "exceptions", "testing"}
+TOP_LEVEL = {"__init__", "plugin", "exceptions", "testing", "units"}
 #: What no module may import when it is imported (the plugin loads at every pytest start-up).
 HEAVY = ("torch", "matplotlib", "nbformat", "nbclient", "circuit_tracer", "transformers", "nnsight")
 #: Modules imported only once the feature that needs the library runs: the notebook runner is

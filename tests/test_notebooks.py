@@ -300,21 +300,21 @@ def test_a_ct_notebook_configs_entry_that_matches_nothing_is_warned_of(
 ) -> None:
     # As pytest warns of testpaths that match nothing: a typo would silently collect nothing.
     pytester.makeini("[pytest]\nct_notebook_configs =\n    exmaple_configs\n")
-    result = pytester.runpytest_subprocess("--nbmake")
+    result = pytester.runpytest("--nbmake")
     result.stdout.fnmatch_lines(
         ["*CtResourcesWarning: ct_notebook_configs: 'exmaple_configs' matches no file or folder*"]
     )
     # Made an error (-W error): one line, no internal error.
-    result = pytester.runpytest_subprocess("--nbmake", "-W", "error")
+    result = pytester.runpytest("--nbmake", "-W", "error")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
         ["ERROR: ct_notebook_configs: 'exmaple_configs' matches no file or folder*"]
     )
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
     # Nothing to say without --nbmake (the key is not used then), or when it matches.
-    assert "CtResourcesWarning" not in pytester.runpytest_subprocess().stdout.str()
+    assert "CtResourcesWarning" not in pytester.runpytest().stdout.str()
     (pytester.path / "exmaple_configs").mkdir()
-    assert "CtResourcesWarning" not in pytester.runpytest_subprocess("--nbmake").stdout.str()
+    assert "CtResourcesWarning" not in pytester.runpytest("--nbmake").stdout.str()
 
 
 # --- end to end -----------------------------------------------------------------------------
@@ -332,12 +332,12 @@ def test_settings_reach_the_kernel_and_parameters_are_injected(pytester: pytest.
         pytester.path / "nbs" / "nb.ipynb", notebook(SETTINGS_CELL, parameters="BATCH_SIZE = 256")
     )
     before = path.read_bytes()
-    pytester.runpytest_subprocess("--nbmake", "--ct-batch-size", "64").assert_outcomes(passed=1)
+    pytester.runpytest("--nbmake", "--ct-batch-size", "64").assert_outcomes(passed=1)
     assert path.read_bytes() == before  # the notebook on disk is unchanged
     # The injected copy runs from memory: nothing is written beside the notebook.
     assert [p.name for p in path.parent.iterdir()] == ["nb.ipynb"]
     # The same notebook without the option fails: the assertions above can fail.
-    pytester.runpytest_subprocess("--nbmake").assert_outcomes(failed=1)
+    pytester.runpytest("--nbmake").assert_outcomes(failed=1)
 
 
 PROBE_CELLS = (
@@ -418,9 +418,7 @@ def test_overwrite_shows_the_injected_cell(pytester: pytest.Pytester) -> None:
     path = write(
         pytester.path / "nb.ipynb", notebook("y = BATCH_SIZE * 2", parameters="BATCH_SIZE = 1")
     )
-    pytester.runpytest_subprocess(
-        "--nbmake", "--overwrite", "--ct-batch-size", "8"
-    ).assert_outcomes(passed=1)
+    pytester.runpytest("--nbmake", "--overwrite", "--ct-batch-size", "8").assert_outcomes(passed=1)
     cells = nbformat.read(path, as_version=4).cells
     assert cells[1].metadata["tags"] == [INJECTED_TAG]
     assert "BATCH_SIZE = 8" in cells[1].source
@@ -431,13 +429,9 @@ def test_overwrite_twice_keeps_one_injected_cell(pytester: pytest.Pytester) -> N
         pytester.path / "nb.ipynb",
         notebook("assert BATCH_SIZE in (8, 16)", parameters="BATCH_SIZE = 1"),
     )
-    pytester.runpytest_subprocess(
-        "--nbmake", "--overwrite", "--ct-batch-size", "8"
-    ).assert_outcomes(passed=1)
+    pytester.runpytest("--nbmake", "--overwrite", "--ct-batch-size", "8").assert_outcomes(passed=1)
     write(pytester.path / "check.ipynb", notebook("assert BATCH_SIZE == 16"))  # the new value wins
-    pytester.runpytest_subprocess(
-        "--nbmake", "--overwrite", "--ct-batch-size", "16"
-    ).assert_outcomes(passed=2)
+    pytester.runpytest("--nbmake", "--overwrite", "--ct-batch-size", "16").assert_outcomes(passed=2)
     (injected,) = injected_cells(path)
     assert "BATCH_SIZE = 16" in injected.source
 
@@ -488,14 +482,14 @@ def test_relative_ct_config_reaches_the_kernel(pytester: pytest.Pytester) -> Non
             "assert yaml.safe_load(open(os.environ['CT_CONFIG']))['BATCH_SIZE'] == BATCH_SIZE == 4"
         ),
     )
-    pytester.runpytest_subprocess(
-        "--nbmake", "--ct-config", "configs/exp.yaml", "notebooks"
-    ).assert_outcomes(passed=1)
+    pytester.runpytest("--nbmake", "--ct-config", "configs/exp.yaml", "notebooks").assert_outcomes(
+        passed=1
+    )
 
 
 def test_no_parameters_cell_is_said(pytester: pytest.Pytester) -> None:
     write(pytester.path / "plain.ipynb", notebook("assert BATCH_SIZE == 5"))
-    result = pytester.runpytest_subprocess("--nbmake", "--ct-batch-size", "5")
+    result = pytester.runpytest("--nbmake", "--ct-batch-size", "5")
     result.assert_outcomes(passed=1, warnings=1)
     result.stdout.fnmatch_lines(["*NotebookWarning: plain.ipynb has no cell tagged 'parameters'*"])
 
@@ -513,7 +507,7 @@ def test_warnings_made_errors_fail_in_one_line(pytester: pytest.Pytester, how: s
     else:
         ini += "filterwarnings =\n    error\n"
     pytester.makeini(ini)
-    result = pytester.runpytest_subprocess(*args)
+    result = pytester.runpytest(*args)
     result.assert_outcomes(passed=1, failed=1)
     message = "NotebookWarning: plain.ipynb has no cell tagged 'parameters': the injected parameters run first"
     assert message in result.stdout.lines  # the failure, in one line
@@ -541,15 +535,15 @@ def test_one_item_per_experiment_config_that_is_ours(pytester: pytest.Pytester) 
     (pytester.path / "pipeline").mkdir()
     (pytester.path / "pipeline" / "job.yaml").write_text("NOTEBOOK: x.ipynb\nTITLE: report\n")
     pytester.makeini("[pytest]\nct_notebook_configs = configs\n")
-    result = pytester.runpytest_subprocess("--nbmake", "configs", "pipeline", "-v")
+    result = pytester.runpytest("--nbmake", "configs", "pipeline", "-v")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(
         ["configs/large.yaml::exp.ipynb PASSED*", "configs/small.yaml::exp.ipynb PASSED*"]
     )
-    result = pytester.runpytest_subprocess("--nbmake", "configs", "-k", "small")
+    result = pytester.runpytest("--nbmake", "configs", "-k", "small")
     result.assert_outcomes(passed=1, deselected=1)
     # An item's own config is its marker: it beats a session-wide option.
-    result = pytester.runpytest_subprocess("--nbmake", "configs", "--ct-max-feature-nodes", "500")
+    result = pytester.runpytest("--nbmake", "configs", "--ct-max-feature-nodes", "500")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(
         [
@@ -564,7 +558,7 @@ def test_one_item_per_experiment_config_that_is_ours(pytester: pytest.Pytester) 
     )
     # Under xdist each worker reads the ini key and collects the same items; the values
     # reach the controller's report.
-    result = pytester.runpytest_subprocess(
+    result = pytester.runpytest(
         "--nbmake",
         "configs",
         "pipeline",
@@ -584,7 +578,7 @@ def test_one_item_per_experiment_config_that_is_ours(pytester: pytest.Pytester) 
     ]
     # Named on the command line, a YAML file is taken to be ours (as pytest collects a test
     # file named there whatever python_files says), and checked as ours.
-    result = pytester.runpytest_subprocess("--nbmake", "pipeline/job.yaml")
+    result = pytester.runpytest("--nbmake", "pipeline/job.yaml")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*pipeline/job.yaml: unknown key 'TITLE'*"])
 
@@ -596,12 +590,12 @@ def test_metadata_marks_select_and_vram_skips(
     write(pytester.path / "slow.ipynb", notebook("x = 1", metadata={"marks": ["slow"]}))
     write(pytester.path / "big.ipynb", notebook("x = 1", metadata={"vram_gib": 40}))
     pytester.makeini("[pytest]\nmarkers =\n    slow: slow\n")
-    result = pytester.runpytest_subprocess("--nbmake", "-m", "not slow", "-rs")
+    result = pytester.runpytest("--nbmake", "-m", "not slow", "-rs")
     result.assert_outcomes(skipped=1, deselected=1)
     result.stdout.fnmatch_lines(
         ["SKIPPED [1] big.ipynb: needs 40.0 GiB VRAM; GPU 0 (NVIDIA GeForce RTX 4090) has 23.6 GiB"]
     )
-    pytester.runpytest_subprocess("--nbmake", "-m", "slow").assert_outcomes(passed=1, deselected=1)
+    pytester.runpytest("--nbmake", "-m", "slow").assert_outcomes(passed=1, deselected=1)
 
 
 def test_config_vram_gib_skips_a_notebook(
@@ -610,7 +604,7 @@ def test_config_vram_gib_skips_a_notebook(
     monkeypatch.setenv("CT_FAKE_GPUS", "Card=8")
     write(pytester.path / "nb.ipynb", notebook("x = 1"))
     (pytester.path / "exp.yaml").write_text("NOTEBOOK: nb.ipynb\nVRAM_GIB: 20\n")
-    result = pytester.runpytest_subprocess("--nbmake", "exp.yaml", "-rs")
+    result = pytester.runpytest("--nbmake", "exp.yaml", "-rs")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(
         ["*needs 20.0 GiB VRAM (VRAM_GIB in *exp.yaml); GPU 0 (Card) has 8.0 GiB"]
@@ -628,7 +622,7 @@ def test_failures_stay_contained(pytester: pytest.Pytester) -> None:
     )
     (pytester.path / "f_missing.yaml").write_text("NOTEBOOK: nothere.ipynb\n")
     pytester.makeini("[pytest]\nct_notebook_configs =\n    d_bad.yaml\n    f_missing.yaml\n")
-    result = pytester.runpytest_subprocess("--nbmake", "-p", "no:randomly", "--strict-markers")
+    result = pytester.runpytest("--nbmake", "-p", "no:randomly", "--strict-markers")
     result.assert_outcomes(passed=1, failed=1, errors=4)
     result.stdout.fnmatch_lines(
         [
@@ -649,7 +643,7 @@ def test_unreadable_notebooks_fail_as_under_nbmake_alone(pytester: pytest.Pytest
     (pytester.path / "not_a_notebook.ipynb").write_text("[]")
     summaries = {}
     for name, extra in (("alone", ["-p", "no:ctresources"]), ("plugin", [])):
-        result = pytester.runpytest_subprocess("--nbmake", "-p", "no:randomly", "-rf", *extra)
+        result = pytester.runpytest("--nbmake", "-p", "no:randomly", "-rf", *extra)
         result.assert_outcomes(failed=2)
         summaries[name] = summary_lines(result)
         assert "This file is not a valid json document" in result.stdout.lines
@@ -680,7 +674,7 @@ def test_nbmake_notebook_metadata_works_as_without_the_plugin(pytester: pytest.P
     write(pytester.path / "failing.ipynb", notebook("x = 1", "raise ValueError('boom')"))
     summaries = {}
     for name, extra in (("alone", ["-p", "no:ctresources"]), ("plugin", [])):
-        result = pytester.runpytest_subprocess("--nbmake", "-p", "no:randomly", "-rA", *extra)
+        result = pytester.runpytest("--nbmake", "-p", "no:randomly", "-rA", *extra)
         result.assert_outcomes(passed=3, failed=2)
         summaries[name] = summary_lines(result)
     assert summaries["plugin"] == summaries["alone"]
@@ -714,7 +708,7 @@ def test_configs_run_no_code(pytester: pytest.Pytester) -> None:
         'PARAMS:\n  TEXT: "it\'s \\"q\\"\\nline2"\n  BIG: .inf\n  NESTED: {a: [1, 2, {b: null}]}\n',
     )
     names = ["attack_newline.yaml", "attack_globals.yaml", "shadow.yaml", "good.yaml"]
-    result = pytester.runpytest_subprocess("--nbmake", "-p", "no:randomly", *names)
+    result = pytester.runpytest("--nbmake", "-p", "no:randomly", *names)
     result.assert_outcomes(passed=1, errors=3)
     output = result.stdout.str()
     assert (
@@ -728,24 +722,34 @@ def test_configs_run_no_code(pytester: pytest.Pytester) -> None:
     assert "shadow.yaml: PARAMS key 'BATCH_SIZE' would override the setting BATCH_SIZE" in output
     assert "Traceback" not in output
     # The session's own config is checked the same way, for every notebook it reaches.
-    result = pytester.runpytest_subprocess(
-        "--nbmake", "nb.ipynb", "--ct-config", "attack_globals.yaml"
-    )
+    result = pytester.runpytest("--nbmake", "nb.ipynb", "--ct-config", "attack_globals.yaml")
     result.assert_outcomes(errors=1)
     assert "attack_globals.yaml: PARAMS key" in result.stdout.str()
     assert not list(pytester.path.glob("pwned*"))
 
 
 def test_parallel_notebooks_do_not_collide(pytester: pytest.Pytester) -> None:
-    # nbmake#129: kernels on TCP ports race under xdist; ours use IPC sockets. Repeated runs.
+    # nbmake#129: kernels on TCP ports race under xdist; ours use IPC sockets, each kernel in
+    # a directory of its own. Each kernel writes the connection it was started on (the file
+    # jupyter_client wrote and the kernel bound): a TCP fallback fails here, not only when a
+    # port race happens to strike, so one run of overlapping kernels is enough.
     for index in range(6):
-        write(pytester.path / f"nb{index}.ipynb", notebook("import time\ntime.sleep(0.2)"))
-    for _ in range(3):
-        # Asked for, so that the plugin starts the kernels (a project that does not ask
-        # gets nbmake's own, on TCP).
-        pytester.runpytest_subprocess("--nbmake", "-n", "2", "--ct-no-leases").assert_outcomes(
-            passed=6
+        write(
+            pytester.path / f"nb{index}.ipynb",
+            notebook(
+                "import json, time\n"
+                "from ipykernel.connect import get_connection_info\n"
+                "info = get_connection_info(unpack=True)\n"
+                f"json.dump([info['transport'], info['ip']], open('kernel-{index}.json', 'w'))\n"
+                "time.sleep(0.2)"
+            ),
         )
+    # Asked for (--ct-no-leases), so that the plugin starts the kernels: a project that does
+    # not ask gets nbmake's own, on TCP.
+    pytester.runpytest("--nbmake", "-n", "2", "--ct-no-leases").assert_outcomes(passed=6)
+    kernels = [json.loads((pytester.path / f"kernel-{i}.json").read_text()) for i in range(6)]
+    assert {transport for transport, _ in kernels} == {"ipc"}, kernels
+    assert len({ip for _, ip in kernels}) == 6, kernels  # no two kernels share sockets
 
 
 def test_kernel_figures_reach_the_report(pytester: pytest.Pytester) -> None:
@@ -759,9 +763,7 @@ def test_kernel_figures_reach_the_report(pytester: pytest.Pytester) -> None:
             ", open(os.environ['CT_NOTEBOOK_VRAM_FILE'], 'w'))"
         ),
     )
-    pytester.runpytest_subprocess("--nbmake", "--ct-report-json", "r.json").assert_outcomes(
-        passed=1
-    )
+    pytester.runpytest("--nbmake", "--ct-report-json", "r.json").assert_outcomes(passed=1)
     (record,) = json.loads((pytester.path / "r.json").read_text())["tests"]
     assert record["nodeid"] == "nb.ipynb::nb.ipynb"
     assert record["peak_allocated_bytes"] == 3 * 2**30
@@ -781,7 +783,7 @@ def test_capacity_reaches_the_kernel(pytester: pytest.Pytester) -> None:
         ),
     )
     pytester.runpytest_subprocess("--nbmake", "--ct-vram-capacity", "8").assert_outcomes(passed=1)
-    pytester.runpytest_subprocess("--nbmake").assert_outcomes(failed=1)
+    pytester.runpytest("--nbmake").assert_outcomes(failed=1)  # no cap: nothing to arm
 
 
 def test_strict_fails_an_under_declared_notebook(
@@ -799,7 +801,7 @@ def test_strict_fails_an_under_declared_notebook(
             metadata={"vram_gib": 1},
         ),
     )
-    result = pytester.runpytest_subprocess("--nbmake", "--ct-strict")
+    result = pytester.runpytest("--nbmake", "--ct-strict")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
@@ -827,9 +829,7 @@ def test_auto_batch_size_is_resolved_before_the_kernel_starts(
         other="MODEL_NAME: someone/unknown\nTRANSCODER_SET: gemma\nBATCH_SIZE: auto\n",
     )
     monkeypatch.setenv("CT_FAKE_GPUS", "Card=24")
-    result = pytester.runpytest_subprocess(
-        "--nbmake", "--ct-config", "gemma.yaml", "-p", "no:randomly"
-    )
+    result = pytester.runpytest("--nbmake", "--ct-config", "gemma.yaml", "-p", "no:randomly")
     result.assert_outcomes(passed=1)
     cfg = CircuitTracerConfig.defaults().layered(
         {
@@ -850,9 +850,7 @@ def test_auto_batch_size_is_resolved_before_the_kernel_starts(
     # Another process holds 6 GiB of the card: the kernel gets what is free, not the card.
     monkeypatch.setenv("CT_FAKE_GPUS_USED", "6")
     monkeypatch.setenv("COLUMNS", "600")  # the choice's line, unfolded
-    result = pytester.runpytest_subprocess(
-        "--nbmake", "--ct-config", "gemma.yaml", "-p", "no:randomly"
-    )
+    result = pytester.runpytest("--nbmake", "--ct-config", "gemma.yaml", "-p", "no:randomly")
     result.assert_outcomes(passed=1)
     squeezed = choose_from_config(
         cfg,
@@ -871,7 +869,7 @@ def test_auto_batch_size_is_resolved_before_the_kernel_starts(
     monkeypatch.delenv("CT_FAKE_GPUS_USED")
     # Without a GPU: the host's available memory (the kernel runs on this host).
     monkeypatch.setenv("CT_FAKE_GPUS", "")
-    result = pytester.runpytest_subprocess(
+    result = pytester.runpytest(
         "--nbmake", "--ct-config", "gemma.yaml", "--ct-batch-size-max", "24"
     )
     result.assert_outcomes(passed=1)
@@ -884,7 +882,7 @@ def test_auto_batch_size_is_resolved_before_the_kernel_starts(
     # On a GPU, a model the estimator does not know was an NBMAKE INTERNAL ERROR
     # with a traceback; it is one line.
     monkeypatch.setenv("CT_FAKE_GPUS", "Card=24")
-    result = pytester.runpytest_subprocess("--nbmake", "--ct-config", "other.yaml")
+    result = pytester.runpytest("--nbmake", "--ct-config", "other.yaml")
     result.assert_outcomes(failed=1)
     (line,) = summary_lines(result)
     assert line.startswith(

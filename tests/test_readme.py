@@ -125,7 +125,8 @@ def test_the_five_minute_example_runs_as_shown(
     result.assert_outcomes(passed=2, skipped=1)
     result.stdout.fnmatch_lines(
         [
-            "attributions: 2 in 2 test(s), batch size(s) 32",
+            "skipped for VRAM: 1 test(s)",
             "  tests/test_circuits.py::test_needs_a_big_gpu: needs 20.0 GiB VRAM; no CUDA GPU*",
+            "attributions: 2 in 2 test(s), batch size(s) 32",
         ]
     )

@@ -53,8 +53,8 @@ def test_a_report_replaces_the_previous_one_privately_and_leaves_no_temporary(
     project: pytest.Pytester,
 ) -> None:
     for _ in range(2):  # the second run replaces the first run's report
-        # (In a process of its own: the fake CUDA stays patched into torch.cuda.)
-        project.runpytest_subprocess("--ct-report-json", "r.json", "--ct-report-plot", "p.png")
+        # In-process: the fake CUDA conftest gives torch.cuda back when its run ends.
+        project.runpytest("--ct-report-json", "r.json", "--ct-report-plot", "p.png")
         document = json.loads((project.path / "r.json").read_text())
         assert [t["nodeid"] for t in document["tests"]] == ["test_cuda.py::test_uses_cuda"]
         assert (project.path / "p.png").read_bytes().startswith(PNG_MAGIC)
@@ -215,14 +215,35 @@ def test_1_uses_cuda():
     FAKE.alloc(1); FAKE.free(1)
 
 def test_2_is_terminated():
-    # (Under xdist: a moment for the controller to take in test_1's report first.)
-    time.sleep({pause})
+    {wait}
     os.kill({target}, signal.SIGTERM)
     time.sleep(30)
 
 def test_3_never_runs():
     pass
 """
+
+
+# Under xdist the controller must have taken in test_1's report before the signal: the
+# controller says so with a file (after the plugin's own hook), which test_2 waits for.
+CONTROLLER_HAS_TEST_1 = """
+import os
+import pytest
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report):
+    if (
+        "PYTEST_XDIST_WORKER" not in os.environ
+        and report.when == "teardown"
+        and report.nodeid.endswith("::test_1_uses_cuda")
+    ):
+        open("controller-has-test-1", "w").close()
+"""
+
+WAIT_FOR_THE_CONTROLLER = """deadline = time.time() + 120
+    while not os.path.exists("controller-has-test-1"):
+        assert time.time() < deadline, "the controller never took in test_1's report"
+        time.sleep(0.05)"""
 
 
 def _run_own_session(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -241,7 +262,7 @@ def _run_own_session(path: Path, *args: str) -> subprocess.CompletedProcess[str]
 def test_sigterm_writes_the_json_report_then_ends_the_process_of_sigterm(
     project: pytest.Pytester,
 ) -> None:
-    project.makepyfile(test_cuda=TERMINATED.format(target="os.getpid()", pause=0))
+    project.makepyfile(test_cuda=TERMINATED.format(target="os.getpid()", wait="pass"))
     process = _run_own_session(project.path, "--ct-report-json", "r.json")
     assert process.returncode == -signal.SIGTERM, process.stdout + process.stderr
     document = json.loads((project.path / "r.json").read_text())
@@ -255,7 +276,11 @@ def test_sigterm_writes_the_json_report_then_ends_the_process_of_sigterm(
 def test_sigterm_to_the_whole_group_under_xdist(project: pytest.Pytester) -> None:
     # timeout(1) and Slurm signal the process group: the workers die at once, the
     # controller writes the report from what they had sent.
-    project.makepyfile(test_cuda=TERMINATED.format(target="-os.getpgid(0)", pause=2))
+    conftest = project.path / "conftest.py"
+    conftest.write_text(conftest.read_text() + CONTROLLER_HAS_TEST_1)
+    project.makepyfile(
+        test_cuda=TERMINATED.format(target="-os.getpgid(0)", wait=WAIT_FOR_THE_CONTROLLER)
+    )
     process = _run_own_session(
         project.path, "-n", "2", "--dist", "loadfile", "--ct-report-json", "r.json"
     )

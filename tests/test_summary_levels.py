@@ -69,7 +69,7 @@ def test_default_is_actions_and_one_line_of_totals(project: pytest.Pytester) -> 
     flags = [line for line in lines if line.startswith(kinds)]
     assert len(flags) == 4, lines  # capped at --ct-report-top
     assert any(line.startswith("  ... and ") for line in lines), lines
-    assert any(line.startswith("10 test(s) used CUDA, highest peak ") for line in lines)
+    assert any(line.startswith("10 test(s) used CUDA, highest peak ") for line in lines), lines
     assert len(lines) == 6, lines
 
 

@@ -158,19 +158,25 @@ def test_newcomers_queue_behind_a_waiting_lease(tmp_path: Path) -> None:
     # asking for 1 GiB must queue behind it, not take the 2 GiB that are free.
     path = tmp_path / "gpu.ledger"
     holder = hold_lease(path, 10, 8)
+    # before_waiting runs once the waiter holds the turnstile and finds its units taken (no
+    # one else can hold the turnstile here): its line says it is queued, however slow the
+    # machine (a fixed pause was not enough under load).
+    waiting = HOLDER.replace(
+        "timeout_s=5", "timeout_s=30, before_waiting=lambda: print('waiting', flush=True)"
+    )
     waiter = subprocess.Popen(
-        [sys.executable, "-c", HOLDER.replace("timeout_s=5", "timeout_s=30"), str(path), "10", "8"],
+        [sys.executable, "-c", waiting, str(path), "10", "8"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     ledger = VramLedger(path, 10).open()
     try:
-        time.sleep(1.0)  # the waiter is queued on the turnstile by now
+        assert waiter.stdout is not None and waiter.stdout.readline().strip() == "waiting"
         with pytest.raises(LeaseTimeout):
             ledger.acquire(1, timeout_s=0.5)
         holder.kill()
-        assert waiter.stdout is not None and waiter.stdout.readline().strip() == "held"
+        assert waiter.stdout.readline().strip() == "held"
         assert ledger.acquire(1, timeout_s=5).gib == 1  # 2 GiB free again
     finally:
         holder.kill()
@@ -215,6 +221,9 @@ def test_placement_lines() -> None:
 
 
 # --- end to end: pytester with -n 2 / -n 3 -----------------------------------------------------
+# The controllers run in-process: the workers, where binding and leases happen, are processes
+# of their own anyway. Plain runs that take leases keep a process (the ledger's record locks are
+# per process), and so do the resident-model projects (their conftest registers atexit hooks).
 
 RECORDING_TEST = """
 import json, os, time, pytest
@@ -259,7 +268,7 @@ def test_each_worker_is_bound_to_a_gpu(
     monkeypatch.setenv("CT_FAKE_GPUS", "A=10;B=10;C=10")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")  # the user's choice: spread over these
     recording_suite(pytester, count=6, need=1, sleep=0.2)
-    result = pytester.runpytest_subprocess("-n", "3", "-v", "--ct-report-json", "r.json")
+    result = pytester.runpytest("-n", "3", "-v", "--ct-report-json", "r.json")
     result.assert_outcomes(passed=6)
     result.stdout.fnmatch_lines(
         ["ctresources: xdist: 3 worker(s) bound round robin to 2 GPU(s)*gw2 -> GPU 0*"]
@@ -282,7 +291,7 @@ def test_binding_off_and_nested_runs_leave_visible_devices_alone(
     monkeypatch.setenv("CT_FAKE_GPUS", "A=10;B=10")
     recording_suite(pytester, count=2, need=1, sleep=0)
     pytester.makeini("[pytest]\nct_gpu_binding = off\n")
-    pytester.runpytest_subprocess("-n", "2").assert_outcomes(passed=2)
+    pytester.runpytest("-n", "2").assert_outcomes(passed=2)
     assert {run["visible"] for run in runs(pytester).values()} == {None}
     # A pytest started from inside a worker inherits PYTEST_XDIST_WORKER but is no worker.
     pytester.makeini("[pytest]\n")
@@ -300,7 +309,7 @@ def test_leases_make_workers_wait_and_never_overlap_beyond_the_budget(
     # One 10 GiB GPU, two workers, tests needing 6 GiB: never two at once.
     monkeypatch.setenv("CT_FAKE_GPUS", "Card=10")
     recording_suite(pytester, count=4, need=6, sleep=0.4)
-    result = pytester.runpytest_subprocess("-n", "2", "--ct-report-json", "r.json")
+    result = pytester.runpytest("-n", "2", "--ct-report-json", "r.json")
     result.assert_outcomes(passed=4)
     spans = sorted((float(r["start"]), float(r["end"])) for r in runs(pytester).values())  # type: ignore[arg-type]
     for (_, first_end), (second_start, _) in itertools.pairwise(spans):
@@ -326,7 +335,7 @@ def test_need_above_capacity_is_skipped_and_default_need_applies(
         """
     )
     pytester.makeini("[pytest]\nct_default_vram_gib = 2.5\nct_lease_timeout = 5\n")
-    result = pytester.runpytest_subprocess("-n", "2", "-rs", "--ct-report-json", "r.json")
+    result = pytester.runpytest("-n", "2", "-rs", "--ct-report-json", "r.json")
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines(["*needs 12.0 GiB VRAM; GPU 0 (Card) has 10.0 GiB"])
     leases = {
@@ -356,20 +365,21 @@ def test_lease_timeout_fails_the_test_and_a_killed_holder_frees_it(
     )
     args = ("-n", "2", "-o", "ct_lease_timeout=1")
     try:
-        result = pytester.runpytest_subprocess(*args)
+        result = pytester.runpytest(*args)
         result.assert_outcomes(errors=1, skipped=1)
         result.stdout.fnmatch_lines(
             [
-                "*gw* -> GPU 0 (Card), physical 0: waited 1 s for a VRAM lease of 8.0 GiB; "
+                # ("waited ? s": the timeout is 1 s, a loaded machine wakes the waiter later.)
+                "*gw* -> GPU 0 (Card), physical 0: waited ? s for a VRAM lease of 8.0 GiB; "
                 "the GPU's budget is 10.0 GiB and 2.0 GiB of it is free (ct_lease_timeout)"
             ]
         )
         holder.send_signal(signal.SIGKILL)
         holder.wait()
-        pytester.runpytest_subprocess(*args).assert_outcomes(passed=1, skipped=1)
+        pytester.runpytest(*args).assert_outcomes(passed=1, skipped=1)
         # --ct-no-leases: nothing waits, whatever the budget.
         holder = hold_lease(ledger_path("GPU-fake-0"), 10, 8)
-        pytester.runpytest_subprocess(*args, "--ct-no-leases").assert_outcomes(passed=1, skipped=1)
+        pytester.runpytest(*args, "--ct-no-leases").assert_outcomes(passed=1, skipped=1)
     finally:
         holder.kill()
 
@@ -393,7 +403,7 @@ def test_a_worker_killed_mid_test_gives_its_lease_back(
             time.sleep(0.1)
         """
     )
-    result = pytester.runpytest_subprocess(
+    result = pytester.runpytest(
         "-n", "2", "-p", "no:randomly", "-o", "ct_lease_timeout=20", "--ct-report-json", "r.json"
     )
     result.assert_outcomes(passed=3, failed=1)
@@ -420,22 +430,26 @@ def test_a_replacement_worker_takes_the_crashed_workers_gpu(
     monkeypatch.setenv("CT_FAKE_GPUS", "A=10;B=10")
     pytester.makepyfile(
         """
-        import os, time, pytest
+        import glob, os, time, pytest
 
         def test_a_dies():
             if os.environ["PYTEST_XDIST_WORKER"] == "gw1":
                 os._exit(1)
-            time.sleep(3)
+            # gw0 stays on GPU 0 until the replacement has chosen its GPU (its first file
+            # says so): then that choice had gw0 to avoid.
+            deadline = time.time() + 120
+            while not glob.glob("after-*-gw2.txt"):
+                assert time.time() < deadline, "no replacement worker ran a test"
+                time.sleep(0.05)
 
         @pytest.mark.parametrize("i", range(6))
         def test_b_after(i):
             with open(f"after-{i}-{os.environ['PYTEST_XDIST_WORKER']}.txt", "w") as handle:
                 handle.write(os.environ["PYTEST_XDIST_WORKER"] + " " + os.environ["CUDA_VISIBLE_DEVICES"])
-            time.sleep(0.3)
         """
     )
     # --dist each: every worker runs every test, so gw1 dies and xdist starts gw2.
-    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:randomly", "--dist", "each")
+    result = pytester.runpytest("-n", "2", "-p", "no:randomly", "--dist", "each")
     result.stdout.fnmatch_lines(["*worker 'gw1' crashed*"])
     seen = {path.read_text() for path in pytester.path.glob("after-*.txt")}
     # gw2 sits on GPU 1, where gw1 sat, not beside gw0 on GPU 0 (round robin's choice).
@@ -445,27 +459,33 @@ def test_a_replacement_worker_takes_the_crashed_workers_gpu(
 # --- one budget per GPU for every run of the user ------------------------------------------------
 
 SPANS_CONFTEST = """
-import os, time
+import glob, os, time
+import pytest
 
-def pytest_configure(config):
-    if os.environ["RUN_LABEL"] == "plain" or hasattr(config, "workerinput"):
-        open(f"started-{os.environ['RUN_LABEL']}", "w").close()  # where tests will run
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    # Before the plugin's setup asks for the test's lease: the other run can see it asked.
+    open(f"wants-{os.environ['RUN_LABEL']}-{item.name}", "w").close()
+    return (yield)
 
-def both_runs_started():
+def both_runs_want_leases():
     deadline = time.time() + 120
-    while not all(os.path.exists(f"started-{label}") for label in ("plain", "xdist")):
-        assert time.time() < deadline, "the other run never started"
+    while not all(glob.glob(f"wants-{label}-*") for label in ("plain", "xdist")):
+        assert time.time() < deadline, "the other run never asked for a lease"
         time.sleep(0.05)
 """
 
 SPANS_TEST = """
 import json, os, time, pytest
-from conftest import both_runs_started
+from conftest import both_runs_want_leases
 
 @pytest.mark.parametrize("i", range(3))
 @pytest.mark.vram(gib=6)
 def test_x(i):
-    both_runs_started()  # (holding its lease): the runs overlap
+    # Holding its lease until the other run has asked for one (a file, not a pause: under
+    # load the other run starts late), so that run waits, and this one's next test queues
+    # behind that waiter.
+    both_runs_want_leases()
     name = f"{os.environ['RUN_LABEL']}-{i}"
     start = time.time()
     time.sleep(0.8)
@@ -528,10 +548,10 @@ def test_a_plain_run_takes_leases_and_waits_for_another_runs(
         result.assert_outcomes(errors=1)
         result.stdout.fnmatch_lines(
             [
-                "*GPU 0 (Card): waited 1 s for a VRAM lease of 8.0 GiB; the GPU's budget is "
+                "*GPU 0 (Card): waited ? s for a VRAM lease of 8.0 GiB; the GPU's budget is "
                 "10.0 GiB and 2.0 GiB of it is free (ct_lease_timeout)",
                 "VRAM leases: 1 test(s) on 1 GPU(s)",
-                "  GPU 0 (Card): 1 test(s), 1 with a lease, waited 1.* s in all (longest 1.* s), "
+                "  GPU 0 (Card): 1 test(s), 1 with a lease, waited ?.* s in all (longest ?.* s), "
                 "1 lease timeout(s)",
             ]
         )
@@ -568,7 +588,10 @@ def test_memory_other_processes_use_counts_against_the_budget(
         """
     )
     for args in ((), ("-n", "2")):
-        result = pytester.runpytest_subprocess("-o", "ct_lease_timeout=1", *args)
+        # The plain run takes its leases in a process of its own (the ledger's record locks
+        # are per process); under xdist the workers do, and the controller runs in-process.
+        run = pytester.runpytest if args else pytester.runpytest_subprocess
+        result = run("-o", "ct_lease_timeout=1", *args)
         outcomes = result.parseoutcomes()
         if args:
             # Two workers at once: when the 6 GiB waiter gets the turnstile first, the 4 GiB
@@ -581,7 +604,7 @@ def test_memory_other_processes_use_counts_against_the_budget(
             result.assert_outcomes(passed=1, errors=1)
         result.stdout.fnmatch_lines(
             [
-                "*waited 1 s for a VRAM lease of 6.0 GiB; the GPU's budget is 10.0 GiB and "
+                "*waited ? s for a VRAM lease of 6.0 GiB; the GPU's budget is 10.0 GiB and "
                 "10.0 GiB of it is free, but 6.0 GiB of the card's 10.0 GiB is used beyond the "
                 "leases (other processes, CUDA contexts) (ct_lease_timeout)"
             ]
@@ -599,7 +622,7 @@ def test_a_malformed_fake_used_memory_is_one_usage_error_line(
         ("11", "entry 1 '11' exceeds fake GPU 0's 10 GiB (CT_FAKE_GPUS)"),
     ):
         monkeypatch.setenv("CT_FAKE_GPUS_USED", value)
-        result = pytester.runpytest_subprocess()
+        result = pytester.runpytest()
         if "GPU 1" in problem:
             assert result.ret == pytest.ExitCode.OK  # one fake GPU: a second entry is not checked
             continue

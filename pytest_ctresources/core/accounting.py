@@ -59,15 +59,37 @@ def begin(item: pytest.Item, runtime: Runtime) -> str | None:
     if cfg is not None:
         # a notebook's own experiment config over a session-wide value
         state.record.own_settings = own_settings(runtime.session_config(), cfg)
-    elif CONFIG_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+    key, need = resolve_need(item, runtime)
+    state.memory_key = key
+    state.need = need
+    if need is None:
+        return None
+    session = _uses_session(item, state.config)
+    return skip_reason(
+        need.gib,
+        need.source,
+        runtime.test_gpu(),
+        runtime.settings.vram_capacity_gib,
+        runs_on_cpu=session,
+    )
+
+
+def resolve_need(item: pytest.Item, runtime: Runtime) -> tuple[str, markers.VramNeed | None]:
+    """The test's learned-need key and its need, in the documented order: ``vram`` marker,
+    the config's ``VRAM_GIB``, a learned need, an estimate (None: none of them). Used at
+    setup and, under VRAM placement, at collection (what the xdist scheduler places by).
+
+    Raises :class:`~pytest_ctresources.settings.markers.MarkerError` for a bad marker.
+    """
+    cfg = state_of(item).config  # set at collection for notebook items
+    if cfg is None and CONFIG_FIXTURES.intersection(getattr(item, "fixturenames", ())):
         cfg = runtime.config_for(item)
     capacity = runtime.settings.vram_capacity_gib
     key = memory_key(item.nodeid, cfg, capacity.value if capacity is not None else None)
-    state.memory_key = key
     need = markers.vram_need(item)
     if need is None and cfg is not None and cfg.vram_gib is not None:
         need = markers.VramNeed(cfg.vram_gib, cfg.source_of("vram_gib"))
-    session = cfg is not None and "ct_session" in getattr(item, "fixturenames", ())
+    session = _uses_session(item, cfg)
     if need is None and key and runtime.learned():
         learned = runtime.learned().get(key)
         if learned is not None:
@@ -76,16 +98,11 @@ def begin(item: pytest.Item, runtime: Runtime) -> str | None:
                 need = learned_need_with_retry(need, cfg, runtime)
     if need is None and session and cfg is not None:
         need = estimated_need(cfg, runtime)
-    state.need = need
-    if need is None:
-        return None
-    return skip_reason(
-        need.gib,
-        need.source,
-        runtime.test_gpu(),
-        runtime.settings.vram_capacity_gib,
-        runs_on_cpu=session,
-    )
+    return key, need
+
+
+def _uses_session(item: pytest.Item, cfg: CircuitTracerConfig | None) -> bool:
+    return cfg is not None and "ct_session" in getattr(item, "fixturenames", ())
 
 
 def learned_need_with_retry(

@@ -47,6 +47,7 @@ from typing import Any
 from pytest_ctresources.estimator import estimate as est
 from pytest_ctresources.estimator import registry
 from pytest_ctresources.settings.config import CircuitTracerConfig
+from pytest_ctresources.units import bytes_text
 
 GIB = 1 << 30
 #: ``ct_auto_margin``'s default: the share of the capacity auto leaves free beyond the
@@ -133,6 +134,8 @@ class AutoChoice:
     measured_gib: float | None = None
     #: The model's layers, to say the active features per layer and token as well as in all.
     n_layers: int | None = None
+    #: The model is on the CPU: the figures are of host memory.
+    on_host: bool = False
     _key: tuple[Any, ...] | None = field(default=None, repr=False, compare=False)
     _resident_bytes: int = field(default=0, repr=False, compare=False)
     _estimated_call_bytes: int = field(default=0, repr=False, compare=False)
@@ -146,10 +149,13 @@ class AutoChoice:
             if self.n_layers:
                 per = est.per_layer_token(self.active_features, self.n_layers, self.prompt_tokens)
                 facts += f" in all ({per:.1f} per layer and token)"
+        # On the CPU the figures are of host memory, said so: no GPU figure for a model that
+        # is not on a GPU.
+        of = " of host memory" if self.on_host else ""
         if self.predicted_gib is not None:
-            facts += f", predicted {self.predicted_gib:.2f} GiB"
+            facts += f", predicted {bytes_text(self.predicted_gib * GIB)}{of}"
         if self.measured_gib is not None:
-            facts += f", measured {self.measured_gib:.2f} GiB"
+            facts += f", measured {bytes_text(self.measured_gib * GIB)}{of}"
         return f"batch size {self.batch_size} ({facts}; {self.reason})"
 
 
@@ -382,7 +388,7 @@ def _host_choice(
     if available is None:
         why = f"{where}, and the host's available memory is unknown: the ceiling {ceiling}"
         return AutoChoice(
-            ceiling, tokens, active_features, None, why, n_layers=model_shape.n_layers
+            ceiling, tokens, active_features, None, why, n_layers=model_shape.n_layers, on_host=True
         )
     free, source = available
     room = int(free * (1 - budget.margin))
@@ -401,7 +407,9 @@ def _host_choice(
     )
     if found is None:
         why = f"{text}; not even batch size 1 is predicted to fit; trying 1"
-        return AutoChoice(1, tokens, active_features, None, why, n_layers=model_shape.n_layers)
+        return AutoChoice(
+            1, tokens, active_features, None, why, n_layers=model_shape.n_layers, on_host=True
+        )
     largest = found[0]
     batch = est.balanced_batch(largest, _feature_rows(workload, model_shape))
     prediction = est.estimate(model_shape, transcoders, est.with_batch(workload, batch))
@@ -413,6 +421,7 @@ def _host_choice(
         prediction.call_bytes / GIB,
         f"{text}; {what}",
         n_layers=model_shape.n_layers,
+        on_host=True,
     )
 
 
@@ -487,7 +496,7 @@ def reason(batch: int, largest: int, ceiling: int, rows: int, budget: Budget | N
     text = f"the ceiling {ceiling}" if largest == ceiling else f"{largest} is the largest that fits"
     if batch != largest:
         passes = math.ceil(rows / largest)
-        text += f"; {batch} needs the same {passes} backward passes over {rows} feature rows"
+        text += f"; {batch} needs the same {passes} backward batch(es) over {rows} feature rows"
     return text if budget is None else f"{text}; {budget.describe()}"
 
 

@@ -42,6 +42,7 @@ from pytest_ctresources.settings.config import (
     shown,
 )
 from pytest_ctresources.settings.sources import Source
+from pytest_ctresources.units import count_text
 
 GIB: Final = 1 << 30
 DEFAULT_PROMPT_TOKENS: Final = 32
@@ -109,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(pytest-ctresources)",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from pytest_ctresources.estimator.plan_cli import add_plan_parser
+
+    add_plan_parser(commands)
     gpus = commands.add_parser("gpus", help="the GPUs the plugin detects")
     gpus.add_argument("--json", action="store_true", help="one JSON object")
     estimate = commands.add_parser(
@@ -465,7 +469,7 @@ def _print_estimate(
     )
     write = out.write
     write(
-        f"model        {model.name}: {model.n_params / 1e9:.2f}e9 parameters, {model.n_layers} "
+        f"model        {model.name}: {count_text(model.n_params)} parameters, {model.n_layers} "
         f"layers, d_model {model.d_model}, vocabulary {model.vocab_size}{softcap}\n"
     )
     write(f"transcoders  {tc.name}: {kind}, {tc.width} features per layer{skip}{usual}\n")
@@ -614,6 +618,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "gpus":
             status = run_gpus(args, sys.stdout)
+        elif args.command == "plan":
+            from pytest_ctresources.estimator.plan_cli import run_plan
+
+            status = run_plan(args, sys.stdout)
         elif args.command == "table":
             status = run_table(args, sys.stdout)
         else:

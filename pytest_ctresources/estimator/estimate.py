@@ -57,7 +57,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Final, Literal
 
-GIB: Final = 1 << 30
+from pytest_ctresources.units import GIB, count_text
+
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPE_BYTES: Final = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: The hook GemmaScope's gemma-2 transcoders read (see TranscoderShape.feature_input_hook).
@@ -510,7 +511,7 @@ def estimate(
         else per_layer_token(nnz, n_layers, tokens)
     )
     terms = (
-        Term("weights", weights, f"{model.n_params / 1e9:.2f}e9 parameters, workspaces"),
+        Term("weights", weights, f"{count_text(model.n_params)} parameters, workspaces"),
         Term("transcoders", transcoder_bytes, tc_note),
         Term(
             "setup",

@@ -34,6 +34,8 @@ class Placement:
     """The part of ``lease_gib`` that the resident model it reused already held."""
     lease_gave_up_after_s: float = 0.0
     """When it gave up waiting: the seconds it had waited (0 otherwise)."""
+    placed_because: str | None = None
+    """Why the VRAM scheduler sent it there (None: xdist's own scheduler, or a plain run)."""
 
     @property
     def waited_s(self) -> float:
@@ -64,6 +66,7 @@ def placement_from(nodeid: str, outcome: str, record: TestRecord) -> Placement |
         lease_wait_s=float(record.lease_wait_s or 0.0),
         lease_reused_gib=float(record.lease_reused_gib or 0.0),
         lease_gave_up_after_s=float(record.lease_gave_up_after_s or 0.0),
+        placed_because=record.placed_because,
     )
 
 
@@ -96,4 +99,22 @@ def placement_lines(placements: list[Placement]) -> list[str]:
         if timeouts:
             line += f", {timeouts} lease timeout(s)"
         out.append(line)
+    out += _placed_by_vram(placements)
     return out
+
+
+def _placed_by_vram(placements: list[Placement]) -> list[str]:
+    """One line on the VRAM scheduler's reasons, where it placed the run (the JSON report's
+    ``placed_because`` has each test's)."""
+    reasons = [p.placed_because for p in placements if p.placed_because]
+    if not reasons:
+        return []
+    only = sum(1 for r in reasons if " hold(s) it" in r)
+    every = sum(1 for r in reasons if r.startswith("fits every GPU"))
+    too_big = sum(1 for r in reasons if r.startswith("too big"))
+    packed = sum(1 for r in reasons if "packed beside" in r)
+    return [
+        f"  placed by VRAM: {only} test(s) on the only GPUs that hold them, {every} that fit "
+        f"every GPU, {too_big} too big for every GPU (skipped on the largest); {packed} "
+        "packed beside other workers' tests"
+    ]

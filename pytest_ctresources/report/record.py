@@ -77,6 +77,8 @@ class TestRecord:
     lease_gave_up_after_s: float | None = None
     """When it gave up: the seconds it waited before it did."""
     lease_reused_gib: float | None = None
+    placed_because: str | None = None
+    """Why the VRAM scheduler sent the test to this worker (xdist/scheduler.py)."""
 
     @property
     def used_cuda(self) -> bool:

@@ -290,30 +290,33 @@ class RunSummary:
         return out
 
     def totals_line(self) -> str | None:
-        """One line of totals: the tests that used CUDA and the highest peak, the
-        attributions, the skips for VRAM (None when there is nothing to count)."""
+        """One line of totals: the attributions, the tests that used CUDA and the highest
+        peak (None when there is nothing to count; skips for VRAM are among the actions)."""
         parts = []
+        calls = sum(len(sizes) for sizes in self.attributions.values())
+        if calls:
+            sizes = sorted({size for values in self.attributions.values() for size in values})
+            parts.append(
+                f"attributions: {calls} in {len(self.attributions)} test(s)"
+                + (f", batch size(s) {', '.join(map(str, sizes))}" if sizes else "")
+            )
         if self.records:
             top = max(self.records.values(), key=lambda r: r.peak_reserved_bytes)
             parts.append(
                 f"{len(self.records)} test(s) used CUDA, highest peak "
                 f"{bytes_text(top.peak_reserved_bytes)} reserved ({top.nodeid})"
             )
-        calls = sum(len(sizes) for sizes in self.attributions.values())
-        if calls:
-            sizes = sorted({size for values in self.attributions.values() for size in values})
-            parts.append(
-                f"{calls} attribution(s) in {len(self.attributions)} test(s)"
-                + (f", batch size(s) {', '.join(map(str, sizes))}" if sizes else "")
-            )
-        if self.vram_skips:
-            parts.append(f"{len(self.vram_skips)} skipped for VRAM")
         return "; ".join(parts) if parts else None
 
     def action_lines(self, flags: list[str], top: int, *, quiet: bool) -> list[str]:
         """What went wrong or needs action (flags, skips for VRAM, lease waits), each list
         capped at ``top``; under ``-q`` the counts alone."""
         out: list[str] = []
+        # Attributions that ran out of memory and passed at a smaller batch.
+        halvings = [f"  {nodeid}: {text}" for nodeid, text in sorted(self.halvings.items())]
+        if halvings:
+            out += [f"out of memory, recovered: {len(halvings)} test(s)"]
+            out += [] if quiet else capped(halvings, top)
         if flags:
             if quiet:
                 kinds: dict[str, int] = {}
@@ -340,7 +343,7 @@ class RunSummary:
     def detail_lines(self, top: int, verbosity: int) -> list[str]:
         """``-v``: the settings tests kept of their own, notebook values, placements, resident
         models, reruns, the slowest attributions; ``-vv`` also each ``auto`` choice."""
-        out = [f"  {nodeid}: {text}" for nodeid, text in sorted(self.halvings.items())]
+        out: list[str] = []
         if verbosity >= 2:
             for nodeid, choices in sorted(self.auto_choices.items()):
                 out += [f"  {nodeid}: auto {text}" for text in choices]
@@ -562,7 +565,7 @@ class SummaryReporter:
             return
         terminalreporter.section("ctresources summary")
         width = terminalreporter.config.get_terminal_writer().fullwidth
-        for line in lines:
+        for line in described:
             self._write_folded(terminalreporter, line, width)
         if show_table:
             for index, line in enumerate(table):  # the rows' columns line up: never folded
@@ -570,6 +573,8 @@ class SummaryReporter:
                     self._write_folded(terminalreporter, line, width)
                 else:
                     terminalreporter.write_line(line)
+        for line in lines[len(described) :]:
+            self._write_folded(terminalreporter, line, width)
         for line in written:
             self._write_folded(terminalreporter, line, width)
 

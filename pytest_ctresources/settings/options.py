@@ -409,6 +409,7 @@ def add_options(parser: pytest.Parser) -> None:
         default=None,
         help="clear the VRAM needs learned by earlier runs (kept in pytest's cache)",
     )
+    _add_placement_options(group)
     for name, help_text, default in INI_ONLY:
         # default=None tells "unset" from "set to the default" (or to empty, for ct_alloc_conf)
         parser.addini(name, f"{help_text} [default: {default}]", type="string", default=None)
@@ -418,4 +419,66 @@ def add_options(parser: pytest.Parser) -> None:
         "globs; relative to the ini file); a YAML file named on the command line always is",
         type="linelist",
         default=[],
+    )
+
+
+def _plan_gpus(text: str) -> str:
+    from pytest_ctresources.xdist.plan import parse_gpus
+
+    if text.strip().lower() != "detected":
+        parse_gpus(text)
+    return text
+
+
+def _shard(text: str) -> tuple[int, int]:
+    from pytest_ctresources.xdist.placement import parse_shard
+
+    return parse_shard(text)
+
+
+def _runner_gpus(text: str) -> list[float]:
+    from pytest_ctresources.xdist.plan import parse_gpus
+
+    return [gpu.capacity_gib for gpu in parse_gpus(text)]
+
+
+def _add_placement_options(group: pytest.OptionGroup) -> None:
+    """VRAM placement's options: the plan before a run, and a CI matrix's shard."""
+    group.addoption(
+        "--ct-plan",
+        dest="ct_plan",
+        metavar="GPUS",
+        nargs="?",
+        const="detected",
+        default=None,
+        type=argparse_type(_plan_gpus),
+        help="collect only, and print which tests would run on which GPU, which skip and why, "
+        "and the predicted wall time; GPUS: 2x80,4x24 or names (H200, A100-80GB, RTX-4090), "
+        "default the GPUs detected",
+    )
+    group.addoption(
+        "--ct-plan-workers",
+        dest="ct_plan_workers",
+        metavar="N",
+        default=None,
+        type=argparse_type(positive_count),
+        help="workers per GPU in --ct-plan (default 1)",
+    )
+    group.addoption(
+        "--ct-shard",
+        dest="ct_shard",
+        metavar="K/N",
+        default=None,
+        type=argparse_type(_shard),
+        help="run job K's share of an N-job GPU matrix: every test once, on the smallest "
+        "runner class that fits it, shares balanced by learned durations",
+    )
+    group.addoption(
+        "--ct-runner-gpus",
+        dest="ct_runner_gpus",
+        metavar="GPUS",
+        default=None,
+        type=argparse_type(_runner_gpus),
+        help="with --ct-shard: the GPU of each of the N jobs (80 for all; 2x24,80 job by job; "
+        "default: this job's GPU, for all)",
     )

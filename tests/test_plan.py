@@ -1,0 +1,124 @@
+"""The plan before a run (pytest --ct-plan, ct-resources plan) and CI shards (--ct-shard)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from pytest_ctresources.estimator.cli import main
+from pytest_ctresources.xdist.placement import Demand
+from pytest_ctresources.xdist.plan import PlanGpu, make_plan, parse_gpus
+
+SUITE = """
+import pytest
+
+@pytest.mark.parametrize("gib", [
+    pytest.param(gib, marks=pytest.mark.vram(gib=gib), id=f"{gib}GiB")
+    for gib in (10, 20, 30, 60, 90)
+])
+def test_size(gib):
+    pass
+
+def test_no_need():
+    pass
+"""
+
+
+def test_gpu_lists_and_names() -> None:
+    assert parse_gpus("2x80, RTX-4090") == [
+        PlanGpu("80 GiB", 80.0),
+        PlanGpu("80 GiB", 80.0),
+        PlanGpu("RTX-4090", 23.6),
+    ]
+    assert parse_gpus("h200")[0].capacity_gib == 139.8
+    with pytest.raises(ValueError, match="names known: H200"):
+        parse_gpus("2xV100")
+
+
+def test_a_plan_of_1000_tests_is_made_within_two_seconds() -> None:
+    demands = [
+        Demand(f"t{i}", (None, 5.0, 20.0, 30.0, 70.0, 90.0)[i % 6], float(1 + i % 17))
+        for i in range(1000)
+    ]
+    started = time.perf_counter()
+    plan = make_plan(parse_gpus("2x80,4x24"), 2, demands)
+    lines = plan.lines()
+    assert time.perf_counter() - started < 2.0
+    assert len(lines) == 1000 + 9
+    skipped = [t for t in plan.tests if t.skip_reason]
+    assert len(skipped) == 1000 // 6  # the 90 GiB ones
+    assert all(
+        t.gpu in ("GPU 0 (80 GiB)", "GPU 1 (80 GiB)")
+        for t in plan.tests
+        if (t.need_gib or 0) > 24 and t.skip_reason is None
+    )
+    assert plan.predicted_wall_s >= plan.fitted_lower_bound_s
+
+
+def test_ct_plan_collects_only_and_prints_where_each_test_runs(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(SUITE)
+    result = pytester.runpytest("--ct-plan", "24,80", "--ct-plan-workers", "2", "-p", "no:randomly")
+    assert result.ret == 0
+    result.assert_outcomes()  # nothing ran
+    out = result.stdout.str()
+    assert "ctresources plan: 6 test(s) on 2 GPU(s), 2 worker(s) each; predicted wall time" in out
+    result.stdout.fnmatch_lines(
+        [
+            "*test_size?30GiB?: GPU 1 (80 GiB) ?gw*; 30.0 GiB, 1.00 s",
+            "*test_size?60GiB?: GPU 1 (80 GiB) ?gw*; 60.0 GiB, 1.00 s",
+            "*test_size?90GiB?: skips: needs 90.0 GiB VRAM; the largest GPU in this run, "
+            "GPU 1 (80 GiB), has 80.0 GiB; 90.0 GiB, 0.00 s",
+        ]
+    )
+
+
+def test_ct_resources_plan_prints_json(
+    pytester: pytest.Pytester, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytester.makepyfile(SUITE)
+    assert (
+        main(["plan", "--gpus", "24,80", "--json", "--", str(pytester.path), "-p", "no:randomly"])
+        == 0
+    )
+    plan = json.loads(capsys.readouterr().out)
+    by_id = {t["nodeid"].split("[")[-1].rstrip("]"): t for t in plan["tests"]}
+    assert by_id["30GiB"]["gpu"] == "GPU 1 (80 GiB)"
+    assert by_id["10GiB"]["skip_reason"] is None
+    assert "largest GPU in this run" in by_id["90GiB"]["skip_reason"]
+    assert [g["capacity_gib"] for g in plan["gpus"]] == [24.0, 80.0]
+
+
+def test_shards_run_every_test_once_on_the_smallest_class_that_fits(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(SUITE)
+    seen: dict[int, list[str]] = {}
+    for job in (1, 2, 3):
+        result = pytester.runpytest(
+            "--ct-shard",
+            f"{job}/3",
+            "--ct-runner-gpus",
+            "2x24,80",
+            "--co",
+            "-q",
+            "-p",
+            "no:randomly",
+        )
+        seen[job] = [line for line in result.stdout.lines if "::" in line]
+    everything = sorted(line for lines in seen.values() for line in lines)
+    assert len(everything) == 6 and len(set(everything)) == 6
+    big = " ".join(seen[3])
+    assert "30GiB" in big and "60GiB" in big and "90GiB" in big
+    assert not any("30GiB" in line or "60GiB" in line for line in seen[1] + seen[2])
+
+
+def test_bad_shard_options_are_one_line_errors(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(SUITE)
+    result = pytester.runpytest("--ct-shard", "4/3")
+    result.stderr.fnmatch_lines(["*argument --ct-shard: '4/3': expected K/N with 1 <= K <= N"])
+    result = pytester.runpytest("--ct-shard", "1/3", "--ct-runner-gpus", "24,80")
+    result.stderr.fnmatch_lines(
+        ["*--ct-runner-gpus names 2 job(s) but --ct-shard has 3: give one GPU for all jobs*"]
+    )
