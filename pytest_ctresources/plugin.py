@@ -40,6 +40,7 @@ from pytest_ctresources.session.fixtures import OneLineModelFailures, ct_config,
 from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.activation import ACTIVATION_KEY, activation_of
 from pytest_ctresources.settings.options import DEFAULT_ALLOC_CONF, add_options, binding_mode
+from pytest_ctresources.settings.parametrize_tests import parametrize_from_params
 from pytest_ctresources.settings.resolve import activation_from_config
 from pytest_ctresources.xdist.binding import Binding, bind_worker, is_worker, open_seats
 from pytest_ctresources.xdist.exchange import PlacementWorker, placement_channel
@@ -320,6 +321,11 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     if not activation.project_wide:
         return [activation.header_line()]
     return [activation.header_line(), *header_lines(config, runtime_of(config))]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # @pytest.mark.ct_parametrize: one test per element of a PARAMS list.
+    parametrize_from_params(metafunc, runtime_of(metafunc.config).settings.experiment)
 
 
 class PerTestHooks:

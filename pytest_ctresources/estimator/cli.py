@@ -6,6 +6,7 @@
         --dtype bfloat16 --batch-size 256 --gpu-gib 24 [--json]
     ct-resources estimate --model gemma-2-2b --gpu-gib 24   # a short name, its usual set
     ct-resources table --cards 24,48,80 --prompt-tokens 32,128   # docs/estimator-cli.md's table
+    ct-resources table --model gemma-2-2b; ct-resources models; ct-resources --version
 
 Nothing here imports torch unless GPU detection has to fall back to it.
 """
@@ -20,8 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from pytest_ctresources.estimator import cli_models, registry
 from pytest_ctresources.estimator import estimate as est
-from pytest_ctresources.estimator import registry
 from pytest_ctresources.estimator.auto import (
     DEFAULT_AUTO_MARGIN,
     Budget,
@@ -174,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"{est.DEFAULT_ACTIVE_PER_LAYER_TOKEN:g})",
     )
     table.add_argument("--ceiling", type=_positive_int, default=DEFAULT_CEILING, metavar="N")
+    cli_models.add_arguments(parser, commands, table)  # --version, models, table --model
     return parser
 
 
@@ -543,13 +545,14 @@ def run_table(args: argparse.Namespace, out: Any) -> int:
     cards = _csv(args.cards, _gib)
     prompts = _csv(args.prompt_tokens, _positive_int)
     dtypes = _csv(args.dtypes, _dtype)
+    pairs = cli_models.table_pairs(args, TABLE_PAIRS)  # before the header: a bad name is one line
     header = "| model | transcoders | active per layer and token | dtype | prompt tokens | "
     header += " | ".join(f"{card:g} GiB" for card in cards)
     out.write(header + " |\n")
     out.write("|---|---|---|---|---|" + "---|" * len(cards) + "\n")
-    for model_name, set_name in TABLE_PAIRS:
+    for model_name, set_name in pairs:
         model = registry.model_shape(model_name)
-        info = registry.transcoder_info(set_name)
+        info = registry.transcoder_info(set_name, model_name)
         transcoders = info.loaded()
         if args.active_features is not None:
             active, active_text = args.active_features, f"{args.active_features:g} (given)"
@@ -624,6 +627,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             status = run_plan(args, sys.stdout)
         elif args.command == "table":
             status = run_table(args, sys.stdout)
+        elif args.command == "models":
+            status = cli_models.run_models(args, sys.stdout)
         else:
             status = run_estimate(args, sys.stdout)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler below

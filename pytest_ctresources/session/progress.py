@@ -50,19 +50,27 @@ class AttributionTiming:
 
     def describe(self) -> str:
         """``backward 7/17 batches of 64, 12.3 s (setup 0.4, forward 2.1)``."""
+        return self.descriptions()[0]
+
+    def descriptions(self) -> tuple[str, str, str]:
+        """The description at three lengths, longest first, for a line that must fit a
+        terminal: ``backward 7/17 batches of 64, 12.3 s (setup 0.4, forward 2.1)``, then
+        without the phases done, then ``backward 7/17 12.3 s``. Each keeps the timer."""
+        clock = f"{self.elapsed_s:.1f} s"
         if self.phase == "backward":
             total = "?" if self.batches_total is None else str(self.batches_total)
-            doing = f"backward {self.batches_done}/{total} batches of {self.batch_size}"
+            counted = f"{self.batches_done}/{total}"
+            doing = f"backward {counted} batches of {self.batch_size}"
+            terse = f"backward {counted} {clock}"
         else:
             doing = f"{self.phase} pass" + (
                 f" of {self.batch_size} copies" if self.phase == "forward" else ""
             )
-        done = [
-            f"{name} {getattr(self, f'{name}_s'):.1f}"
-            for name in PHASES[: PHASES.index(self.phase)]
-            if self.phase in PHASES
-        ]
-        return f"{doing}, {self.elapsed_s:.1f} s" + (f" ({', '.join(done)})" if done else "")
+            terse = f"{self.phase} {clock}"
+        before = PHASES[: PHASES.index(self.phase)] if self.phase in PHASES else ()
+        done = [f"{name} {getattr(self, f'{name}_s'):.1f}" for name in before]
+        short = f"{doing}, {clock}"
+        return (short + (f" ({', '.join(done)})" if done else ""), short, terse)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

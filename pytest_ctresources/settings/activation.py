@@ -7,9 +7,9 @@ the environment. Like pytest-memray, it acts only where it is asked:
   ``-o``), any of its ``--ct-*`` options, or any of its ``CT_*`` environment variables (an
   experiment config is one of these: ``--ct-config``, ``ct_config``, ``CT_CONFIG``);
 - **for one test**, when the test uses one of its fixtures (``ct_session``, ``ct_config``) or
-  carries a ``vram`` or ``ct_config`` marker, or is a notebook item the plugin has something to
-  say to (``ctresources`` metadata, an experiment config naming it), which the notebook
-  support marks with :data:`ASKED`.
+  carries a ``vram``, ``ct_config`` or ``ct_parametrize`` marker, or is a notebook item the
+  plugin has something to say to (``ctresources`` metadata, an experiment config naming
+  it), which the notebook support marks with :data:`ASKED`.
 
 A test the plugin does not act for gets nothing: no cleanup, accounting, record, lease or
 report line. What must happen before conftests are imported (binding an xdist worker to a GPU)
@@ -30,7 +30,7 @@ from pytest_ctresources.settings.sources import Source
 #: The plugin's fixtures: a test that uses one (directly or through another fixture) asks.
 FIXTURES: tuple[str, ...] = ("ct_session", "ct_config")
 #: The plugin's markers: a test that carries one asks.
-MARKERS: tuple[str, ...] = ("vram", "ct_config")
+MARKERS: tuple[str, ...] = ("vram", "ct_config", "ct_parametrize")
 #: Set on an item that asks by what it is (a notebook item the plugin runs its own way).
 ASKED = pytest.StashKey[bool]()
 _ACTS = pytest.StashKey[bool]()

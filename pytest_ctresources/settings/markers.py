@@ -1,4 +1,5 @@
-"""The ``vram`` and ``ct_config`` markers: typed functions that validate their arguments.
+"""The ``vram``, ``ct_config`` and ``ct_parametrize`` markers: typed functions that validate
+their arguments.
 
 As in pytest-memray, each marker is a Python function whose signature is the marker's
 signature: binding a marker's args to it rejects unknown keywords, and its docstring's
@@ -9,7 +10,7 @@ raises :class:`MarkerError`, which fails that test alone at setup.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from pytest_ctresources.settings.config import (
     validate_typed,
 )
 from pytest_ctresources.settings.experiment_yaml import load_experiment_yaml
+from pytest_ctresources.settings.parametrize import ParamsReference, split_argnames
 from pytest_ctresources.settings.sources import Source
 
 
@@ -59,7 +61,26 @@ def ct_config(path: str | None = None, **overrides: object) -> tuple[str | None,
     return path, checked
 
 
-MARKERS: Mapping[str, Callable[..., Any]] = {"vram": vram, "ct_config": ct_config}
+def ct_parametrize(
+    argnames: str | Sequence[str], key: str, path: str | None = None
+) -> ParamsReference:
+    """ct_parametrize(argnames, key, path=None): a test per element of the list PARAMS[key]."""
+    try:
+        names = split_argnames(argnames)
+    except ValueError as exc:
+        raise MarkerError(str(exc)) from None
+    if not isinstance(key, str) or not key:
+        raise MarkerError(f"key must name a PARAMS key, got {shown(key)}")
+    if path is not None and not isinstance(path, str):
+        raise MarkerError(f"path must be a string, got {shown(path)}")
+    return ParamsReference(names, key, path)
+
+
+MARKERS: Mapping[str, Callable[..., Any]] = {
+    "vram": vram,
+    "ct_config": ct_config,
+    "ct_parametrize": ct_parametrize,
+}
 
 
 def usage(name: str) -> str:
@@ -122,7 +143,14 @@ def vram_need(item: pytest.Item) -> VramNeed | None:
     return VramNeed(_call("vram", mark, item.nodeid), Source.marker("vram", item.nodeid))
 
 
-def _shown_yaml_path(item: pytest.Item, base_dir: Path, path: str) -> Path:
+def params_references(item: pytest.Item) -> list[ParamsReference]:
+    """The item's ``ct_parametrize`` markers (function, class, module), each parsed."""
+    return [
+        _call("ct_parametrize", mark, item.nodeid) for mark in item.iter_markers("ct_parametrize")
+    ]
+
+
+def shown_yaml_path(item: pytest.Item, base_dir: Path, path: str) -> Path:
     """A marker's ``path=`` file, relative to where pytest runs when it is below it (as
     ``--ct-config`` paths are shown), so that sources read ``BATCH_SIZE in tests/own.yaml``."""
     target = Path(path) if Path(path).is_absolute() else base_dir / path
@@ -149,7 +177,7 @@ def layer_markers(item: pytest.Item, below: CircuitTracerConfig) -> CircuitTrace
         if path is None:
             continue
         try:
-            cfg = load_experiment_yaml(_shown_yaml_path(item, base_dir, path)).apply(cfg)
+            cfg = load_experiment_yaml(shown_yaml_path(item, base_dir, path)).apply(cfg)
         except ConfigError as exc:
             raise MarkerError(f"invalid @pytest.mark.ct_config on {item.nodeid}: {exc}") from None
     source = Source.marker("ct_config", item.nodeid)
