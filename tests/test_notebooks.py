@@ -543,7 +543,7 @@ def test_one_item_per_experiment_config_that_is_ours(pytester: pytest.Pytester) 
     result = pytester.runpytest("--nbmake", "configs", "-k", "small")
     result.assert_outcomes(passed=1, deselected=1)
     # An item's own config is its marker: it beats a session-wide option.
-    result = pytester.runpytest("--nbmake", "configs", "--ct-max-feature-nodes", "500")
+    result = pytester.runpytest("--nbmake", "configs", "--ct-max-feature-nodes", "500", "-v")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(
         [
@@ -829,7 +829,8 @@ def test_auto_batch_size_is_resolved_before_the_kernel_starts(
         other="MODEL_NAME: someone/unknown\nTRANSCODER_SET: gemma\nBATCH_SIZE: auto\n",
     )
     monkeypatch.setenv("CT_FAKE_GPUS", "Card=24")
-    result = pytester.runpytest("--nbmake", "--ct-config", "gemma.yaml", "-p", "no:randomly")
+    # -vv: the summary says each auto choice with its reasons.
+    result = pytester.runpytest("--nbmake", "--ct-config", "gemma.yaml", "-p", "no:randomly", "-vv")
     result.assert_outcomes(passed=1)
     cfg = CircuitTracerConfig.defaults().layered(
         {
@@ -850,7 +851,7 @@ def test_auto_batch_size_is_resolved_before_the_kernel_starts(
     # Another process holds 6 GiB of the card: the kernel gets what is free, not the card.
     monkeypatch.setenv("CT_FAKE_GPUS_USED", "6")
     monkeypatch.setenv("COLUMNS", "600")  # the choice's line, unfolded
-    result = pytester.runpytest("--nbmake", "--ct-config", "gemma.yaml", "-p", "no:randomly")
+    result = pytester.runpytest("--nbmake", "--ct-config", "gemma.yaml", "-p", "no:randomly", "-vv")
     result.assert_outcomes(passed=1)
     squeezed = choose_from_config(
         cfg,
@@ -870,7 +871,7 @@ def test_auto_batch_size_is_resolved_before_the_kernel_starts(
     # Without a GPU: the host's available memory (the kernel runs on this host).
     monkeypatch.setenv("CT_FAKE_GPUS", "")
     result = pytester.runpytest(
-        "--nbmake", "--ct-config", "gemma.yaml", "--ct-batch-size-max", "24"
+        "--nbmake", "--ct-config", "gemma.yaml", "--ct-batch-size-max", "24", "-vv"
     )
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(

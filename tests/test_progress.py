@@ -147,7 +147,7 @@ def test_the_slowest_attributions_are_in_the_summary_and_the_report(
     # The controller in-process: it attributes nothing (the workers, processes of their own,
     # do) and reads the timings they ship.
     result = pytester.runpytest(
-        "--ct-config", "exp.yaml", "-n", "2", "--ct-report-json", "report.json"
+        "--ct-config", "exp.yaml", "-n", "2", "-v", "--ct-report-json", "report.json"
     )
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(
