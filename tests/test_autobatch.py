@@ -195,7 +195,7 @@ def test_choice_on_a_gpu_uses_measured_memory_and_real_active_features(
     assert roomy.prompt_tokens == 6
     # Everything fits: one backward pass over all the active features is enough.
     assert roomy.batch_size == active
-    assert f"the ceiling 4096; {active} needs the same 1 backward passes" in roomy.reason
+    assert f"the ceiling 4096; {active} needs the same 1 backward batch(es)" in roomy.reason
 
     # Less room: leave space for about 60 batch rows, so several passes are needed.
     shape, transcoders = registry.shapes_of_loaded(model)
