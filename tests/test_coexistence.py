@@ -453,3 +453,12 @@ def test_pytest_html_reports_of_a_project_that_does_not_ask_are_unchanged(
     # Asked, with no test that used CUDA: no picture ("No CUDA data").
     asked = (pytester.path / "asked.html").read_text()
     assert "ctresources-vram-plot" not in asked
+
+
+@pytest.mark.parametrize(
+    "args", [["--ct-shard", "1/2"], ["--ct-plan-workers", "2"], ["--ct-report"]]
+)
+def test_every_option_of_the_plugin_asks_for_it(pytester: pytest.Pytester, args: list[str]) -> None:
+    pytester.makepyfile("def test_a(): pass")
+    result = pytester.runpytest("-v", *args)
+    result.stdout.fnmatch_lines([f"ctresources: active ({args[0]} asks for it)"])

@@ -342,9 +342,11 @@ def activation_from_config(config: pytest.Config, namespace: object) -> Activati
 
     overridden = overridden_ini_keys(config, namespace)
     inifile = str(config.inipath) if config.inipath else None
-    dests = [spec.dest for spec in SETTINGS] + list(REPORT_DESTS)
+    # Every option of the plugin has a ``ct_`` destination and defaults to None (options.py):
+    # the namespace itself lists them, so an option added later asks without another list.
+    options = {dest: value for dest, value in vars(namespace).items() if dest.startswith("ct_")}
     request = project_request(
-        options={dest: getattr(namespace, dest, None) for dest in dests},
+        options=options,
         environ=os.environ,
         variables=[*(spec.env for spec in SETTINGS if spec.env), FAKE_GPUS_ENV, FAKE_GPUS_USED_ENV],
         ini_value=config.getini,
