@@ -4,9 +4,19 @@ to a worker whose GPU holds it, and skips only where no GPU of the run does."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import selectors
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+import pytest_ctresources
 
 pytest.importorskip("xdist")
 
@@ -20,8 +30,14 @@ import json, os, time, pytest
 def test_size(gib):
     with open(f"ran-{gib}.json", "w") as handle:
         json.dump({"worker": os.environ["PYTEST_XDIST_WORKER"],
-                   "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}, handle)
+                   "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                   "fake": os.environ["CT_FAKE_GPUS"], "start": time.monotonic()}, handle)
     time.sleep(0.05)
+    with open(f"ran-{gib}.json") as handle:
+        data = json.load(handle)
+    data["end"] = time.monotonic()
+    with open(f"ran-{gib}.json", "w") as handle:
+        json.dump(data, handle)
 
 def test_no_need():
     pass
@@ -31,20 +47,35 @@ def test_no_need():
 CARD = {"GPU-fake-0": 24, "GPU-fake-1": 80}
 
 
-def placed(pytester: pytest.Pytester) -> dict[int, dict[str, Any]]:
+def placed(*roots: Path) -> dict[int, dict[str, Any]]:
     return {
         int(path.stem.removeprefix("ran-")): json.loads(path.read_text())
-        for path in pytester.path.glob("ran-*.json")
+        for root in roots
+        for path in root.rglob("ran-*.json")
     }
 
 
-def check_sizes(pytester: pytest.Pytester, result: pytest.RunResult) -> None:
+def card_of(where: dict[str, Any]) -> tuple[str, int]:
+    """The card a test ran on: (its host's fake list, the card's GiB)."""
+    if ";" not in where["fake"]:  # a host with one card
+        return where["fake"], int(where["fake"].partition("=")[2])
+    return where["visible"], CARD[where["visible"]]
+
+
+def check_sizes(pytester: pytest.Pytester, result: pytest.RunResult, *hosts: Path) -> None:
     result.assert_outcomes(passed=5, skipped=1)
-    ran = placed(pytester)
+    ran = placed(pytester.path, *hosts)
     assert sorted(ran) == [10, 20, 30, 60]
     for gib, where in ran.items():
-        assert gib <= CARD[where["visible"]], (gib, where)  # nothing ran where it did not fit
-    assert CARD[ran[30]["visible"]] == 80 and CARD[ran[60]["visible"]] == 80
+        assert gib <= card_of(where)[1], (gib, where)  # nothing ran where it did not fit
+        # The tests running at its start, on its card, lease no more than the card holds.
+        beside = [
+            other
+            for other, span in ran.items()
+            if card_of(span) == card_of(where) and span["start"] <= where["start"] < span["end"]
+        ]
+        assert sum(beside) <= card_of(where)[1], (gib, beside)
+    assert card_of(ran[30])[1] == 80 and card_of(ran[60])[1] == 80
     result.stdout.fnmatch_lines(
         ["*SKIPPED*needs 90.0 GiB VRAM; GPU 0 (Big) has 80.0 GiB, the largest GPU in this run"]
     )
@@ -52,7 +83,8 @@ def check_sizes(pytester: pytest.Pytester, result: pytest.RunResult) -> None:
     why = {
         p["nodeid"].split("[")[-1].rstrip("]"): p["placed_because"] for p in report["placements"]
     }
-    assert why["30GiB"].startswith("needs 30.0 GiB: only GPU 1 (Big) hold(s) it")
+    # The Big card is GPU 1 of a host with both, GPU 0 of a host of its own.
+    assert re.match(r"needs 30\.0 GiB: only GPU [01] \(Big\) hold\(s\) it", why["30GiB"])
     assert why["10GiB"].startswith("fits every GPU")
     assert why["90GiB"] == "too big for every GPU: sent to the largest, which skips it"
     result.stdout.fnmatch_lines(
@@ -91,6 +123,78 @@ def test_workers_with_their_own_environment_report_their_own_gpu(
         "r.json",
     )
     check_sizes(pytester, result)
+
+
+# execnet's socket server prints this once it listens (on the free port the OS gave it).
+READY = re.compile(r"Entering Accept loop \('127\.0\.0\.1', (\d+)\)")
+
+
+def socket_server(host: Path, fake_gpus: str, request: pytest.FixtureRequest) -> int:
+    """Start execnet's socket server as a host of its own: in ``host``, seeing ``fake_gpus``,
+    its ledger in ``host`` (TMPDIR: the hosts share no lease budget); killed at the test's
+    end. Returns its port, read from its readiness line within a deadline."""
+    checkout = str(Path(pytest_ctresources.__file__).parent.parent)
+    env = {
+        **os.environ,
+        "CT_FAKE_GPUS": fake_gpus,
+        "TMPDIR": str(host),
+        "PYTHONPATH": os.pathsep.join([checkout, os.environ.get("PYTHONPATH", "")]),
+    }
+    server = subprocess.Popen(
+        # As a module: run as a script, its directory would come first on sys.path and its
+        # name shadow the standard library's socketserver (logging.config imports it).
+        [sys.executable, "-u", "-m", "execnet.script.socketserver", "127.0.0.1:0"],
+        cwd=host,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    request.addfinalizer(lambda: (server.kill(), server.wait()))
+    assert server.stdout is not None
+    seen: list[str] = []
+    deadline = time.monotonic() + 60
+    with selectors.DefaultSelector() as selector:
+        selector.register(server.stdout, selectors.EVENT_READ)
+        while not (match := READY.search(seen[-1] if seen else "")):
+            left = deadline - time.monotonic()
+            assert left > 0 and selector.select(left), f"no readiness line: {seen}"
+            line = server.stdout.readline()
+            assert line, f"the socket server ended: {seen}"
+            seen.append(line)
+    # Keep reading what the worker running inside it prints, so that no pipe fills.
+    threading.Thread(target=server.stdout.read, daemon=True).start()
+    return int(match.group(1))
+
+
+def test_socket_workers_on_hosts_of_their_own_report_their_own_gpu(
+    pytester: pytest.Pytester,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+) -> None:
+    # Two "hosts" (a 24 and an 80 GiB card), two socket= workers each. A socket worker runs in
+    # the server's process, with the server's environment and directory, not the controller's:
+    # xdist rsyncs the project (--rsyncdir) into the host's pyexecnetcache/ and runs it there.
+    # Subprocess: the controller must not see the workers' fake GPUs.
+    pytester.makepyfile(SIZES_TEST)
+    hosts = [tmp_path_factory.mktemp(name) for name in ("small", "big")]
+    tx = [
+        f"socket=127.0.0.1:{socket_server(host, fake, request)}"
+        for host, fake in zip(hosts, ("Small=24", "Big=80"), strict=True)
+        for _worker in range(2)
+    ]
+    result = pytester.runpytest_subprocess(
+        *[arg for spec in tx for arg in ("--tx", spec)],
+        "--dist",
+        "load",
+        "--rsyncdir",
+        str(pytester.path),
+        "-rs",
+        "--ct-report-json",
+        "r.json",
+        *[str(path) for path in pytester.path.glob("test_*.py")],  # xdist: relative to --rsyncdir
+    )
+    check_sizes(pytester, result, *hosts)
 
 
 def test_other_dist_modes_keep_xdists_own_scheduler(

@@ -8,7 +8,14 @@ import time
 import pytest
 
 from pytest_ctresources.estimator.cli import main
-from pytest_ctresources.xdist.placement import Demand
+from pytest_ctresources.xdist.placement import (
+    Demand,
+    Dispatcher,
+    Gpu,
+    PlacementPolicy,
+    fits_of,
+    simulate,
+)
 from pytest_ctresources.xdist.plan import PlanGpu, make_plan, parse_gpus
 
 SUITE = """
@@ -55,6 +62,29 @@ def test_a_plan_of_1000_tests_is_made_within_two_seconds() -> None:
         if (t.need_gib or 0) > 24 and t.skip_reason is None
     )
     assert plan.predicted_wall_s >= plan.fitted_lower_bound_s
+
+
+def test_the_predicted_wall_time_is_the_scheduler_simulations() -> None:
+    # An 80 and a 24 GiB card, one worker each: the 60 and 30 GiB tests can only run one
+    # after the other on the 80 GiB card (15 s) while the 24 GiB card runs the 10 GiB ones
+    # (8 s). Dividing the work by the workers would say 11.5 s.
+    demands = [
+        Demand("small-a", 10.0, 4.0),
+        Demand("big", 60.0, 10.0),
+        Demand("small-b", 10.0, 4.0),
+        Demand("middle", 30.0, 5.0),
+    ]
+    plan = make_plan(parse_gpus("80,24"), 1, demands)
+    gpus = [Gpu("gpu0", "GPU 0 (80 GiB)", 80.0), Gpu("gpu1", "GPU 1 (24 GiB)", 24.0)]
+    fits = fits_of(gpus, demands)
+    simulated = simulate(gpus, fits, PlacementPolicy(Dispatcher(gpus, fits)))
+    assert plan.predicted_wall_s == simulated.wall_s == 15.0
+    assert {t.nodeid: t.gpu for t in plan.tests} == {
+        "small-a": "GPU 1 (24 GiB)",
+        "big": "GPU 0 (80 GiB)",
+        "small-b": "GPU 1 (24 GiB)",
+        "middle": "GPU 0 (80 GiB)",
+    }
 
 
 def test_ct_plan_collects_only_and_prints_where_each_test_runs(pytester: pytest.Pytester) -> None:
