@@ -119,6 +119,28 @@ def test_text_output_has_the_breakdown_and_the_table(capsys: pytest.CaptureFixtu
     assert "batch size   peak GiB   total GiB   fits 24.0 GiB" in fixed.splitlines()
 
 
+def test_pipeline_prints_a_line_per_phase_and_the_json_a_field(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    flags = ["estimate", "--model", "meta-llama/Llama-3.2-1B", "--batch-size", "16"]
+    flags += ["--prompt-tokens", "2000", "--max-feature-nodes", "2048", "--gpu-gib", "80"]
+    flags += ["--active-features", "16", "--pipeline"]
+    lines = run(capsys, *flags).splitlines()
+    start = lines.index("phase        peak GiB  total GiB  host GiB")
+    attribute, prune = lines[start + 1 :]
+    assert attribute.startswith("attribute ") and "peak in the " in attribute
+    assert prune.startswith("prune ") and "36058 nodes, dense adjacency 4.84 GiB" in prune
+    payload = json.loads(run(capsys, *flags, "--json"))["pipeline"]
+    assert set(payload) == {"attribute", "prune", "peak_phase"}
+    assert payload["prune"]["host_gib"] == round(5 * 36058**2 / GIB, 3)
+    peak = max(("attribute", "prune"), key=lambda name: payload[name]["total_gib"])
+    assert (
+        payload["peak_phase"] == peak
+        and "<- the run's peak" in lines[start + 1 + (peak == "prune")]
+    )
+    assert "pipeline" not in json.loads(run(capsys, *flags[:-1], "--json"))
+
+
 def test_auto_batch_size_is_the_plugins_choice(capsys: pytest.CaptureFixture[str]) -> None:
     """The CLI's auto is ct_session's: the 5% margin, the ceiling, balanced batches."""
     common = ["estimate", "--model", "meta-llama/Llama-3.2-1B", "--transcoders", "llama"]

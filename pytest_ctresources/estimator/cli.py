@@ -160,6 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest batch size the table and 'auto' consider (default: the config's "
         f"BATCH_SIZE_MAX, else {DEFAULT_CEILING})",
     )
+    estimate.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="also the phases after attribute(): pruning (prune_graph, create_graph_files), "
+        "each with its peak and host memory; the run's peak is the largest",
+    )
     estimate.add_argument("--json", action="store_true", help="one JSON object")
     table = commands.add_parser(
         "table", help="largest batch size that fits, per card, model, dtype and prompt length"
@@ -442,12 +448,16 @@ def run_estimate(args: argparse.Namespace, out: Any) -> int:
                 for row in rows
             ],
         }
+        if args.pipeline:
+            payload["pipeline"] = est.pipeline(prediction).to_dict()
         json.dump(payload, out, indent=2)
         out.write("\n")
         return 0
     _print_estimate(out, prediction, rows, rule, gpu_text, largest, request)
     if auto_reason is not None:
         out.write(f"auto: batch size {workload.batch_size} ({auto_reason})\n")
+    if args.pipeline:
+        _print_pipeline(out, est.pipeline(prediction), gpu_gib)
     return 0
 
 
@@ -519,6 +529,21 @@ def _print_estimate(
             write(f"\nnot even batch size 1 fits {rule.budget_text}\n")
         else:
             write(f"\nlargest batch size that fits (up to {request.ceiling}): {largest}\n")
+
+
+def _print_pipeline(out: Any, pipeline: est.Pipeline, gpu_gib: float | None) -> None:
+    """A line per phase: its allocated peak, its total on the card, its host memory."""
+    out.write("\nphase        peak GiB  total GiB  host GiB\n")
+    for phase in pipeline.phases:
+        mark = "  <- the run's peak" if phase is pipeline.peak else ""
+        fits = ""
+        if gpu_gib is not None:
+            fits = "  fits" if phase.total_bytes <= gpu_gib * GIB else "  does not fit"
+        out.write(
+            f"{phase.name:<10} {phase.peak_allocated_bytes / GIB:>10.2f} "
+            f"{phase.total_bytes / GIB:>10.2f} {phase.host_bytes / GIB:>9.2f}  "
+            f"{phase.note}{fits}{mark}\n"
+        )
 
 
 #: The pairs the batch-size table covers (docs/estimator-cli.md): circuit-tracer's own examples.
