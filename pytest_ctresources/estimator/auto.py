@@ -32,7 +32,9 @@ points (``estimate.WORST_UNDER_PREDICTION``).
 
 The choice's setup pass (one prompt through the model and the transcoders, 0.08-0.26 s on
 the H200 for models of real size) is the one ``attribute()`` starts with: ``ct_session``
-hands it over (:func:`reused_setup`) instead of running it twice.
+hands it over (:func:`reused_setup`) instead of running it twice. After it, and before the
+attribution, a prompt that no batch size fits on the card (the attribution at batch size 1,
+or the pruning after it) is refused in one line naming the phase (:class:`WillNotFit`).
 """
 
 from __future__ import annotations
@@ -249,6 +251,7 @@ def choose_with_setup(
     active = int(context.activation_matrix._nnz())
     model_shape, transcoders = registry.shapes_of_loaded(model)
     workload = registry.workload_of(cfg, tokens, 0.0, 1, counted_features=active)
+    refuse_what_cannot_fit(model_shape, transcoders, workload, budget, resident)
     room = device_room(free, reserved, total, budget)
     choice = _choice(
         model_shape,
@@ -262,6 +265,44 @@ def choose_with_setup(
         correction=correction,
     )
     return replace(choice, _key=key, _resident_bytes=resident), context
+
+
+class WillNotFit(RuntimeError):
+    """auto's refusal, before the attribution starts: a phase of the pipeline does not fit
+    the card at any batch size. The message is one line naming the phase and the card."""
+
+
+def refuse_what_cannot_fit(
+    model_shape: est.ModelShape,
+    transcoders: est.TranscoderShape,
+    workload: est.Workload,
+    budget: Budget,
+    resident_bytes: int,
+) -> None:
+    """Raise :class:`WillNotFit` when a phase of the pipeline (:func:`est.pipeline`) is
+    predicted over the budget at batch size 1: ``attribute()`` with what is allocated now
+    (``resident_bytes``, measured), or the pruning after it (``prune_graph``,
+    ``create_graph_files``; no batch size changes it) alone, its dense-graph buffers with
+    nothing else on the card, so that a test that never prunes is refused only where its
+    graph could not be pruned on that card at all. Only the budget (the card less the margin)
+    refuses: what is free now may change, and a room too small only tries batch size 1."""
+    if budget.capacity_gib is None:
+        return
+    smallest = est.estimate(model_shape, transcoders, est.with_batch(workload, 1))
+    # What counted_for_fit adds to the allocated peak (the context, or the reserved margin
+    # in a share of a card), with the measured resident memory for the estimate's.
+    extra = counted_for_fit(smallest, budget) - smallest.peak_allocated_bytes
+    for phase in est.pipeline(smallest).phases:
+        alone = phase.name == "prune"
+        need = phase.peak_allocated_bytes - smallest.resident_bytes + extra
+        need += 0 if alone else resident_bytes
+        if need > budget.budget_bytes:
+            what = f"phase alone (prune_graph, {phase.note})" if alone else "phase (attribute())"
+            raise WillNotFit(
+                f"--ct-batch-size auto: {workload.prompt_tokens} prompt tokens cannot fit at "
+                f"any batch size: the {phase.name} {what} is predicted to need "
+                f"{bytes_text(need)} at batch size 1, over the {budget.describe()}"
+            )
 
 
 def device_room(free: int, reserved: int, total: int, budget: Budget) -> Room:

@@ -9,6 +9,7 @@ import pytest
 from pytest_ctresources.core.accounting import halving_summary
 from pytest_ctresources.core.runtime import runtime_of
 from pytest_ctresources.core.state import state_of
+from pytest_ctresources.estimator.auto import WillNotFit
 from pytest_ctresources.session.model_load import ModelLoadError
 from pytest_ctresources.session.progress_line import LiveLine
 from pytest_ctresources.session.progress_line import enabled as progress_on
@@ -81,7 +82,8 @@ def ct_session(
 class OneLineModelFailures:
     """A model ``ct_session`` cannot load fails its test with one line (the model, its config
     source, the cause), not the hub's chained tracebacks, whether the test body or a fixture
-    asked for it (:class:`~pytest_ctresources.session.model_load.ModelLoadError`)."""
+    asked for it (:class:`~pytest_ctresources.session.model_load.ModelLoadError`); so does a
+    prompt ``--ct-batch-size auto`` refuses (``estimator.auto.WillNotFit``)."""
 
     name = "ctresources-model-load"
 
@@ -100,7 +102,7 @@ def _one_line() -> Generator[None, None, None]:
     __tracebackhide__ = True
     try:
         return (yield)
-    except ModelLoadError as exc:
+    except (ModelLoadError, WillNotFit) as exc:
         message = str(exc)
     # Outside the except block: no "During handling of the above exception" either.
     pytest.fail(message, pytrace=False)
