@@ -20,7 +20,8 @@ Two bounds, the tighter wins, and the reason says which:
   processes' memory counts) plus what this process's allocator reserves (the attribution
   reuses its cache), less the same margin's share of that. Without CUDA the model runs on
   the CPU, and the room is the host's available memory (psutil, else ``/proc/meminfo``'s
-  MemAvailable) less the margin.
+  MemAvailable; the container's cgroup limit less its usage where that is less) less the
+  margin.
 
 auto cannot be fooled by the estimator for long: after each call it chose, the measured peak
 (``torch.cuda.max_memory_allocated()``, when the call raised it) corrects the predictions
@@ -46,8 +47,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pytest_ctresources.estimator import cgroup, registry
 from pytest_ctresources.estimator import estimate as est
-from pytest_ctresources.estimator import registry
 from pytest_ctresources.settings.config import CircuitTracerConfig
 from pytest_ctresources.units import bytes_text
 
@@ -194,7 +195,16 @@ def _device_of(model: Any) -> Any:
 
 def host_available() -> tuple[int, str] | None:
     """The host's available memory in bytes and where it was read: psutil when installed,
-    else ``/proc/meminfo``'s MemAvailable; None when neither can say."""
+    else ``/proc/meminfo``'s MemAvailable, and the container's cgroup limit less its usage
+    where that is less (:mod:`~pytest_ctresources.estimator.cgroup`); None when none can say."""
+    node = _node_available()
+    limited = cgroup.memory_room()
+    if limited is not None and (node is None or limited[0] < node[0]):
+        return limited
+    return node
+
+
+def _node_available() -> tuple[int, str] | None:
     try:
         import psutil  # type: ignore[import-untyped, unused-ignore]
     except ImportError:
