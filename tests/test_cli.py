@@ -141,6 +141,34 @@ def test_pipeline_prints_a_line_per_phase_and_the_json_a_field(
     assert "pipeline" not in json.loads(run(capsys, *flags[:-1], "--json"))
 
 
+def test_longest_prompt_is_the_longest_whose_every_phase_fits(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """At a fixed batch size the attribution stops it; at auto's (smaller batches as the
+    prompt grows) pruning does, which no batch size changes."""
+    flags = ["estimate", "--model", "meta-llama/Llama-3.2-1B", "--gpu-gib", "80"]
+    flags += ["--max-feature-nodes", "2048", "--active-features", "16", "--longest-prompt"]
+    fixed = json.loads(run(capsys, *flags, "--batch-size", "16", "--json"))
+    auto = json.loads(run(capsys, *flags, "--batch-size", "auto", "--json"))
+    assert fixed["stopped_by_phase"] == "attribute" and auto["stopped_by_phase"] == "prune"
+    assert fixed["batch_size"] == 16 and auto["auto"] and auto["batch_size"] < 16
+    model = registry.MODELS["meta-llama/Llama-3.2-1B"]
+    transcoders = registry.transcoder_info("llama").loaded()
+
+    def phases(tokens: int) -> est.Pipeline:
+        work = est.Workload("float32", 16, tokens, 16, max_feature_nodes=2048)  # the default
+        return est.pipeline(est.estimate(model, transcoders, work))
+
+    tokens = fixed["longest_prompt_tokens"]
+    assert all(p.total_bytes <= 80 * GIB for p in phases(tokens).phases)
+    assert phases(tokens + 1).phases[0].total_bytes > 80 * GIB
+    text = run(capsys, *flags, "--batch-size", "16")
+    assert text == (
+        f"longest prompt whose whole pipeline fits --gpu-gib 80: {tokens} tokens (batch size "
+        "16); one more token and the attribute phase does not fit\n"
+    )
+
+
 def test_auto_batch_size_is_the_plugins_choice(capsys: pytest.CaptureFixture[str]) -> None:
     """The CLI's auto is ct_session's: the 5% margin, the ceiling, balanced batches."""
     common = ["estimate", "--model", "meta-llama/Llama-3.2-1B", "--transcoders", "llama"]

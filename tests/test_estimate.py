@@ -689,3 +689,16 @@ def test_shapes_of_a_loaded_cross_layer_transcoder() -> None:
     _, transcoders = registry.shapes_of_loaded(model)
     assert transcoders.cross_layer and transcoders.skip_connection
     assert transcoders.width == dims.d_transcoder
+
+
+def test_longest_fitting_is_the_boundary_of_a_monotone_test() -> None:
+    asked: list[int] = []
+
+    def fits(n: int) -> bool:
+        asked.append(n)
+        return n <= 2345
+
+    assert est.longest_fitting(fits, 1 << 17) == 2345
+    assert len(asked) <= 19  # a bisection, not a scan
+    assert est.longest_fitting(lambda n: False, 100) == 0
+    assert est.longest_fitting(lambda n: True, 100) == 100

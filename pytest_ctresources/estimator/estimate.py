@@ -708,6 +708,19 @@ def pipeline(prediction: Estimate) -> Pipeline:
     )
 
 
+def longest_fitting(fits: Callable[[int], bool], most: int) -> int:
+    """The largest n in 1..``most`` for which ``fits(n)`` holds, ``fits`` holding up to some
+    n and not beyond (a prompt length whose whole pipeline fits: every phase grows with the
+    prompt); 0 when not even 1 fits. A bisection: about log2(most) calls."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
 def largest_fitting_batch(
     model: ModelShape,
     transcoders: TranscoderShape,
