@@ -212,10 +212,9 @@ def test_choice_on_a_gpu_uses_measured_memory_and_real_active_features(
     assert tight.predicted_gib is not None and tight.predicted_gib <= 3.6
     assert tight.reason.endswith("budget 3.6 GiB = 4.0 GiB (fake) less 10% margin")
 
-    cuda.allocated = int(3.3 * GIB)  # with the context, already over the budget
-    none = autobatch.choose(model, prompt, cfg, budget)
-    assert none.batch_size == 1
-    assert "not even batch size 1 is predicted to fit" in none.reason
+    cuda.allocated = int(3.3 * GIB)  # with the context, already over the budget: refused
+    with pytest.raises(autobatch.WillNotFit, match=r"the attribute phase \(attribute\(\)\)"):
+        autobatch.choose(model, prompt, cfg, budget)
     # Under an emulated capacity (a cap on PyTorch's allocator) the context does not count.
     capped = autobatch.choose(model, prompt, cfg, autobatch.Budget(4.0, "cap", 0.1, emulated=True))
     assert capped.batch_size > 1
@@ -282,7 +281,7 @@ def test_host_memory_is_read_from_proc_meminfo() -> None:
     assert found is not None
     available, source = found
     assert available > 0
-    assert source in ("psutil", "/proc/meminfo MemAvailable")
+    assert source in ("psutil", "/proc/meminfo MemAvailable") or source.startswith("cgroup v")
 
 
 def test_a_first_call_keeps_the_family_s_validation_margin(
@@ -363,7 +362,7 @@ def test_a_call_below_the_earlier_peak_only_bounds_the_correction(
     model = tiny_model_seen_on_a_gpu(monkeypatch)
     cfg = auto_config(batch_size_max=4096, max_feature_nodes=4096)
     cuda = FakeCuda(monkeypatch)
-    budget = autobatch.Budget(1.6, "fake", 0.05)
+    budget = autobatch.Budget(2.0, "fake", 0.05)
     choice = autobatch.choose(model, prompt, cfg, budget)
     cuda.peak = 100 * GIB  # an earlier, larger peak in the same test
     with autobatch.observed(model, choice, choice.batch_size) as seen:
@@ -742,3 +741,88 @@ def test_the_batch_size_before_an_auto_call_fits_the_host_without_a_gpu(
     more = autobatch.Budget(None, "no CUDA GPU", 0.05)
     monkeypatch.setattr(autobatch, "host_available", lambda: (200 << 30, "test"))
     assert CtSession(cfg, auto_budget=more).batch_size > before
+
+
+#: 500 tokens of the tiny model with 8192 feature nodes: its attribution fits a 4 GiB card at
+#: batch size 1, the pruning after it (nearly 10k nodes, 11 dense adjacencies) alone does not.
+LONG_PROMPT = [2, *(3 + index % 500 for index in range(499))]
+
+
+def test_auto_refuses_a_prompt_no_batch_size_fits_before_the_attribution(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = tiny_model_seen_on_a_gpu(monkeypatch)
+    FakeCuda(monkeypatch)
+    cfg = auto_config(batch_size_max=64, max_feature_nodes=8192)
+    ran: list[object] = []
+    monkeypatch.setattr(model, "run_forward_pass", lambda *args, **kwargs: ran.append(args))
+    with pytest.raises(autobatch.WillNotFit) as refused:
+        autobatch.choose(model, LONG_PROMPT, cfg, autobatch.Budget(4.0, "a 4 GiB card", 0.05))
+    message = str(refused.value)
+    assert "\n" not in message and not ran
+    assert message.startswith(
+        "--ct-batch-size auto: 500 prompt tokens cannot fit at any batch size: the prune phase "
+        "alone (prune_graph, 9702 nodes, dense adjacency 0.35 GiB) is predicted to need "
+    )
+    assert message.endswith(
+        "at batch size 1, over the budget 3.8 GiB = 4.0 GiB (a 4 GiB card) less 5% margin"
+    )
+    # The attribution itself, where the card is smaller than what is resident.
+    with pytest.raises(autobatch.WillNotFit, match=r"the attribute phase \(attribute\(\)\)"):
+        autobatch.choose(model, LONG_PROMPT, cfg, autobatch.Budget(2.0, "a small card", 0.05))
+    # A card that holds both: a choice, as before.
+    assert autobatch.choose(model, LONG_PROMPT, cfg, autobatch.Budget(8.0, "big", 0.05))
+
+
+REFUSED_TEST = """
+import pytest
+import torch
+
+from pytest_ctresources.estimator import auto
+
+LONG_PROMPT = [2, *(3 + index % 500 for index in range(499))]
+_patch = pytest.MonkeyPatch()
+
+
+def pytest_configure(config):
+    # The tiny model stays on the CPU; auto takes it for a model on the fake GPU.
+    _patch.setattr(auto, "_device_of", lambda model: torch.device("cuda"))
+    for name, value in {
+        "memory_allocated": lambda device=None: 1 << 28,
+        "memory_reserved": lambda device=None: 1 << 28,
+        "mem_get_info": lambda device=None: (1 << 32, 1 << 32),
+    }.items():
+        _patch.setattr(torch.cuda, name, value)
+
+
+def pytest_unconfigure(config):
+    _patch.undo()  # an in-process run shares torch with the suite that runs it
+"""
+
+
+def test_a_refused_prompt_fails_its_test_in_one_line_naming_the_phase_and_the_card(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CT_FAKE_GPUS", "Small GPU=4")
+    pytester.makefile(".yaml", exp=TINY_YAML)
+    pytester.makeconftest(REFUSED_TEST)
+    pytester.makepyfile(
+        """
+        from conftest import LONG_PROMPT
+
+        def test_long(ct_session):
+            ct_session.attribute(LONG_PROMPT, max_feature_nodes=8192)
+        """
+    )
+    result = pytester.runpytest(
+        "--ct-config", "exp.yaml", "--ct-batch-size", "auto", "-p", "no:randomly"
+    )
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*--ct-batch-size auto: 500 prompt tokens cannot fit at any batch size: the prune "
+            "phase alone (prune_graph, * nodes, dense adjacency * GiB) is predicted to need * GiB at "
+            "batch size 1, over the budget 3.8 GiB = 4.0 GiB (GPU 0 (Small GPU*) less 5% margin"
+        ]
+    )
+    assert "Traceback" not in result.stdout.str() and "WillNotFit" not in result.stdout.str()

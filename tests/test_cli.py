@@ -119,6 +119,56 @@ def test_text_output_has_the_breakdown_and_the_table(capsys: pytest.CaptureFixtu
     assert "batch size   peak GiB   total GiB   fits 24.0 GiB" in fixed.splitlines()
 
 
+def test_pipeline_prints_a_line_per_phase_and_the_json_a_field(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    flags = ["estimate", "--model", "meta-llama/Llama-3.2-1B", "--batch-size", "16"]
+    flags += ["--prompt-tokens", "2000", "--max-feature-nodes", "2048", "--gpu-gib", "80"]
+    flags += ["--active-features", "16", "--pipeline"]
+    lines = run(capsys, *flags).splitlines()
+    start = lines.index("phase        peak GiB  total GiB  host GiB")
+    attribute, prune = lines[start + 1 :]
+    assert attribute.startswith("attribute ") and "peak in the " in attribute
+    assert prune.startswith("prune ") and "36058 nodes, dense adjacency 4.84 GiB" in prune
+    payload = json.loads(run(capsys, *flags, "--json"))["pipeline"]
+    assert set(payload) == {"attribute", "prune", "peak_phase"}
+    assert payload["prune"]["host_gib"] == round(5 * 36058**2 / GIB, 3)
+    peak = max(("attribute", "prune"), key=lambda name: payload[name]["total_gib"])
+    assert (
+        payload["peak_phase"] == peak
+        and "<- the run's peak" in lines[start + 1 + (peak == "prune")]
+    )
+    assert "pipeline" not in json.loads(run(capsys, *flags[:-1], "--json"))
+
+
+def test_longest_prompt_is_the_longest_whose_every_phase_fits(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """At a fixed batch size the attribution stops it; at auto's (smaller batches as the
+    prompt grows) pruning does, which no batch size changes."""
+    flags = ["estimate", "--model", "meta-llama/Llama-3.2-1B", "--gpu-gib", "80"]
+    flags += ["--max-feature-nodes", "2048", "--active-features", "16", "--longest-prompt"]
+    fixed = json.loads(run(capsys, *flags, "--batch-size", "16", "--json"))
+    auto = json.loads(run(capsys, *flags, "--batch-size", "auto", "--json"))
+    assert fixed["stopped_by_phase"] == "attribute" and auto["stopped_by_phase"] == "prune"
+    assert fixed["batch_size"] == 16 and auto["auto"] and auto["batch_size"] < 16
+    model = registry.MODELS["meta-llama/Llama-3.2-1B"]
+    transcoders = registry.transcoder_info("llama").loaded()
+
+    def phases(tokens: int) -> est.Pipeline:
+        work = est.Workload("float32", 16, tokens, 16, max_feature_nodes=2048)  # the default
+        return est.pipeline(est.estimate(model, transcoders, work))
+
+    tokens = fixed["longest_prompt_tokens"]
+    assert all(p.total_bytes <= 80 * GIB for p in phases(tokens).phases)
+    assert phases(tokens + 1).phases[0].total_bytes > 80 * GIB
+    text = run(capsys, *flags, "--batch-size", "16")
+    assert text == (
+        f"longest prompt whose whole pipeline fits --gpu-gib 80: {tokens} tokens (batch size "
+        "16); one more token and the attribute phase does not fit\n"
+    )
+
+
 def test_auto_batch_size_is_the_plugins_choice(capsys: pytest.CaptureFixture[str]) -> None:
     """The CLI's auto is ct_session's: the 5% margin, the ceiling, balanced batches."""
     common = ["estimate", "--model", "meta-llama/Llama-3.2-1B", "--transcoders", "llama"]

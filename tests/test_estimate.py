@@ -112,6 +112,102 @@ def test_refitting_gives_the_shipped_numbers() -> None:
     assert fitted == est.CALIBRATION
 
 
+# --- long prompts and pruning: the measured rows of issue 27 --------------------------------
+
+#: Random weights of TinyLlama-1.1B's published shape (22 layers, 32 heads of 64, 4 KV heads,
+#: 32k vocabulary), bf16, max_feature_nodes 2048, on the H200: (tokens, batch) -> attribute()'s
+#: measured allocated peak, the estimate shipped then, the pruning peak measured (GiB).
+TINYLLAMA = est.ModelShape(
+    "TinyLlama-1.1B", "llama", 22, 2048, 5632, 32000, 32, 4, 64, 1_100_048_384
+)
+ISSUE_27_ROWS = {
+    (300, 64): (20.71, 20.27, 10.95),
+    (800, 64): (82.16, 74.78, 24.85),
+    (800, 16): (26.51, 24.66, 24.85),
+    (1200, 16): (47.81, 43.19, 43.75),
+}
+#: The model and transcoders resident during pruning there.
+ISSUE_27_RESIDENT_GIB = 7.7
+
+
+def _within_target(predicted: float, measured: float) -> bool:
+    return -0.02 <= predicted / measured - 1 <= 0.03
+
+
+def test_long_prompts_with_the_attention_transient_rows_it_was_read_from(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The shipped estimate then plus what the attention transient (and the refit it brought)
+    adds now, against the measured peaks: within +-3%, never under by more than 2%. Not held
+    out: the 6 bytes per score, derived from eager attention's code, were checked on these
+    rows."""
+    tc = est.TranscoderShape("random", 32768, skip_connection=True)
+    for (tokens, batch), (measured, shipped, _) in ISSUE_27_ROWS.items():
+        work = est.Workload("bfloat16", batch, tokens, 16.0, max_feature_nodes=2048)
+        now = est.estimate(TINYLLAMA, tc, work).peak_allocated_bytes
+        with monkeypatch.context() as patch:
+            patch.setattr(
+                est,
+                "ATTENTION_TRANSIENTS",
+                {("eager", "bfloat16"): est.AttentionTransient(0, True, "")},
+            )
+            then = est.estimate(
+                TINYLLAMA, tc, work, dataclasses.replace(est.CALIBRATION, backward_layers=0.25)
+            ).peak_allocated_bytes
+        assert not _within_target(shipped, measured) or tokens == 300
+        assert _within_target(shipped + (now - then) / GIB, measured), (tokens, batch)
+
+
+def test_attention_transient_is_per_implementation_and_dtype() -> None:
+    """Only eager bf16 is measured; the rest says it is not."""
+    measured = [key for key, value in est.ATTENTION_TRANSIENTS.items() if value.measured]
+    assert measured == [("eager", "bfloat16")]
+    work = workload(prompt_tokens=800, batch_size=16)
+    bf16 = est.estimate(TINYLLAMA, GEMMA_SET, work)
+    fp32 = est.estimate(TINYLLAMA, GEMMA_SET, dataclasses.replace(work, dtype="float32"))
+    assert "eager attention 1.83 GiB" in bf16.term("forward").note
+    assert "eager attention 2.44 GiB" in fp32.term("forward").note
+
+
+def test_pruning_peak_on_the_measured_rows() -> None:
+    """Pruning's peak, resident + 11 dense adjacencies, against the measured rows: the factor
+    fitted on the 800 and 1200-token rows, the 300-token row held out."""
+    for (tokens, batch), (_, _, measured) in ISSUE_27_ROWS.items():
+        work = est.Workload(
+            "bfloat16", batch, tokens, 16.0, max_feature_nodes=2048, counted_features=10**5
+        )
+        nodes = est.graph_nodes(TINYLLAMA, work)
+        assert nodes == 2048 + 23 * tokens + 10
+        predicted = est.prune_peak_bytes(int(ISSUE_27_RESIDENT_GIB * GIB), nodes) / GIB
+        assert _within_target(predicted, measured), (tokens, predicted, measured)
+
+
+def test_the_pipeline_s_peak_is_its_largest_phase() -> None:
+    """At 1,200 tokens and batch 16 pruning is close to the attribution; by 2,000 tokens at a
+    small batch it is the run's peak."""
+    tc = est.TranscoderShape("random", 32768, skip_connection=True)
+    short = est.pipeline(est.estimate(TINYLLAMA, tc, workload(prompt_tokens=300, batch_size=64)))
+    assert [phase.name for phase in short.phases] == ["attribute", "prune"]
+    assert short.peak.name == "attribute"
+    long = est.pipeline(
+        est.estimate(
+            TINYLLAMA, tc, workload(prompt_tokens=2000, batch_size=1, max_feature_nodes=2048)
+        )
+    )
+    assert long.peak.name == "prune"
+    assert long.to_dict()["peak_phase"] == "prune"
+    # Host memory: the dense graph and its edge mask, 5 bytes per pair, in pruning.
+    nodes = est.graph_nodes(
+        TINYLLAMA, workload(prompt_tokens=2000, batch_size=1, max_feature_nodes=2048)
+    )
+    assert long.phases[1].host_bytes == 5 * nodes * nodes
+    offloaded = est.pipeline(
+        est.estimate(TINYLLAMA, tc, workload(prompt_tokens=300, offload="cpu"))
+    )
+    transcoders = est.estimate(TINYLLAMA, tc, workload(prompt_tokens=300)).term("transcoders")
+    assert offloaded.phases[0].host_bytes == short.phases[0].host_bytes + transcoders.bytes
+
+
 # --- the terms derived from the code, counted on the CPU ------------------------------------
 
 
@@ -593,3 +689,16 @@ def test_shapes_of_a_loaded_cross_layer_transcoder() -> None:
     _, transcoders = registry.shapes_of_loaded(model)
     assert transcoders.cross_layer and transcoders.skip_connection
     assert transcoders.width == dims.d_transcoder
+
+
+def test_longest_fitting_is_the_boundary_of_a_monotone_test() -> None:
+    asked: list[int] = []
+
+    def fits(n: int) -> bool:
+        asked.append(n)
+        return n <= 2345
+
+    assert est.longest_fitting(fits, 1 << 17) == 2345
+    assert len(asked) <= 19  # a bisection, not a scan
+    assert est.longest_fitting(lambda n: False, 100) == 0
+    assert est.longest_fitting(lambda n: True, 100) == 100

@@ -20,7 +20,8 @@ Two bounds, the tighter wins, and the reason says which:
   processes' memory counts) plus what this process's allocator reserves (the attribution
   reuses its cache), less the same margin's share of that. Without CUDA the model runs on
   the CPU, and the room is the host's available memory (psutil, else ``/proc/meminfo``'s
-  MemAvailable) less the margin.
+  MemAvailable; the container's cgroup limit less its usage where that is less) less the
+  margin.
 
 auto cannot be fooled by the estimator for long: after each call it chose, the measured peak
 (``torch.cuda.max_memory_allocated()``, when the call raised it) corrects the predictions
@@ -32,7 +33,9 @@ points (``estimate.WORST_UNDER_PREDICTION``).
 
 The choice's setup pass (one prompt through the model and the transcoders, 0.08-0.26 s on
 the H200 for models of real size) is the one ``attribute()`` starts with: ``ct_session``
-hands it over (:func:`reused_setup`) instead of running it twice.
+hands it over (:func:`reused_setup`) instead of running it twice. After it, and before the
+attribution, a prompt that no batch size fits on the card (the attribution at batch size 1,
+or the pruning after it) is refused in one line naming the phase (:class:`WillNotFit`).
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pytest_ctresources.estimator import cgroup, registry
 from pytest_ctresources.estimator import estimate as est
-from pytest_ctresources.estimator import registry
 from pytest_ctresources.settings.config import CircuitTracerConfig
 from pytest_ctresources.units import bytes_text
 
@@ -192,7 +195,16 @@ def _device_of(model: Any) -> Any:
 
 def host_available() -> tuple[int, str] | None:
     """The host's available memory in bytes and where it was read: psutil when installed,
-    else ``/proc/meminfo``'s MemAvailable; None when neither can say."""
+    else ``/proc/meminfo``'s MemAvailable, and the container's cgroup limit less its usage
+    where that is less (:mod:`~pytest_ctresources.estimator.cgroup`); None when none can say."""
+    node = _node_available()
+    limited = cgroup.memory_room()
+    if limited is not None and (node is None or limited[0] < node[0]):
+        return limited
+    return node
+
+
+def _node_available() -> tuple[int, str] | None:
     try:
         import psutil  # type: ignore[import-untyped, unused-ignore]
     except ImportError:
@@ -249,6 +261,7 @@ def choose_with_setup(
     active = int(context.activation_matrix._nnz())
     model_shape, transcoders = registry.shapes_of_loaded(model)
     workload = registry.workload_of(cfg, tokens, 0.0, 1, counted_features=active)
+    refuse_what_cannot_fit(model_shape, transcoders, workload, budget, resident)
     room = device_room(free, reserved, total, budget)
     choice = _choice(
         model_shape,
@@ -262,6 +275,44 @@ def choose_with_setup(
         correction=correction,
     )
     return replace(choice, _key=key, _resident_bytes=resident), context
+
+
+class WillNotFit(RuntimeError):
+    """auto's refusal, before the attribution starts: a phase of the pipeline does not fit
+    the card at any batch size. The message is one line naming the phase and the card."""
+
+
+def refuse_what_cannot_fit(
+    model_shape: est.ModelShape,
+    transcoders: est.TranscoderShape,
+    workload: est.Workload,
+    budget: Budget,
+    resident_bytes: int,
+) -> None:
+    """Raise :class:`WillNotFit` when a phase of the pipeline (:func:`est.pipeline`) is
+    predicted over the budget at batch size 1: ``attribute()`` with what is allocated now
+    (``resident_bytes``, measured), or the pruning after it (``prune_graph``,
+    ``create_graph_files``; no batch size changes it) alone, its dense-graph buffers with
+    nothing else on the card, so that a test that never prunes is refused only where its
+    graph could not be pruned on that card at all. Only the budget (the card less the margin)
+    refuses: what is free now may change, and a room too small only tries batch size 1."""
+    if budget.capacity_gib is None:
+        return
+    smallest = est.estimate(model_shape, transcoders, est.with_batch(workload, 1))
+    # What counted_for_fit adds to the allocated peak (the context, or the reserved margin
+    # in a share of a card), with the measured resident memory for the estimate's.
+    extra = counted_for_fit(smallest, budget) - smallest.peak_allocated_bytes
+    for phase in est.pipeline(smallest).phases:
+        alone = phase.name == "prune"
+        need = phase.peak_allocated_bytes - smallest.resident_bytes + extra
+        need += 0 if alone else resident_bytes
+        if need > budget.budget_bytes:
+            what = f"phase alone (prune_graph, {phase.note})" if alone else "phase (attribute())"
+            raise WillNotFit(
+                f"--ct-batch-size auto: {workload.prompt_tokens} prompt tokens cannot fit at "
+                f"any batch size: the {phase.name} {what} is predicted to need "
+                f"{bytes_text(need)} at batch size 1, over the {budget.describe()}"
+            )
 
 
 def device_room(free: int, reserved: int, total: int, budget: Budget) -> Room:

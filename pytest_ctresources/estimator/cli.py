@@ -18,7 +18,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from pytest_ctresources.estimator import cli_models, registry
@@ -159,6 +159,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="largest batch size the table and 'auto' consider (default: the config's "
         f"BATCH_SIZE_MAX, else {DEFAULT_CEILING})",
+    )
+    estimate.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="also the phases after attribute(): pruning (prune_graph, create_graph_files), "
+        "each with its peak and host memory; the run's peak is the largest",
+    )
+    estimate.add_argument(
+        "--longest-prompt",
+        action="store_true",
+        help="the longest prompt (tokens) whose whole pipeline fits the card (--gpu-gib), at "
+        "--batch-size or at auto's choice",
     )
     estimate.add_argument("--json", action="store_true", help="one JSON object")
     table = commands.add_parser(
@@ -375,9 +387,76 @@ class FitRule:
         )
 
 
+#: The longest prompt ``--longest-prompt`` considers (tokens).
+MOST_PROMPT_TOKENS: Final = 1 << 17
+
+
+def longest_prompt(request: Request, gpu_gib: float, gpu_text: str) -> dict[str, Any]:
+    """The longest prompt whose every phase fits: at a fixed batch size, each phase's total on
+    the card within it (:class:`FitRule`'s fixed rule); under auto, auto's choice fits its
+    budget and pruning fits it too. With the batch size at that length and the phase that
+    stops one token more."""
+    auto_budget = Budget(gpu_gib, gpu_text, DEFAULT_AUTO_MARGIN)
+    limit = auto_budget.budget_bytes if request.auto_batch else int(gpu_gib * GIB)
+
+    def at(tokens: int) -> tuple[int, est.Phase | None]:
+        work = replace(request.workload, prompt_tokens=tokens)
+        batch = work.batch_size
+        if request.auto_batch:
+            fitted = fit_batch(
+                request.model, request.transcoders, work, auto_budget, request.ceiling
+            )
+            if fitted is None:
+                prediction = est.estimate(request.model, request.transcoders, work)
+                return batch, est.pipeline(prediction).phases[0]
+            batch = fitted[0]
+        prediction = est.estimate(request.model, request.transcoders, est.with_batch(work, batch))
+        for phase in est.pipeline(prediction).phases:
+            need = phase.total_bytes
+            if request.auto_batch:
+                need = phase.peak_allocated_bytes + prediction.calibration.context_bytes
+            if need > limit:
+                return batch, phase
+        return batch, None
+
+    tokens = est.longest_fitting(lambda n: at(n)[1] is None, MOST_PROMPT_TOKENS)
+    batch = at(max(tokens, 1))[0]
+    stops = at(tokens + 1)[1] if tokens < MOST_PROMPT_TOKENS else None
+    return {
+        "longest_prompt_tokens": tokens,
+        "batch_size": batch if tokens else None,
+        "auto": request.auto_batch,
+        "gpu_gib": gpu_gib,
+        "gpu": gpu_text,
+        "stopped_by_phase": None if stops is None else stops.name,
+    }
+
+
 def run_estimate(args: argparse.Namespace, out: Any) -> int:
     request = resolve(args)
     gpu_gib, gpu_text = _gpu_budget(args)
+    if args.longest_prompt:
+        if gpu_gib is None:
+            raise CliError(f"--longest-prompt needs a GPU size (--gpu-gib): {gpu_text}")
+        longest = longest_prompt(request, gpu_gib, gpu_text)
+        if args.json:
+            json.dump(longest, out, indent=2)
+            out.write("\n")
+            return 0
+        how = "auto's batch size" if request.auto_batch else "batch size"
+        if not longest["longest_prompt_tokens"]:
+            out.write(f"no prompt fits the whole pipeline on {gpu_text}\n")
+            return 0
+        out.write(
+            f"longest prompt whose whole pipeline fits {gpu_text}: "
+            f"{longest['longest_prompt_tokens']} tokens ({how} {longest['batch_size']})"
+            + (
+                f"; one more token and the {longest['stopped_by_phase']} phase does not fit\n"
+                if longest["stopped_by_phase"]
+                else "\n"
+            )
+        )
+        return 0
     workload = request.workload
     rule = None
     largest = None
@@ -442,12 +521,16 @@ def run_estimate(args: argparse.Namespace, out: Any) -> int:
                 for row in rows
             ],
         }
+        if args.pipeline:
+            payload["pipeline"] = est.pipeline(prediction).to_dict()
         json.dump(payload, out, indent=2)
         out.write("\n")
         return 0
     _print_estimate(out, prediction, rows, rule, gpu_text, largest, request)
     if auto_reason is not None:
         out.write(f"auto: batch size {workload.batch_size} ({auto_reason})\n")
+    if args.pipeline:
+        _print_pipeline(out, est.pipeline(prediction), gpu_gib)
     return 0
 
 
@@ -519,6 +602,21 @@ def _print_estimate(
             write(f"\nnot even batch size 1 fits {rule.budget_text}\n")
         else:
             write(f"\nlargest batch size that fits (up to {request.ceiling}): {largest}\n")
+
+
+def _print_pipeline(out: Any, pipeline: est.Pipeline, gpu_gib: float | None) -> None:
+    """A line per phase: its allocated peak, its total on the card, its host memory."""
+    out.write("\nphase        peak GiB  total GiB  host GiB\n")
+    for phase in pipeline.phases:
+        mark = "  <- the run's peak" if phase is pipeline.peak else ""
+        fits = ""
+        if gpu_gib is not None:
+            fits = "  fits" if phase.total_bytes <= gpu_gib * GIB else "  does not fit"
+        out.write(
+            f"{phase.name:<10} {phase.peak_allocated_bytes / GIB:>10.2f} "
+            f"{phase.total_bytes / GIB:>10.2f} {phase.host_bytes / GIB:>9.2f}  "
+            f"{phase.note}{fits}{mark}\n"
+        )
 
 
 #: The pairs the batch-size table covers (docs/estimator-cli.md): circuit-tracer's own examples.

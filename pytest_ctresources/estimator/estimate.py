@@ -41,12 +41,21 @@ behaviour (``docs/estimator.md``). What each term holds:
   every active feature), and, when ``max_feature_nodes`` is below the number of active
   features, the float32 copy of the partial edge matrix that ``compute_partial_influences``
   makes to rank features.
+- **attention transient**: eager attention materialises one layer's scores at a time
+  (batch x heads x tokens^2): the masked scores and their float32 softmax are alive while the
+  probabilities in the model dtype are made (:data:`ATTENTION_TRANSIENTS`, per implementation
+  and dtype). It counts in the forward pass (against the logits, the larger wins) and on top
+  of the backward peak: at long prompts on a small vocabulary the measured peak exceeded the
+  backward estimate by this much (docs/estimator.md).
 - **reserved margin**: what PyTorch's caching allocator holds beyond the allocated peak.
 - **CUDA context**: memory the driver takes per process, outside PyTorch's allocator.
 
 The allocated peak is weights + transcoders + max(setup peak, setup + max(forward,
-backward)). The figures the fitted numbers come from, and the error at every measured point
-(the fit and the held-out validation apart), are in ``docs/estimator.md``.
+backward)). After ``attribute()`` the pipeline has a second phase with its own peak, pruning
+(:func:`pipeline`, :func:`prune_peak_bytes`): circuit-tracer's ``prune_graph`` (which
+``create_graph_files`` calls) on the dense adjacency moved to the GPU. The figures the fitted
+numbers come from, and the error at every measured point (the fit and the held-out validation
+apart), are in ``docs/estimator.md``.
 """
 
 from __future__ import annotations
@@ -72,6 +81,44 @@ RESID_MID_HOOK: Final = "hook_resid_mid"
 #: ``ct-resources estimate --active-features`` changes it, and ``--ct-batch-size auto``
 #: counts the real ones.
 DEFAULT_ACTIVE_PER_LAYER_TOKEN: Final = 64.0
+Attention = Literal["eager", "sdpa"]
+
+
+@dataclass(frozen=True)
+class AttentionTransient:
+    """Bytes per attention score of one layer (batch x heads x tokens^2) alive beyond the
+    kept probabilities while one attention runs, and whether the H200 measured it."""
+
+    bytes_per_score: float
+    measured: bool
+    ground: str
+
+
+#: Per (attention implementation, dtype). circuit-tracer 0.5.0 loads every model with
+#: ``attn_implementation="eager"``, so eager is what runs. Eager in the model dtype: the
+#: scaled and masked scores (2 bytes in bf16), their float32 softmax (4) and the probabilities
+#: cast back (2, kept): 6 bytes beyond what is kept; in float32 the scores and the masked
+#: scores (4 + 4) are alive at once: 8. SDPA's math path materialises the same scores; its
+#: fused kernels do not, but circuit-tracer reads the probabilities, which they do not give.
+ATTENTION_TRANSIENTS: Final[Mapping[tuple[str, str], AttentionTransient]] = MappingProxyType(
+    {
+        ("eager", "bfloat16"): AttentionTransient(
+            6, True, "measured on the H200 (tokens 300-1200)"
+        ),
+        ("eager", "float16"): AttentionTransient(6, False, "as bfloat16, not measured"),
+        ("eager", "float32"): AttentionTransient(8, False, "from the code, not measured"),
+        ("sdpa", "bfloat16"): AttentionTransient(6, False, "as eager, not measured"),
+        ("sdpa", "float16"): AttentionTransient(6, False, "as eager, not measured"),
+        ("sdpa", "float32"): AttentionTransient(8, False, "as eager, not measured"),
+    }
+)
+#: Dense adjacency-sized float32 buffers alive at ``prune_graph``'s peak, the sort of every
+#: edge score in ``find_threshold(edge_scores.flatten())``: from the code, the adjacency
+#: itself, its pruned clone, the pruned matrix normalised and the edge scores (4), the sort's
+#: values and int64 indices (1 + 2) and its radix-sort double buffers (1 + 2): 10; measured 11
+#: on the H200 (docs/estimator.md: fitted on 800 and 1200 tokens, 300 held out), the one more
+#: being the sort's other scratch.
+PRUNE_ADJACENCY_COPIES: Final = 11.0
 
 
 @dataclass(frozen=True)
@@ -145,6 +192,7 @@ class Workload:
             peaks do without them. Derived from circuit-tracer's code, not measured.
         counted_features: the active features counted in a setup pass (``auto`` has them);
             when given, it replaces ``active_per_layer_token`` x layers x tokens.
+        attention: the attention implementation (circuit-tracer 0.5.0 uses eager).
     """
 
     dtype: Dtype
@@ -155,6 +203,7 @@ class Workload:
     n_logits: int = 10
     offload: Literal["cpu", "disk"] | None = None
     counted_features: int | None = None
+    attention: Attention = "eager"
 
     def active_features(self, n_layers: int) -> int:
         """Active features of the prompt over all ``n_layers`` layers. Position 0 (BOS)
@@ -241,7 +290,7 @@ class Calibration:
 #: the held-out validation and the error at every point are in ``docs/estimator.md``.
 CALIBRATION: Final = Calibration(
     backward_gather=1.0,
-    backward_layers=0.25,
+    backward_layers=0.15,
     unembed_share=0.25,
     reserved=0.12,
     reserved_bytes=150 << 20,
@@ -258,7 +307,7 @@ CALIBRATION: Final = Calibration(
 #: first call on a model keeps at least this margin. ``tests/test_estimate.py`` checks it
 #: against the data.
 WORST_UNDER_PREDICTION: Final[Mapping[str, float]] = MappingProxyType(
-    {"gemma2": 0.001, "gemma3": 0.001, "llama": 0.002, "qwen3": 0.002}
+    {"gemma2": 0.001, "gemma3": 0.001, "llama": 0.003, "qwen3": 0.003}
 )
 
 
@@ -411,16 +460,24 @@ def cache_per_batch_token(model: ModelShape, dtype_bytes: int) -> int:
 
 
 def forward_peak_per_batch_token(
-    model: ModelShape, transcoders: TranscoderShape, dtype_bytes: int, prompt_tokens: int
+    model: ModelShape,
+    transcoders: TranscoderShape,
+    dtype_bytes: int,
+    prompt_tokens: int,
+    attention_bytes_per_score: float = 0.0,
 ) -> int:
     """Bytes per batch-token the forward pass adds at its peak: what it keeps, the KV cache,
     and the larger of the logits (two copies under a softcap: ``tanh``'s output, which autograd
     keeps, and the result) and the last layer's gated-MLP intermediates (gate, up, the
     activation and the product, with the MLP's input and its norm's: at most three residual
-    streams more, counted on the CPU; the logits are larger in every published model)."""
+    streams more, counted on the CPU; the logits are larger in every published model), or one
+    layer's attention scores (``attention_bytes_per_score`` x heads x tokens)."""
     logit_copies = 2 if model.final_logit_softcap else 1
     mlp = 4 * model.d_mlp + 3 * model.d_model
-    transient = max(logit_copies * model.vocab_size, mlp) * dtype_bytes
+    transient = max(
+        max(logit_copies * model.vocab_size, mlp) * dtype_bytes,
+        int(attention_bytes_per_score * model.n_heads * prompt_tokens),
+    )
     return (
         kept_per_batch_token(model, transcoders, dtype_bytes, prompt_tokens)
         + cache_per_batch_token(model, dtype_bytes)
@@ -463,7 +520,9 @@ def estimate(
     )
 
     kept = batch_tokens * kept_per_batch_token(model, transcoders, b, tokens)
-    forward = batch_tokens * forward_peak_per_batch_token(model, transcoders, b, tokens)
+    per_score = attention_transient(workload).bytes_per_score
+    attention = int(per_score * batch * model.n_heads * tokens * tokens)
+    forward = batch_tokens * forward_peak_per_batch_token(model, transcoders, b, tokens, per_score)
 
     row_size = nnz + (n_layers + 1) * tokens
     feature_nodes = (
@@ -481,7 +540,9 @@ def estimate(
     gather = int(cal.backward_gather * batch * decoders_per_layer * d * b)
     gradients = int(cal.backward_layers * batch_tokens * layer_row) + row_size * batch * b
     unembed = int(cal.unembed_share * vocab * d * b)
-    backward = kept + max(gather + gradients, influence, unembed)
+    # One layer's attention transient on top of the backward peak: measured, not derived
+    # (see the module's docstring).
+    backward = kept + attention + max(gather + gradients, influence, unembed)
 
     # With offload, transcoders that need no skip connection leave the GPU after the setup
     # pass (circuit-tracer's get_offload_targets_phase0): the later phases do without them.
@@ -522,7 +583,8 @@ def estimate(
             "forward",
             forward,
             f"batch {batch} x {tokens} tokens, kept {kept / GIB:.2f} GiB"
-            + (", softcapped logits" if model.final_logit_softcap else ""),
+            + (", softcapped logits" if model.final_logit_softcap else "")
+            + f", one layer's {workload.attention} attention {attention / GIB:.2f} GiB",
         ),
         Term(
             "backward",
@@ -548,6 +610,115 @@ def estimate(
         ),
         calibration=cal,
     )
+
+
+def attention_transient(workload: Workload) -> AttentionTransient:
+    """The attention transient of ``workload``'s implementation and dtype."""
+    return ATTENTION_TRANSIENTS[(workload.attention, workload.dtype)]
+
+
+def graph_nodes(model: ModelShape, workload: Workload) -> int:
+    """Nodes of the dense graph ``attribute()`` returns: the feature nodes kept, an error node
+    per layer and token, the token nodes and the logit nodes."""
+    active = workload.active_features(model.n_layers)
+    features = (
+        active if workload.max_feature_nodes is None else min(workload.max_feature_nodes, active)
+    )
+    return features + (model.n_layers + 1) * workload.prompt_tokens + workload.n_logits
+
+
+def prune_peak_bytes(resident_bytes: int, nodes: int) -> int:
+    """``prune_graph``'s allocated peak on the GPU: what is resident (the model and its
+    transcoders, still loaded) and :data:`PRUNE_ADJACENCY_COPIES` dense float32 adjacencies
+    (nodes^2 x 4 bytes)."""
+    return resident_bytes + int(PRUNE_ADJACENCY_COPIES * nodes * nodes * 4)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of the pipeline: its allocated peak and what it takes from the card (with
+    the allocator's margin and the CUDA context), and the host memory it holds."""
+
+    name: str
+    peak_allocated_bytes: int
+    total_bytes: int
+    host_bytes: int
+    note: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "peak_gib": round(self.peak_allocated_bytes / GIB, 3),
+            "total_gib": round(self.total_bytes / GIB, 3),
+            "host_gib": round(self.host_bytes / GIB, 3),
+            "note": self.note,
+        }
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """``attribute()`` and the pruning after it (``prune_graph`` / ``create_graph_files``):
+    the run's peak is its largest phase's."""
+
+    phases: tuple[Phase, ...]
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=lambda phase: phase.total_bytes)
+
+    def to_dict(self) -> dict[str, object]:
+        return {phase.name: phase.to_dict() for phase in self.phases} | {
+            "peak_phase": self.peak.name
+        }
+
+
+def pipeline(prediction: Estimate) -> Pipeline:
+    """The phases of the whole pipeline of ``prediction``'s call. Host memory, from
+    circuit-tracer's code: ``attribute()`` builds the edge matrix on the CPU (feature rows x
+    every node, float32), copies its columns and rows and makes the dense graph (nodes^2),
+    and with ``offload="cpu"`` holds the offloaded transcoders; pruning brings the dense graph
+    back with its boolean edge mask (nodes^2 x 5 bytes)."""
+    model, work, cal = prediction.model, prediction.workload, prediction.calibration
+    nodes = graph_nodes(model, work)
+    features = nodes - (model.n_layers + 1) * work.prompt_tokens - work.n_logits
+    rows = features + work.n_logits
+    columns = prediction.active_features + nodes - features
+    edges = 4 * max(rows * (columns + nodes), rows * nodes + nodes * nodes)
+    offloaded = prediction.term("transcoders").bytes if work.offload == "cpu" else 0
+    resident = prediction.resident_bytes
+    prune = prune_peak_bytes(resident, nodes)
+    prune_total = prune + int(cal.reserved * (prune - resident)) + cal.reserved_bytes
+    adjacency = nodes * nodes * 4
+    return Pipeline(
+        (
+            Phase(
+                "attribute",
+                prediction.peak_allocated_bytes,
+                prediction.total_bytes,
+                edges + offloaded,
+                f"peak in the {prediction.peak_phase} pass",
+            ),
+            Phase(
+                "prune",
+                prune,
+                prune_total + cal.context_bytes,
+                adjacency + nodes * nodes,
+                f"{nodes} nodes, dense adjacency {adjacency / GIB:.2f} GiB",
+            ),
+        )
+    )
+
+
+def longest_fitting(fits: Callable[[int], bool], most: int) -> int:
+    """The largest n in 1..``most`` for which ``fits(n)`` holds, ``fits`` holding up to some
+    n and not beyond (a prompt length whose whole pipeline fits: every phase grows with the
+    prompt); 0 when not even 1 fits. A bisection: about log2(most) calls."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
 
 def largest_fitting_batch(

@@ -89,7 +89,8 @@ def ct_session(
 class OneLineModelFailures:
     """A model ``ct_session`` cannot load fails its test with one line (the model, its config
     source, the cause), not the hub's chained tracebacks, whether the test body or a fixture
-    asked for it (:class:`~pytest_ctresources.session.model_load.ModelLoadError`)."""
+    asked for it (:class:`~pytest_ctresources.session.model_load.ModelLoadError`); so does a
+    prompt ``--ct-batch-size auto`` refuses (``estimator.auto.WillNotFit``)."""
 
     name = "ctresources-model-load"
 
@@ -106,11 +107,12 @@ class OneLineModelFailures:
 
 def _one_line() -> Generator[None, None, None]:
     __tracebackhide__ = True
+    from pytest_ctresources.estimator.auto import WillNotFit
     from pytest_ctresources.session.model_load import ModelLoadError
 
     try:
         return (yield)
-    except ModelLoadError as exc:
+    except (ModelLoadError, WillNotFit) as exc:
         message = str(exc)
     # Outside the except block: no "During handling of the above exception" either.
     pytest.fail(message, pytrace=False)
