@@ -20,6 +20,7 @@ from pytest_ctresources.estimator import estimate as est
 from pytest_ctresources.estimator import registry
 from pytest_ctresources.estimator.registry import estimate_config
 from pytest_ctresources.settings.config import CircuitTracerConfig
+from pytest_ctresources.units import GIB
 from tests.conftest import TINY_YAML
 
 pytest_plugins = ["pytester"]
@@ -174,9 +175,6 @@ class FakeCuda:
         monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: self.reserved)
         monkeypatch.setattr(cuda, "mem_get_info", lambda device=None: (self.free, self.total))
         monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: self.peak)
-
-
-GIB = 1 << 30
 
 
 def test_choice_on_a_gpu_uses_measured_memory_and_real_active_features(

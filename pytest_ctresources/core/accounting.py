@@ -23,7 +23,7 @@ from pytest_ctresources.estimator.auto import counted
 from pytest_ctresources.estimator.estimate import Estimate
 from pytest_ctresources.exceptions import CtLeakWarning
 from pytest_ctresources.gpu import oom
-from pytest_ctresources.gpu.measure import GIB, VramFigures, VramMeter
+from pytest_ctresources.gpu.measure import VramFigures, VramMeter
 from pytest_ctresources.gpu.skips import skip_reason
 from pytest_ctresources.report.learned import memory_key
 from pytest_ctresources.session.cache import ResidentModel
@@ -31,6 +31,7 @@ from pytest_ctresources.session.session import CtSession
 from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig
 from pytest_ctresources.settings.sources import Source
+from pytest_ctresources.units import GIB
 
 CONFIG_FIXTURES = frozenset({"ct_config", "ct_session"})
 UNMARKED_BYTES = 1 << 30

@@ -8,10 +8,11 @@ from typing import Any
 
 from pytest_ctresources.gpu.cleanup import clear_exception_frames
 from pytest_ctresources.gpu.detect import GpuInfo
-from pytest_ctresources.gpu.measure import GIB, VramFigures
+from pytest_ctresources.gpu.measure import VramFigures
 from pytest_ctresources.gpu.nnsight_threads import release_quietly
 from pytest_ctresources.settings.config import CircuitTracerConfig
 from pytest_ctresources.settings.sources import Sourced
+from pytest_ctresources.units import GIB
 
 
 def is_oom(exc: BaseException | None) -> bool:

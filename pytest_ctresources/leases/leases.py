@@ -34,6 +34,7 @@ from pytest_ctresources.core.state import state_of
 from pytest_ctresources.exceptions import CtResourcesWarning
 from pytest_ctresources.report.placement import PLAIN_RUN_WORKER
 from pytest_ctresources.settings.activation import activation_of
+from pytest_ctresources.units import GIB
 from pytest_ctresources.xdist.binding import testrun_id
 
 if TYPE_CHECKING:
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
     from pytest_ctresources.leases.ledger import Lease, VramLedger
     from pytest_ctresources.session.cache import ModelCache, ResidentModel
 
-GIB = 1 << 30
 #: How often a watcher looks for a waiter while its process holds a resident model's lease.
 WATCH_SECONDS = 0.2
 #: How long a test that reuses the resident model may wait for its lease with the model's
@@ -470,4 +470,4 @@ def most_grantable_gib(budget_gib: float, card_gib: float | None) -> float:
     from pytest_ctresources.estimator.estimate import CALIBRATION
 
     card = card_gib if card_gib is not None else budget_gib
-    return min(budget_gib, card - CALIBRATION.context_bytes / (1 << 30))
+    return min(budget_gib, card - CALIBRATION.context_bytes / GIB)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_ctresources.gpu.measure import GIB
+from pytest_ctresources.units import GIB
 
 if TYPE_CHECKING:
     from pytest_ctresources.report.summary import SummaryReporter, VramRecord
