@@ -21,6 +21,8 @@ from collections.abc import Callable, Generator
 import pytest
 
 from pytest_ctresources.core import accounting
+from pytest_ctresources.core.fixtures import OneLineModelFailures, ct_config, ct_session
+from pytest_ctresources.core.learned import StaleLearnedNeeds, narrowed_files
 from pytest_ctresources.core.runtime import (
     RUNTIME_KEY,
     Runtime,
@@ -34,15 +36,13 @@ from pytest_ctresources.gpu.cleanup import cuda_initialised
 from pytest_ctresources.gpu.cleanup_between_tests import BetweenTests, unraisable_as_warnings
 from pytest_ctresources.leases import leases
 from pytest_ctresources.report.header import header_lines
-from pytest_ctresources.report.learned import StaleLearnedNeeds, narrowed_files
 from pytest_ctresources.report.summary import SummaryReporter
-from pytest_ctresources.session.fixtures import OneLineModelFailures, ct_config, ct_session
 from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.activation import ACTIVATION_KEY, activation_of
 from pytest_ctresources.settings.options import DEFAULT_ALLOC_CONF, add_options, binding_mode
 from pytest_ctresources.settings.parametrize_tests import parametrize_from_params
 from pytest_ctresources.settings.resolve import activation_from_config
-from pytest_ctresources.xdist.binding import Binding, bind_worker, is_worker, open_seats
+from pytest_ctresources.xdist.binding import Binding, bind_worker, is_worker
 from pytest_ctresources.xdist.exchange import PlacementWorker, placement_channel
 from pytest_ctresources.xdist.learned_exchange import LearnedNeedsExchange, send_stale
 
@@ -102,6 +102,8 @@ def _bind_worker() -> Binding | None:
         return None  # a malformed CT_FAKE_GPUS: reported as a usage error at configure
     if not facts.gpus:
         return None
+    from pytest_ctresources.leases.leases import open_seats
+
     return bind_worker(os.environ, facts, open_seats())
 
 
@@ -140,7 +142,9 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(reporter, SummaryReporter.name)
         if config.pluginmanager.hasplugin("xdist"):
             config.pluginmanager.register(
-                LearnedNeedsExchange(runtime.learned, reporter.stale_learned.update),
+                LearnedNeedsExchange(
+                    lambda: runtime.learned().to_mapping(), reporter.stale_learned.update
+                ),
                 LearnedNeedsExchange.name,
             )
         if activation.project_wide:
@@ -398,7 +402,7 @@ class PerTestHooks:
                     leases.give_back(item)  # whatever raised (-W error::CtLeakWarning, ...)
                 finally:
                     # The one place the test's record is written: its teardown report carries it
-                    # to the controller, the summary and junit XML (report/record.py).
+                    # to the controller, the summary and junit XML (core/record.py).
                     written = state.record.to_properties()
                     item.stash[_WRITTEN_KEY] = written
                     item.user_properties.extend(written)

@@ -603,7 +603,7 @@ def test_under_xdist_auto_fills_its_lease_only(
 
 
 def test_auto_needs_are_never_learned() -> None:
-    from pytest_ctresources.report.learned import memory_key
+    from pytest_ctresources.core.learned import memory_key
 
     cfg = CircuitTracerConfig.defaults()
     auto = cfg.layered({"batch_size": "auto"}, cfg.source_of("dtype"))

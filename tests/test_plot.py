@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 # summary as a module: pytest would try to collect a class named Test* imported here.
 from pytest_ctresources.report import plot
 from pytest_ctresources.report import summary as summary_module
-from pytest_ctresources.report.files import PNG_MAGIC
+from pytest_ctresources.settings.report_paths import PNG_MAGIC
 from pytest_ctresources.units import GIB
 from tests.fake_cuda import FAKE_CUDA_CONFTEST
 

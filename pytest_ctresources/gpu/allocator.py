@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pytest_ctresources.settings.config import did_you_mean, shown
-from pytest_ctresources.units import GIB
+from pytest_ctresources.units import GIB, did_you_mean, shown
 
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 #: The allocator's variables in the order torch reads them; the first one set wins

@@ -31,9 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from pytest_ctresources.settings.config import MAX_GIB, shown
-from pytest_ctresources.settings.sources import printable
-from pytest_ctresources.units import GIB
+from pytest_ctresources.units import GIB, MAX_GIB, printable, shown
 
 __all__ = [
     "DEVICE_ORDER_ENV",
