@@ -32,8 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pytest_ctresources.estimator import estimate as est
-
-GIB = 1 << 30
+from pytest_ctresources.units import GIB
 
 
 def load(paths: list[str]) -> list[dict[str, Any]]:

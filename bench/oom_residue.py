@@ -27,7 +27,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-GIB = 2**30
+from pytest_ctresources.units import GIB
 
 
 def describe(obj: Any) -> str:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_ctresources.session.fixtures import ct_config, ct_session
+from pytest_ctresources.core.fixtures import ct_config, ct_session
 from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.activation import ACTIVATION_KEY, activation_of
 from pytest_ctresources.settings.options import DEFAULT_ALLOC_CONF, add_options, binding_mode
@@ -29,8 +29,8 @@ from pytest_ctresources.settings.resolve import activation_from_config
 from pytest_ctresources.xdist.binding import runs_no_tests
 
 if TYPE_CHECKING:
+    from pytest_ctresources.core.learned import LearnedNeeds
     from pytest_ctresources.core.runtime import Runtime
-    from pytest_ctresources.report.learned import LearnedNeeds
     from pytest_ctresources.xdist.binding import Binding
     from pytest_ctresources.xdist.exchange import PlacementWorker
 
@@ -93,7 +93,8 @@ def _apply_alloc_conf(config: pytest.Config) -> None:
 
 def _bind_worker() -> Binding | None:
     from pytest_ctresources.gpu.detect import detect_gpus
-    from pytest_ctresources.xdist.binding import bind_worker, open_seats
+    from pytest_ctresources.leases.leases import open_seats
+    from pytest_ctresources.xdist.binding import bind_worker
 
     try:
         facts = detect_gpus(torch_fallback=False)  # NVML only: no torch import at start-up
@@ -123,12 +124,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _find_stale_learned(config: pytest.Config) -> None:
-    """Learned needs of tests that no longer exist are pruned (report/learned.py), in every
+    """Learned needs of tests that no longer exist are pruned (core/learned.py), in every
     process that collects, as collection goes; the needs are read at its end, and only where
     the plugin then acts."""
     if runs_no_tests(config) or not hasattr(config, "cache"):
         return  # the workers collect; without pytest's cache nothing is learned
-    from pytest_ctresources.report.learned import StaleLearnedNeeds, narrowed_files
+    from pytest_ctresources.core.learned import StaleLearnedNeeds, narrowed_files
 
     def learned() -> LearnedNeeds | None:
         runtime = config.stash.get(_RUNTIME_KEY, None)
@@ -178,7 +179,9 @@ def _start(config: pytest.Config) -> Runtime:
             from pytest_ctresources.xdist.learned_exchange import LearnedNeedsExchange
 
             config.pluginmanager.register(
-                LearnedNeedsExchange(runtime.learned, reporter.stale_learned.update),
+                LearnedNeedsExchange(
+                    lambda: runtime.learned().to_mapping(), reporter.stale_learned.update
+                ),
                 LearnedNeedsExchange.name,
             )
         if activation.project_wide:
@@ -313,8 +316,8 @@ def _plan_and_shard(config: pytest.Config, runtime: Runtime) -> None:
 def _act_per_test(config: pytest.Config, runtime: Runtime) -> None:
     """Register what the plugin does around each test: only in a run it acts in, so that a
     project that does not ask has none of its hooks on the stack of any test."""
+    from pytest_ctresources.core.fixtures import OneLineModelFailures
     from pytest_ctresources.gpu.cleanup_between_tests import BetweenTests
-    from pytest_ctresources.session.fixtures import OneLineModelFailures
 
     config.pluginmanager.register(OneLineModelFailures(), OneLineModelFailures.name)
     if runtime.settings.cleanup.value != "never":
@@ -464,7 +467,7 @@ class PerTestHooks:
                     leases.give_back(item)  # whatever raised (-W error::CtLeakWarning, ...)
                 finally:
                     # The one place the test's record is written: its teardown report carries it
-                    # to the controller, the summary and junit XML (report/record.py).
+                    # to the controller, the summary and junit XML (core/record.py).
                     written = state.record.to_properties()
                     item.stash[_WRITTEN_KEY] = written
                     item.user_properties.extend(written)

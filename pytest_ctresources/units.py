@@ -1,11 +1,62 @@
-"""Units, said once: bytes in GiB and MiB, counts of parameters, as every message shows them."""
+"""Units and quoting, said once: bytes in GiB and MiB, counts of parameters, and values and
+text as every message shows them (bounded ``repr``, escaped control characters, a did-you-mean)."""
 
 from __future__ import annotations
 
+import difflib
+import math
+import reprlib
+from collections.abc import Iterable
 from typing import Final
 
 GIB: Final = 1 << 30
 MIB: Final = 1 << 20
+#: The most GiB any one setting may name for one GPU (a capacity, a need, a threshold).
+#: The largest cards sold today hold 288 GB; 1 TiB leaves room for a few generations, and
+#: keeps every GiB figure convertible to bytes, ledger units and floats without overflow.
+MAX_GIB = 1024.0
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = 40
+_SHOWN.maxlevel = 3
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 4
+_LONG_INT_BITS = 133  # 40 decimal digits
+
+
+def shown(value: object) -> str:
+    """``repr(value)``, short enough to quote in a one-line message.
+
+    Input is quoted back to its author, and input may be hostile: ``repr`` of an integer
+    over 4300 digits raises, of a 5000-character string floods the terminal, and of a YAML
+    alias bomb never finishes. :mod:`reprlib` bounds the work and the length.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value.bit_length() > _LONG_INT_BITS:
+            digits = math.floor(value.bit_length() * math.log10(2)) + 1
+            return f"{'-' if value < 0 else ''}an integer of about {digits} digits"
+        return repr(value)
+    text = _SHOWN.repr(value)
+    if isinstance(value, str) and len(value) > _SHOWN.maxstring:
+        text += f" ({len(value)} characters)"
+    return text
+
+
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable escaped as Python writes it
+    (``\\x1b``, ``\\u2028``, ``\\udcff``), as pytest escapes node ids: a file name, an ini
+    path or a GPU name can hold an escape sequence, which raw would rewrite the terminal.
+    Printable text, non-ASCII letters included, is returned as it is."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else ascii(char)[1:-1] for char in text)
+
+
+def did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    """`` (did you mean X?)`` for the closest candidate, or an empty string. Case does not
+    count (``batch_size`` in a YAML file means ``BATCH_SIZE``)."""
+    by_lower = {candidate.lower(): candidate for candidate in candidates}
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean {by_lower[close[0]]}?)" if close else ""
 
 
 def bytes_text(count: float) -> str:

@@ -512,7 +512,7 @@ def test_no_need_is_learned_from_a_test_that_passed_only_after_halving() -> None
 
 
 def test_a_need_learned_under_a_capacity_is_keyed_by_it() -> None:
-    from pytest_ctresources.report.learned import memory_key
+    from pytest_ctresources.core.learned import memory_key
     from pytest_ctresources.settings.config import CircuitTracerConfig
 
     cfg = CircuitTracerConfig.defaults()
@@ -522,7 +522,7 @@ def test_a_need_learned_under_a_capacity_is_keyed_by_it() -> None:
 
 
 def test_stale_keys_are_those_of_tests_that_no_longer_exist() -> None:
-    from pytest_ctresources.report.learned import stale_keys
+    from pytest_ctresources.core.learned import stale_keys
 
     keys = ["a.py::test_kept", "a.py::test_renamed|{}", "gone.py::test_x", "b.py::test_elsewhere"]
     collected = {"a.py::test_kept", "a.py::test_new"}  # b.py not collected this run

@@ -20,6 +20,7 @@ from pytest_ctresources.estimator import estimate as est
 from pytest_ctresources.estimator import registry
 from pytest_ctresources.estimator.registry import estimate_config
 from pytest_ctresources.settings.config import CircuitTracerConfig
+from pytest_ctresources.units import GIB
 from tests.conftest import TINY_YAML
 
 pytest_plugins = ["pytester"]
@@ -174,9 +175,6 @@ class FakeCuda:
         monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: self.reserved)
         monkeypatch.setattr(cuda, "mem_get_info", lambda device=None: (self.free, self.total))
         monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: self.peak)
-
-
-GIB = 1 << 30
 
 
 def test_choice_on_a_gpu_uses_measured_memory_and_real_active_features(
@@ -604,7 +602,7 @@ def test_under_xdist_auto_fills_its_lease_only(
 
 
 def test_auto_needs_are_never_learned() -> None:
-    from pytest_ctresources.report.learned import memory_key
+    from pytest_ctresources.core.learned import memory_key
 
     cfg = CircuitTracerConfig.defaults()
     auto = cfg.layered({"batch_size": "auto"}, cfg.source_of("dtype"))

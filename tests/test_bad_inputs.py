@@ -1088,7 +1088,7 @@ def test_a_bad_learned_needs_cache_is_one_warning(tmp_path: Path, row: CacheRow)
     writes through nothing and replaces only a regular file."""
     from typing import cast
 
-    from pytest_ctresources.report.learned import LearnedNeeds, LearnedNeedsWarning
+    from pytest_ctresources.core.learned import LearnedNeeds, LearnedNeedsWarning
 
     root = os.geteuid() == 0
     if row.as_root is True and not root:
@@ -1124,7 +1124,7 @@ def test_a_bad_learned_needs_cache_is_one_warning(tmp_path: Path, row: CacheRow)
 def test_a_bad_need_keeps_the_good_ones(tmp_path: Path) -> None:
     from typing import cast
 
-    from pytest_ctresources.report.learned import LearnedNeeds, LearnedNeedsWarning
+    from pytest_ctresources.core.learned import LearnedNeeds, LearnedNeedsWarning
 
     rows = [row for row in CACHE_ROWS if row.kept]
     for row in rows:
@@ -1173,7 +1173,7 @@ def test_a_corrupt_cache_is_one_warning_and_the_run_goes_on(
 ) -> None:
     """A whole run on a corrupt cache (in-process, under a bound): no traceback, no
     INTERNALERROR, no hang; one LearnedNeedsWarning; the tests run; nothing written through."""
-    from pytest_ctresources.report.learned import LearnedNeedsWarning
+    from pytest_ctresources.core.learned import LearnedNeedsWarning
 
     path = pytester.path / NEEDS_PATH
     path.parent.mkdir(parents=True)
@@ -1212,7 +1212,7 @@ def test_a_corrupt_cache_is_one_warning_and_the_run_goes_on(
 def test_a_node_id_with_a_bar_keeps_its_learned_need() -> None:
     """``|`` ends the node id in a key: a parameter id holding one (``test[a|b]``) made its
     need stale, so it was pruned at every run and never used (issue 20)."""
-    from pytest_ctresources.report.learned import memory_key, nodeid_of, stale_keys
+    from pytest_ctresources.core.learned import memory_key, nodeid_of, stale_keys
     from pytest_ctresources.settings.config import CircuitTracerConfig
 
     cfg = CircuitTracerConfig.defaults()

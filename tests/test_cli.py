@@ -15,9 +15,9 @@ from pytest_ctresources.estimator import auto as autobatch
 from pytest_ctresources.estimator import estimate as est
 from pytest_ctresources.estimator import registry
 from pytest_ctresources.estimator.cli import main
+from pytest_ctresources.units import GIB
 
 ROOT = Path(__file__).resolve().parents[1]
-GIB = 1 << 30
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> str:

@@ -12,10 +12,10 @@ import pytest
 from pytest_ctresources import testing
 from pytest_ctresources.estimator import estimate as est
 from pytest_ctresources.estimator import registry
+from pytest_ctresources.units import GIB
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIBRATION = sorted((ROOT / "docs" / "calibration").glob("*.jsonl"))
-GIB = 1 << 30
 
 
 def _fit_module():

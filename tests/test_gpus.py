@@ -22,9 +22,7 @@ from pytest_ctresources.gpu.detect import (
     parse_visible_devices,
     used_memory_reader,
 )
-
-GIB = 2**30
-
+from pytest_ctresources.units import GIB
 
 # --------------------------------------------------------------------------- CT_FAKE_GPUS
 

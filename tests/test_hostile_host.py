@@ -397,7 +397,7 @@ def _png(*chunks: bytes) -> bytes:
     """A PNG of one transparent pixel, with ``chunks`` (made by _chunk) after its header."""
     import zlib
 
-    from pytest_ctresources.report.files import PNG_MAGIC
+    from pytest_ctresources.settings.report_paths import PNG_MAGIC
 
     header = _chunk(b"IHDR", (1).to_bytes(4, "big") * 2 + bytes([8, 6, 0, 0, 0]))
     pixels = _chunk(b"IDAT", zlib.compress(b"\0" + bytes(4)))
@@ -712,7 +712,7 @@ def test_a_report_path_replaces_only_a_report_the_plugin_wrote_for_you(
 ) -> None:
     from fnmatch import fnmatch
 
-    from pytest_ctresources.report.files import TargetError, check_target
+    from pytest_ctresources.settings.report_paths import TargetError, check_target
 
     if row.root and not IS_ROOT:
         pytest.skip(OTHER)

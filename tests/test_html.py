@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from pytest_ctresources.report import html as html_module
-from pytest_ctresources.report.files import PNG_MAGIC
+from pytest_ctresources.settings.report_paths import PNG_MAGIC
 from tests.fake_cuda import FAKE_CUDA_CONFTEST
 
 pytest_plugins = ["pytester"]
@@ -202,10 +202,10 @@ def test_without_cuda_the_summary_plot_says_so(pytester: pytest.Pytester) -> Non
 def test_without_matplotlib_the_summary_says_what_is_missing(
     project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pytest_ctresources.report import files
+    from pytest_ctresources.settings import report_paths
 
     monkeypatch.setattr(
-        files, "check_plot_support", lambda: "needs matplotlib, which is not installed"
+        report_paths, "check_plot_support", lambda: "needs matplotlib, which is not installed"
     )
     project.runpytest("--html", "report.html").assert_outcomes(passed=3, warnings=1)
     report = (project.path / "report.html").read_text()

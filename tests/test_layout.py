@@ -1,4 +1,5 @@
-"""The package's layout holds: one room per feature, no import cycles, no heavy imports.
+"""The package's layout holds: one room per feature, layers whose imports point down, no
+import cycles, no heavy imports.
 
 These read the source (``ast``) and import each room in a fresh interpreter, so a change that
 breaks the layout fails here rather than in a user's ``pytest --co``.
@@ -30,6 +31,78 @@ def module_name(path: Path) -> str:
 
 MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 ROOMS = sorted(path.name for path in PACKAGE.iterdir() if (path / "__init__.py").is_file())
+
+
+#: The layers, bottom first: a room (a folder) or top-level module imports only from the
+#: layers below its own, never from its own layer's other members nor from above. Every
+#: import counts, under ``if TYPE_CHECKING:`` and inside functions too (a type is a dependency).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("units", "exceptions"),
+    ("bundled", "gpu"),
+    ("xdist",),
+    ("settings",),
+    ("estimator",),
+    ("session",),
+    ("core",),
+    ("leases", "notebooks", "report"),
+    ("plugin", "testing", "__init__"),
+)
+"""What each layer may import, from the bottom:
+
+- ``units``, ``exceptions``: nothing of the package (units, quoting, warning classes);
+- ``bundled``, ``gpu``: the layer above; the outside world (the bundled models' shapes and
+  builders; GPU detection, CUDA figures, cleanup, the allocator);
+- ``xdist``: GPUs (binding a worker, placing tests by VRAM, the scheduler and the plan);
+- ``settings``: the option values' parsers below (allocator, plan, shard); declaring options
+  and resolving settings, configs, experiment YAML, markers, activation, report paths;
+- ``estimator``: settings and models; the memory estimate, auto's arithmetic, the CLI;
+- ``session``: the estimator; ``CtSession`` and the model cache, usable without pytest;
+- ``core``: everything below; the run's state, each test's state and record, learned needs,
+  the accounting, the fixtures;
+- ``leases``, ``notebooks``, ``report``: the features, on core; never each other;
+- ``plugin``, ``testing``, ``__init__``: the wiring and the public modules, on anything.
+"""
+
+
+def layer_unit(module: str) -> str:
+    """The layer member a module belongs to: its room, or the top-level module itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def upward_imports(package: Path, layers: tuple[tuple[str, ...], ...]) -> list[str]:
+    """One line per import in ``package`` that does not point down ``layers``: the importing
+    file and line, the module imported, and both layers."""
+    level = {unit: index for index, members in enumerate(layers) for unit in members}
+    name = package.name
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        source = layer_unit(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module is not None:
+                # ``from pkg import room`` imports the room; ``from pkg import name``, __init__.
+                targets = [
+                    f"{node.module}.{alias.name}"
+                    if node.module == name and alias.name in level
+                    else node.module
+                    for alias in node.names
+                ]
+            else:
+                continue
+            for target in dict.fromkeys(targets):
+                if target != name and not target.startswith(f"{name}."):
+                    continue
+                unit = layer_unit(target)
+                if unit != source and level[unit] >= level[source]:
+                    where = "beside it" if level[unit] == level[source] else "above it"
+                    found.append(
+                        f"{path.relative_to(package.parent)}:{node.lineno}: {source} imports "
+                        f"{target}, {where} (layers: tests/test_layout.py LAYERS)"
+                    )
+    return found
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -108,6 +181,43 @@ def test_the_package_import_graph_has_no_cycle() -> None:
     graph = import_graph()
     assert len(graph) > 40  # the walk found the package
     assert cycles(graph) == []
+
+
+def test_every_room_and_top_level_module_has_a_layer() -> None:
+    members = [unit for layer in LAYERS for unit in layer]
+    assert len(members) == len(set(members))
+    assert set(members) == set(ROOMS) | TOP_LEVEL | {"__init__"}
+
+
+def test_the_layer_check_catches_what_points_up_or_beside(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    for room in ("low", "high", "side"):
+        (package / room).mkdir(parents=True)
+        (package / room / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "low" / "a.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from pkg.high.b import B\n"
+        "def later():\n"
+        "    import pkg.side.c\n"
+    )
+    (package / "high" / "b.py").write_text(
+        "from pkg.low.a import later\nfrom pkg import side\nfrom pkg.high import b\n"
+    )
+    (package / "side" / "c.py").write_text("from pkg.low import a\n")
+    found = upward_imports(package, (("low",), ("high", "side")))
+    assert found == [
+        "pkg/high/b.py:2: high imports pkg.side, beside it (layers: tests/test_layout.py LAYERS)",
+        "pkg/low/a.py:3: low imports pkg.high.b, above it (layers: tests/test_layout.py LAYERS)",
+        "pkg/low/a.py:5: low imports pkg.side.c, above it (layers: tests/test_layout.py LAYERS)",
+    ]
+
+
+def test_the_package_imports_point_down() -> None:
+    found = upward_imports(PACKAGE, LAYERS)
+    if found:
+        pytest.fail("\n".join(found), pytrace=False)
 
 
 def test_every_module_sits_in_a_room() -> None:

@@ -18,12 +18,12 @@ from matplotlib.figure import Figure
 # summary as a module: pytest would try to collect a class named Test* imported here.
 from pytest_ctresources.report import plot
 from pytest_ctresources.report import summary as summary_module
-from pytest_ctresources.report.files import PNG_MAGIC
+from pytest_ctresources.settings.report_paths import PNG_MAGIC
+from pytest_ctresources.units import GIB
 from tests.fake_cuda import FAKE_CUDA_CONFTEST
 
 pytest_plugins = ["pytester"]
 
-GIB = 1 << 30
 RTX = "GPU 0 (NVIDIA GeForce RTX 4090) 23.6 GiB"
 
 

@@ -20,12 +20,13 @@ import pytest
 
 from pytest_ctresources.report import files as report_files
 from pytest_ctresources.report import summary as summary_module
-from pytest_ctresources.report.files import PNG_MAGIC, SigtermReport
+from pytest_ctresources.report.files import SigtermReport
+from pytest_ctresources.settings.report_paths import PNG_MAGIC
+from pytest_ctresources.units import GIB
 from tests.fake_cuda import FAKE_CUDA_CONFTEST
 
 pytest_plugins = ["pytester"]
 
-GIB = 1 << 30
 VICTIM_TEXT = "precious\n"
 CUDA_TEST = """
 from conftest import FAKE

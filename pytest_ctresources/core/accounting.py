@@ -17,20 +17,22 @@ from collections.abc import Callable, Generator
 
 import pytest
 
+from pytest_ctresources.core.learned import memory_key
 from pytest_ctresources.core.runtime import Runtime, own_settings
+from pytest_ctresources.core.skips import skip_reason
 from pytest_ctresources.core.state import state_of
 from pytest_ctresources.estimator.auto import counted
 from pytest_ctresources.estimator.estimate import Estimate
 from pytest_ctresources.exceptions import CtLeakWarning
 from pytest_ctresources.gpu import oom
-from pytest_ctresources.gpu.measure import GIB, VramFigures, VramMeter
-from pytest_ctresources.gpu.skips import skip_reason
-from pytest_ctresources.report.learned import memory_key
+from pytest_ctresources.gpu.detect import GpuInfo
+from pytest_ctresources.gpu.measure import VramFigures, VramMeter
 from pytest_ctresources.session.cache import ResidentModel
 from pytest_ctresources.session.session import CtSession
 from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig
-from pytest_ctresources.settings.sources import Source
+from pytest_ctresources.settings.sources import Source, Sourced
+from pytest_ctresources.units import GIB
 
 CONFIG_FIXTURES = frozenset({"ct_config", "ct_session"})
 UNMARKED_BYTES = 1 << 30
@@ -273,13 +275,61 @@ def explain_oom(item: pytest.Item, runtime: Runtime, exc: BaseException) -> None
     item.add_report_section(
         "call",
         "ctresources: CUDA out of memory",
-        oom.explain(
+        oom_section(
             state.config,
             runtime.gpu_facts().gpu(figures.device if figures else 0),
             runtime.settings.vram_capacity_gib,
             figures,
         ),
     )
+
+
+def batch_size_advice(cfg: CircuitTracerConfig, batch_size: int) -> str:
+    """``--ct-batch-size N``, or ``BATCH_SIZE: N in file.yaml`` when a YAML set it."""
+    source = cfg.source_of("batch_size")
+    advice = f"`--ct-batch-size {batch_size}`"
+    if source.path is not None:
+        advice += f", or `BATCH_SIZE: {batch_size}` in {source.path}"
+    elif source.kind == "marker":
+        advice += f", or `@pytest.mark.ct_config(batch_size={batch_size})`"
+    return advice
+
+
+def oom_section(
+    cfg: CircuitTracerConfig | None,
+    gpu: GpuInfo | None,
+    capacity: Sourced[float] | None,
+    figures: VramFigures | None,
+) -> str:
+    """The report section of a test that raised ``torch.cuda.OutOfMemoryError``."""
+    lines = []
+    if gpu is not None:
+        line = f"{gpu.describe()}: {gpu.total_gib:.1f} GiB"
+        if capacity is not None:
+            line += f", emulated capacity {capacity.value:.1f} GiB ({capacity.source})"
+        lines.append(line)
+    if figures is not None:
+        lines.append(
+            f"peak before the failure: {figures.peak_allocated_bytes / GIB:.2f} GiB allocated, "
+            f"{figures.peak_reserved_bytes / GIB:.2f} GiB reserved"
+        )
+    if cfg is not None:
+        lines.append("config in effect:")
+        lines += [f"  {line}" for line in cfg.describe()]
+        if isinstance(cfg.batch_size, int):
+            half = max(1, cfg.batch_size // 2)
+            lines.append(f"next step: try {batch_size_advice(cfg, half)}")
+        else:
+            lines.append(
+                "next step: the estimate behind --ct-batch-size auto was too low here; raise "
+                "ct_auto_margin, or set a batch size below the one auto chose"
+            )
+    else:
+        lines.append(
+            "next step: lower the test's memory use, or declare its need with "
+            "@pytest.mark.vram(gib=...) so it is skipped where it does not fit"
+        )
+    return "\n".join(lines)
 
 
 class StrictChecks:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from pytest_ctresources.core.learned import LearnedNeeds
 from pytest_ctresources.core.state import state_of
 from pytest_ctresources.estimator.auto import Budget
 from pytest_ctresources.exceptions import AllocConfIneffectiveWarning
@@ -24,7 +25,6 @@ from pytest_ctresources.gpu.detect import (
     detect_gpus,
     parse_fake_gpus,
 )
-from pytest_ctresources.report.learned import LearnedNeeds
 from pytest_ctresources.session.cache import ModelCache
 from pytest_ctresources.settings.config import FIELDS, CircuitTracerConfig
 from pytest_ctresources.settings.markers import layer_markers
@@ -131,10 +131,10 @@ class Runtime:
             )
         # In an xdist worker bound to a GPU (which its run shares by design) auto fills the
         # lease; a plain run's auto fits the card, as before plain runs took leases.
-        lease = state.lease if self.binding is not None else None
-        if lease is not None and lease.gib < (budget.capacity_gib or 0.0):
+        lease_gib = state.record.lease_gib if self.binding is not None else None
+        if lease_gib is not None and lease_gib < (budget.capacity_gib or 0.0):
             # Leases share the card's memory; each process's context is outside them.
-            budget = Budget(lease.gib, "its VRAM lease", margin, emulated=True, shared=True)
+            budget = Budget(lease_gib, "its VRAM lease", margin, emulated=True, shared=True)
         return budget
 
     def session_config(self) -> CircuitTracerConfig:

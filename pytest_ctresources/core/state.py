@@ -1,12 +1,12 @@
 """Everything the plugin knows about one test, in one typed object in ``item.stash``.
 
 Each phase writes what it learns and later phases read it: the config (resolved once, at
-collection for a notebook item), the need and the meter (setup), the lease (setup), the
-session's calls (the test), the cleanup's start and the figures (teardown), and the record
-the end-of-run report gets (:class:`~pytest_ctresources.report.record.TestRecord`, written as
-``ct_*`` user properties at the end of the teardown, once). A rerun of the same item
-(pytest-rerunfailures) starts a new attempt: what is per attempt starts afresh, the config
-stays.
+collection for a notebook item), the need and the meter (setup), the lease's size (setup,
+in the record; the lease itself is the leases feature's), the session's calls (the test),
+the cleanup's start and the figures (teardown), and the record the end-of-run report gets
+(:class:`~pytest_ctresources.core.record.TestRecord`, written as ``ct_*`` user properties at
+the end of the teardown, once). A rerun of the same item (pytest-rerunfailures) starts a new
+attempt: what is per attempt starts afresh, the config stays.
 """
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_ctresources.report.record import TestRecord
+from pytest_ctresources.core.record import TestRecord
 
 if TYPE_CHECKING:
     from pytest_ctresources.gpu.cleanup_between_tests import TestStart
     from pytest_ctresources.gpu.measure import VramFigures, VramMeter
-    from pytest_ctresources.leases.leases import TestLease
     from pytest_ctresources.session.cache import ResidentModel
     from pytest_ctresources.session.session import CtSession
     from pytest_ctresources.settings.config import CircuitTracerConfig
@@ -45,7 +44,6 @@ class TestState:
     resident_at_start: ResidentModel | None = None
     resident_bytes_at_start: int = 0
     cleanup_start: TestStart | None = None
-    lease: TestLease | None = None
     session: CtSession | None = None
     figures: VramFigures | None = None
     """Its CUDA figures after teardown and cleanup."""

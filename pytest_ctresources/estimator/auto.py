@@ -50,9 +50,8 @@ from typing import Any
 from pytest_ctresources.estimator import cgroup, registry
 from pytest_ctresources.estimator import estimate as est
 from pytest_ctresources.settings.config import CircuitTracerConfig
-from pytest_ctresources.units import bytes_text
+from pytest_ctresources.units import GIB, bytes_text
 
-GIB = 1 << 30
 #: ``ct_auto_margin``'s default: the share of the capacity auto leaves free beyond the
 #: predicted peak (fragmentation, and what the estimator has not seen).
 DEFAULT_AUTO_MARGIN = 0.05

@@ -43,9 +43,8 @@ from pytest_ctresources.settings.config import (
     shown,
 )
 from pytest_ctresources.settings.sources import Source
-from pytest_ctresources.units import count_text
+from pytest_ctresources.units import GIB, count_text
 
-GIB: Final = 1 << 30
 DEFAULT_PROMPT_TOKENS: Final = 32
 DEFAULT_CEILING: Final = int(FIELDS["batch_size_max"].default)  # type: ignore[call-overload]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pytest_ctresources.settings.config import did_you_mean, shown
+from pytest_ctresources.units import GIB, did_you_mean, shown
 
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 #: The allocator's variables in the order torch reads them; the first one set wins
@@ -26,7 +26,6 @@ ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 #: reads, and only when none of them is set: a user's PYTORCH_ALLOC_CONF would otherwise be
 #: silently overridden by ours.
 ALLOC_CONF_ENVS: tuple[str, ...] = (ALLOC_CONF_ENV, "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-GIB = 1 << 30
 
 _BOOL = "True|False"
 _WHOLE = "a whole number"

@@ -31,8 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from pytest_ctresources.settings.config import MAX_GIB, shown
-from pytest_ctresources.settings.sources import printable
+from pytest_ctresources.units import GIB, MAX_GIB, printable, shown
 
 __all__ = [
     "DEVICE_ORDER_ENV",
@@ -56,7 +55,6 @@ DEVICE_ORDER_ENV = "CUDA_DEVICE_ORDER"
 
 GpuSource = Literal["nvml", "torch", "fake", "none"]
 
-_GIB = 2**30
 # pynvml.NVML_DEVICE_MIG_ENABLE; spelled out so a stand-in pynvml module need not define it.
 _NVML_DEVICE_MIG_ENABLE = 1
 _FAKE_FORMAT = (
@@ -86,7 +84,7 @@ class GpuInfo:
     @property
     def total_gib(self) -> float:
         """Total memory in GiB (2**30 bytes)."""
-        return self.total_bytes / _GIB
+        return self.total_bytes / GIB
 
     @property
     def is_mig(self) -> bool:
@@ -483,7 +481,7 @@ def detect_gpus(
 
 def _detect_fake(text: str, visible: str | None) -> GpuFacts:
     physicals = [
-        _Physical(_Device(name, round(gib * _GIB), f"GPU-fake-{i}", i))
+        _Physical(_Device(name, round(gib * GIB), f"GPU-fake-{i}", i))
         for i, (name, gib) in enumerate(parse_fake_gpus(text))
     ]
     return _facts("fake", _select(physicals, visible), FAKE_GPUS_ENV, visible)
@@ -763,7 +761,7 @@ def used_memory_reader(gpu: GpuInfo, environ: Mapping[str, str] | None = None) -
         capacities = [gib for _name, gib in parse_fake_gpus(env[FAKE_GPUS_ENV])]
         used = parse_fake_used(env.get(FAKE_GPUS_USED_ENV, ""), capacities)
         position = gpu.physical_index if gpu.physical_index is not None else gpu.index
-        figure = round(used[position] * _GIB) if position < len(used) else 0
+        figure = round(used[position] * GIB) if position < len(used) else 0
         return UsedMemory(lambda: figure)
     if gpu.uuid is None:
         return None

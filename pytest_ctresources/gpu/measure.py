@@ -11,8 +11,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from pytest_ctresources.gpu.cleanup import cuda_initialised
-
-GIB = float(1 << 30)
+from pytest_ctresources.units import GIB
 
 
 @dataclass(frozen=True)

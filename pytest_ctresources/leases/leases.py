@@ -24,17 +24,19 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import pytest
 
+from pytest_ctresources.core.record import PLAIN_RUN_WORKER
 from pytest_ctresources.core.state import state_of
 from pytest_ctresources.exceptions import CtResourcesWarning
-from pytest_ctresources.report.placement import PLAIN_RUN_WORKER
 from pytest_ctresources.settings.activation import activation_of
-from pytest_ctresources.xdist.binding import testrun_id
+from pytest_ctresources.units import GIB
+from pytest_ctresources.xdist.binding import Seats, testrun_id
 
 if TYPE_CHECKING:
     # (imported lazily at run time: fcntl, which ledger uses, is POSIX-only)
@@ -43,7 +45,6 @@ if TYPE_CHECKING:
     from pytest_ctresources.leases.ledger import Lease, VramLedger
     from pytest_ctresources.session.cache import ModelCache, ResidentModel
 
-GIB = 1 << 30
 #: How often a watcher looks for a waiter while its process holds a resident model's lease.
 WATCH_SECONDS = 0.2
 #: How long a test that reuses the resident model may wait for its lease with the model's
@@ -256,7 +257,6 @@ class GpuLeases:
             with self._lock:
                 self._test = test
             state = state_of(item)
-            state.lease = test
             state.record.lease_gib = gib
             state.record.lease_wait_s = round(lease.waited_s, 3)
             state.record.lease_reused_gib = round(reused_gib, 3)
@@ -292,13 +292,10 @@ class GpuLeases:
         """After the test's teardown and cleanup: settle the resident model's lease, release
         the test's."""
         self._settle_model(item.nodeid)
-        state = state_of(item)
-        test = state.lease
         with self._lock:
-            if test is not None and self._ledger is not None:
-                self._ledger.release(test.lease)
+            if self._test is not None and self._ledger is not None:
+                self._ledger.release(self._test.lease)
             self._test = None
-        state.lease = None
         self._reserve.close()
 
     def _settle_model(self, nodeid: str) -> None:
@@ -392,6 +389,19 @@ def give_back(item: pytest.Item) -> None:
         book.give_back(item)
 
 
+def open_seats(environ: Mapping[str, str] | None = None) -> Seats | None:
+    """The run's seat board on this host; None without POSIX record locks or a safe ledger
+    directory (then plain round robin; the controller reports an unsafe directory)."""
+    try:
+        from pytest_ctresources.leases.ledger import LedgerDirError, seat_board
+    except ImportError:  # no fcntl
+        return None
+    try:
+        return seat_board(testrun_id(os.environ if environ is None else environ))
+    except LedgerDirError:
+        return None
+
+
 def start(config: pytest.Config, runtime: Runtime) -> None:
     """At configure: register the lease hooks in a process that runs tests with leases on;
     on an xdist controller, check the ledger directory its workers will use.
@@ -470,4 +480,4 @@ def most_grantable_gib(budget_gib: float, card_gib: float | None) -> float:
     from pytest_ctresources.estimator.estimate import CALIBRATION
 
     card = card_gib if card_gib is not None else budget_gib
-    return min(budget_gib, card - CALIBRATION.context_bytes / (1 << 30))
+    return min(budget_gib, card - CALIBRATION.context_bytes / GIB)

@@ -68,8 +68,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pytest_ctresources.units import GIB
+
 UNITS_PER_GIB = 16
-GIB = 1 << 30
 POLL_SECONDS = 0.05
 POLL_MAX_SECONDS = 0.5
 # Byte offsets past any budget's units (record locks may lie beyond the end of the file).

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_ctresources.gpu.measure import GIB
+from pytest_ctresources.units import GIB
 
 if TYPE_CHECKING:
     from pytest_ctresources.report.summary import SummaryReporter, VramRecord
@@ -68,7 +68,7 @@ def row_cells(record: VramRecord | None) -> list[str]:
 
 def summary_html(reporter: SummaryReporter) -> str:
     """The report summary's VRAM section: the plot as an inline PNG (or why there is none)."""
-    from pytest_ctresources.report.files import check_plot_support
+    from pytest_ctresources.settings.report_paths import check_plot_support
 
     capacity, note = reporter.capacity()
     count = len(reporter.summary.records)

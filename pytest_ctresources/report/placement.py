@@ -10,11 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from pytest_ctresources.report.record import TestRecord
+from pytest_ctresources.core.record import PLAIN_RUN_WORKER
 
-#: The worker name of a test that a plain (non-xdist) run leased for.
-PLAIN_RUN_WORKER = "main"
+if TYPE_CHECKING:
+    from pytest_ctresources.core.record import TestRecord
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 from typing import TYPE_CHECKING
 
-from pytest_ctresources.gpu.measure import GIB
+from pytest_ctresources.units import GIB
 
 if TYPE_CHECKING:
     from matplotlib.artist import Artist

@@ -17,12 +17,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_ctresources.core.accounting import UNMARKED_BYTES, suggested_marker
-from pytest_ctresources.gpu.measure import GIB
-from pytest_ctresources.report.learned import LearnedNeed
+from pytest_ctresources.core.learned import LearnedNeed
+from pytest_ctresources.core.record import TestRecord
 from pytest_ctresources.report.placement import Placement, placement_from, placement_lines
-from pytest_ctresources.report.record import TestRecord
 from pytest_ctresources.settings.activation import activation_of
-from pytest_ctresources.units import bytes_text
+from pytest_ctresources.units import GIB, bytes_text
 
 if TYPE_CHECKING:
     from pytest_ctresources.core.runtime import Runtime

@@ -31,6 +31,7 @@ from pytest_ctresources.settings.config import (
     ConfigError,
     validate_typed,
 )
+from pytest_ctresources.units import GIB
 
 if TYPE_CHECKING:
     import torch
@@ -238,7 +239,7 @@ def _visible_gpu_budget() -> Budget:
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available():
         return Budget(None, "no CUDA GPU", DEFAULT_AUTO_MARGIN)
-    total = torch.cuda.get_device_properties(0).total_memory / (1 << 30)
+    total = torch.cuda.get_device_properties(0).total_memory / GIB
     return Budget(total, torch.cuda.get_device_name(0), DEFAULT_AUTO_MARGIN)
 
 
@@ -251,5 +252,5 @@ def _budget_of(model: Any) -> Budget:
         return Budget(None, "no CUDA GPU", DEFAULT_AUTO_MARGIN)
     import torch
 
-    total = torch.cuda.get_device_properties(device).total_memory / (1 << 30)
+    total = torch.cuda.get_device_properties(device).total_memory / GIB
     return Budget(total, torch.cuda.get_device_name(device), DEFAULT_AUTO_MARGIN)

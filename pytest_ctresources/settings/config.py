@@ -11,15 +11,18 @@ field, and converts to exactly the keyword arguments of ``circuit_tracer.attribu
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
-import reprlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
 from pytest_ctresources.settings.sources import Source
+
+# Re-exported: the settings code and its callers quote values through config's names.
+from pytest_ctresources.units import MAX_GIB as MAX_GIB
+from pytest_ctresources.units import did_you_mean as did_you_mean
+from pytest_ctresources.units import shown as shown
 
 if TYPE_CHECKING:
     import torch
@@ -38,38 +41,9 @@ class ConfigError(ValueError):
     """A value that does not fit a setting. The message is one line, ready for the user."""
 
 
-#: The most GiB any one setting may name for one GPU (a capacity, a need, a threshold).
-#: The largest cards sold today hold 288 GB; 1 TiB leaves room for a few generations, and
-#: keeps every GiB figure convertible to bytes, ledger units and floats without overflow.
-MAX_GIB = 1024.0
 #: The largest count a setting takes (batch sizes, feature nodes, tokens): a C ``int``,
 #: what the tensor shapes these end up in are safe with, far beyond any real workload.
 MAX_COUNT = 2**31 - 1
-
-_SHOWN = reprlib.Repr()
-_SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = 40
-_SHOWN.maxlevel = 3
-_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 4
-_LONG_INT_BITS = 133  # 40 decimal digits
-
-
-def shown(value: object) -> str:
-    """``repr(value)``, short enough to quote in a one-line message.
-
-    Input is quoted back to its author, and input may be hostile: ``repr`` of an integer
-    over 4300 digits raises, of a 5000-character string floods the terminal, and of a YAML
-    alias bomb never finishes. :mod:`reprlib` bounds the work and the length.
-    """
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value.bit_length() > _LONG_INT_BITS:
-            digits = math.floor(value.bit_length() * math.log10(2)) + 1
-            return f"{'-' if value < 0 else ''}an integer of about {digits} digits"
-        return repr(value)
-    text = _SHOWN.repr(value)
-    if isinstance(value, str) and len(value) > _SHOWN.maxstring:
-        text += f" ({len(value)} characters)"
-    return text
-
 
 # --- value checks shared by every layer --------------------------------------------------
 
@@ -332,14 +306,6 @@ FIELDS: Mapping[str, FieldSpec] = {
 PARAMS_KEY = "PARAMS"
 #: The YAML key naming the notebook an experiment config runs (``pytest --nbmake``).
 NOTEBOOK_KEY = "NOTEBOOK"
-
-
-def did_you_mean(name: str, candidates: Iterable[str]) -> str:
-    """`` (did you mean X?)`` for the closest candidate, or an empty string. Case does not
-    count (``batch_size`` in a YAML file means ``BATCH_SIZE``)."""
-    by_lower = {candidate.lower(): candidate for candidate in candidates}
-    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.6)
-    return f" (did you mean {by_lower[close[0]]}?)" if close else ""
 
 
 def validate_typed(name: str, value: object) -> object:

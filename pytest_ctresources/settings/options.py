@@ -23,14 +23,15 @@ from pytest_ctresources.settings.config import (
     parse_text,
     shown,
 )
+from pytest_ctresources.units import GIB, MIB
 
 GROUP = "ctresources"
 DEFAULT_LEAK_THRESHOLD = "256MiB"
 _UNITS = {
     "b": 1,
     "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
+    "mib": MIB,
+    "gib": GIB,
     "kb": 10**3,
     "mb": 10**6,
     "gb": 10**9,

@@ -21,13 +21,6 @@ from pathlib import Path
 import pytest
 
 from pytest_ctresources.gpu.allocator import ALLOC_CONF_ENV, ALLOC_KEY, alloc_conf_in_environment
-from pytest_ctresources.report.files import (
-    JSON_FLAG,
-    PLOT_FLAG,
-    TargetError,
-    check_plot_support,
-    check_target,
-)
 from pytest_ctresources.settings.activation import Activation, project_request
 from pytest_ctresources.settings.config import CircuitTracerConfig, ConfigError, parse_bool, shown
 from pytest_ctresources.settings.experiment_yaml import ExperimentFile, load_experiment_yaml
@@ -45,6 +38,13 @@ from pytest_ctresources.settings.options import (
     positive_count,
     seconds,
     seconds_or_off,
+)
+from pytest_ctresources.settings.report_paths import (
+    JSON_FLAG,
+    PLOT_FLAG,
+    TargetError,
+    check_plot_support,
+    check_target,
 )
 from pytest_ctresources.settings.sources import Source, Sourced
 

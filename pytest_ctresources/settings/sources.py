@@ -9,19 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
+# Re-exported: reports and messages escape text through sources' name.
+from pytest_ctresources.units import printable as printable
+
 SourceKind = Literal["default", "ini", "yaml", "marker", "env", "option", "learned", "estimate"]
 
 T = TypeVar("T")
-
-
-def printable(text: str) -> str:
-    """``text`` with every character that is not printable escaped as Python writes it
-    (``\\x1b``, ``\\u2028``, ``\\udcff``), as pytest escapes node ids: a file name, an ini
-    path or a GPU name can hold an escape sequence, which raw would rewrite the terminal.
-    Printable text, non-ASCII letters included, is returned as it is."""
-    if text.isprintable():
-        return text
-    return "".join(char if char.isprintable() else ascii(char)[1:-1] for char in text)
 
 
 @dataclass(frozen=True)

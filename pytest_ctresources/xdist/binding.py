@@ -15,7 +15,6 @@ order while CUDA's default order is fastest first, so an index could name anothe
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -141,19 +140,6 @@ def _int(text: str | None) -> int | None:
 def testrun_id(environ: Mapping[str, str]) -> str:
     """The run's id, shared by its workers (xdist's ``--testrunuid``)."""
     return environ.get(TESTRUN_ENV) or "local"
-
-
-def open_seats(environ: Mapping[str, str] | None = None) -> Seats | None:
-    """The run's seat board on this host; None without POSIX record locks or a safe ledger
-    directory (then plain round robin; the controller reports an unsafe directory)."""
-    try:
-        from pytest_ctresources.leases.ledger import LedgerDirError, seat_board
-    except ImportError:  # no fcntl
-        return None
-    try:
-        return seat_board(testrun_id(os.environ if environ is None else environ))
-    except LedgerDirError:
-        return None
 
 
 def is_worker(environ: Mapping[str, str]) -> bool:

@@ -16,8 +16,6 @@ from typing import Any
 
 import pytest
 
-from pytest_ctresources.report.learned import LearnedNeeds
-
 #: ``workerinput`` key of the controller's learned needs.
 LEARNED_INPUT = "ct_learned_needs"
 #: ``workeroutput`` key of the learned needs a worker found stale at collection.
@@ -30,13 +28,15 @@ class LearnedNeedsExchange:
     name = "ctresources-xdist-learned"
 
     def __init__(
-        self, learned: Callable[[], LearnedNeeds], stale: Callable[[Iterable[str]], None]
+        self,
+        learned: Callable[[], Mapping[str, Any]],
+        stale: Callable[[Iterable[str]], None],
     ) -> None:
         self._learned = learned
         self._stale = stale
 
     def pytest_configure_node(self, node: Any) -> None:
-        node.workerinput[LEARNED_INPUT] = self._learned().to_mapping()
+        node.workerinput[LEARNED_INPUT] = self._learned()
 
     def pytest_testnodedown(self, node: Any, error: object) -> None:
         output = getattr(node, "workeroutput", None) or {}

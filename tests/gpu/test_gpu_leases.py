@@ -31,7 +31,6 @@ pytestmark = [
 ]
 pytest_plugins = ["pytester"]
 
-GIB = 2**30
 
 CONFTEST = """
 import json, os, time

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 #: The prefix of every user property the plugin writes: its namespace in junit XML too.
 PROPERTY_PREFIX = "ct_"
+#: The worker name of a test that a plain (non-xdist) run leased for.
+PLAIN_RUN_WORKER = "main"
 
 
 @dataclass

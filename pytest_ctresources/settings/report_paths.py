@@ -1,0 +1,156 @@
+"""The report paths, ``--ct-report-json`` and ``--ct-report-plot``: what the plugin may write.
+
+A path is checked when the settings are resolved (:func:`check_target`: a symlink, a
+directory, a device node or a file that is not a report is refused, docs/security.md), and
+the writer (report/files.py) asks :func:`refusal` again when it replaces a file: only a
+report of the same kind that the plugin wrote for this user is replaced.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+
+from pytest_ctresources.units import shown
+
+SCHEMA = "pytest-ctresources-report"
+JSON_FLAG = "--ct-report-json"
+PLOT_FLAG = "--ct-report-plot"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+#: How every JSON report begins: an object whose first key is ``schema``, the report's
+#: (``json.dumps`` keeps it first; any spacing, as a tool that rewrites the file may leave).
+JSON_MARK = re.compile(rb'\{\s*"schema"\s*:\s*"' + re.escape(SCHEMA.encode()) + rb'"\s*,')
+#: The PNG ``tEXt`` chunk that marks a VRAM plot the plugin wrote (matplotlib writes it,
+#: after ``IHDR``, from ``savefig(metadata=...)``): any other PNG is someone's image.
+PLOT_MARK_KEY = "pytest-ctresources"
+PLOT_MARK_VALUE = "vram-plot"
+#: How much of an existing file is read to recognise a report (the marks are at its start).
+HEAD_BYTES = 4096
+
+
+class TargetError(ValueError):
+    """A report path that the plugin will not write; the message is one line."""
+
+
+def file_kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link (a report is never written through one: name its target)"
+    if stat.S_ISDIR(mode):
+        return "a directory, not a file path"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device node, not a regular file"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO, not a regular file"
+    if stat.S_ISSOCK(mode):
+        return "a socket, not a regular file"
+    return "not a regular file"
+
+
+def named(value: str) -> str:
+    """A path as a one-line message shows it: as typed, or, holding a control character
+    (a newline, an escape sequence) or too long to read, escaped and shortened as pytest
+    shows a node id."""
+    return value if value.isprintable() and len(value) <= 200 else shown(value)
+
+
+def _png_marked(head: bytes) -> bool:
+    """Whether ``head`` is the start of a PNG holding the plugin's ``tEXt`` mark before its
+    image data (chunks: 4-byte length, 4-byte type, data, 4-byte CRC)."""
+    if not head.startswith(PNG_MAGIC):
+        return False
+    mark = PLOT_MARK_KEY.encode("latin-1") + b"\0" + PLOT_MARK_VALUE.encode("latin-1")
+    offset = len(PNG_MAGIC)
+    while offset + 8 <= len(head):
+        length = int.from_bytes(head[offset : offset + 4], "big")
+        kind = head[offset + 4 : offset + 8]
+        if kind in (b"IDAT", b"IEND") or offset + 12 + length > len(head):
+            return False  # (a chunk cut short, or longer than the file: not ours)
+        if kind == b"tEXt" and head[offset + 8 : offset + 8 + length] == mark:
+            return True
+        offset += 12 + length
+    return False
+
+
+def _recognised(head: bytes, flag: str) -> bool:
+    """Whether ``head`` (the start of a file) is a report of ``flag``'s kind the plugin wrote."""
+    return _png_marked(head) if flag == PLOT_FLAG else JSON_MARK.match(head) is not None
+
+
+def refusal(path: Path, value: str, flag: str) -> str | None:
+    """Why the entry at ``path`` may not be replaced by a report of ``flag``, in one line; None
+    when nothing is there or it is a report of that kind the plugin wrote for this user.
+
+    Only such a file is replaced (issue 21, N3): not any PNG, not another user's report (root
+    would make it root's and 0600), not another user's empty file. The user's own empty file
+    is a name reserved for the report (``mktemp``) and is replaced. Never follows a link and
+    never opens anything but a regular file (opening a device can have effects); the checks
+    are made on what was opened.
+    """
+    try:
+        seen = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(seen.st_mode):
+        return f"{value} is {file_kind(seen.st_mode)}"
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        descriptor = os.open(path, flags)
+    except OSError as exc:
+        return f"{value} cannot be read to tell whether it is a report ({exc.strerror})"
+    with os.fdopen(descriptor, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if (info.st_dev, info.st_ino) != (seen.st_dev, seen.st_ino) or not stat.S_ISREG(
+            info.st_mode
+        ):
+            return f"{value} changed while it was looked at"
+        if info.st_uid != os.geteuid():
+            return f"{value} belongs to uid {info.st_uid}, not to you (uid {os.geteuid()})"
+        if info.st_size == 0:
+            return None
+        head = handle.read(HEAD_BYTES)
+    if _recognised(head, flag):
+        return None
+    what = (
+        "a PNG image that pytest-ctresources wrote (its VRAM plot)"
+        if flag == PLOT_FLAG
+        else "a pytest-ctresources JSON report"
+    )
+    return f"{value} exists and is not {what}"
+
+
+def check_target(value: str, flag: str, invocation_dir: Path) -> Path:
+    """The path a report of ``flag`` goes to, checked at start-up rather than after an hour
+    of tests. Raises :class:`TargetError` for a path the plugin will not write."""
+    if "\0" in value:
+        raise TargetError(f"{shown(value)} is not a valid path (it contains a NUL character)")
+    path = invocation_dir / value
+    value = named(value)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:  # ENOTDIR (a component is a file), ENAMETOOLONG, ELOOP, EACCES
+        raise TargetError(f"cannot write {value}: {exc.strerror}") from None
+    parent = path.parent
+    if mode is not None and not stat.S_ISREG(mode):
+        raise TargetError(f"{value} is {file_kind(mode)}")
+    if not parent.is_dir():
+        raise TargetError(f"cannot write {value}: directory {named(str(parent))} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (
+        mode is not None and not os.access(path, os.W_OK)
+    ):
+        raise TargetError(f"cannot write {value}: permission denied")
+    if mode is not None and (problem := refusal(path, value, flag)) is not None:
+        raise TargetError(f"{problem}: it is not replaced (remove it, or name another path)")
+    return path
+
+
+def check_plot_support() -> str | None:
+    """Why ``--ct-report-plot`` cannot work here (matplotlib is an optional dependency)."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        return "needs matplotlib, which is not installed (pip install matplotlib)"
+    return None
