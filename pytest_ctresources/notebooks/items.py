@@ -45,11 +45,13 @@ from pytest_ctresources.notebooks.kernels import kernel_environment, kernel_laun
 from pytest_ctresources.notebooks.params import (
     METADATA_KEY,
     check_params,
+    has_parameters_cell,
     inject_parameters,
     injected_values,
     notebook_metadata,
     values_with_sources,
 )
+from pytest_ctresources.report.record import AT_TOP
 from pytest_ctresources.settings.activation import ACTIVATION_KEY, ASKED
 from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig, ConfigError
 from pytest_ctresources.settings.experiment_yaml import (
@@ -141,7 +143,16 @@ def make_item_class() -> type:
                 where = shown_path(self.filename, self.config)
                 # Read once here, so that a notebook nbformat or nbclient cannot run fails
                 # its own item at setup in one line, and its metadata marks select it.
-                marks, need = notebook_metadata(read_notebook(Path(self.filename), where), where)
+                nb = read_notebook(Path(self.filename), where)
+                marks, need = notebook_metadata(nb, where)
+                if self.experiment is not None:
+                    check_parameters_cell(
+                        nb,
+                        injected_values(cfg),
+                        settings.notebook_inject.value,
+                        where,
+                        shown_path(self.experiment.path, self.config),
+                    )
             except ConfigError as exc:
                 state_of(self).config_error = str(exc)
                 return
@@ -182,6 +193,23 @@ def make_item_class() -> type:
             return super().repr_failure(excinfo, style)
 
     return CtNotebookItem
+
+
+def check_parameters_cell(
+    nb: Any, values: dict[str, Any], inject: str, where: str, config_where: str
+) -> None:
+    """Refuse a config's notebook that would receive values but has no cell tagged
+    ``parameters``: injected first, they could be overwritten by the notebook's own
+    assignments while the reports say they were used. ``ct_notebook_inject = top`` allows it
+    (papermill's behaviour; the reports then say they were injected at the top)."""
+    if not values or inject == AT_TOP or has_parameters_cell(nb):
+        return
+    raise ConfigError(
+        f"{where} (the NOTEBOOK of {config_where}) receives {', '.join(values)} but has no "
+        "cell tagged 'parameters', so its own assignments could overwrite them: tag the cell "
+        "that sets them 'parameters', or set the ini key ct_notebook_inject = top to inject "
+        "them at the top (papermill's behaviour)"
+    )
 
 
 def _resolve_auto(item: Any, runtime: Any, cfg: CircuitTracerConfig) -> CircuitTracerConfig:
@@ -262,15 +290,19 @@ def run_notebook(item: Any) -> None:
         if layer is not None
         for key in layer.params
     }
-    state_of(item).record.notebook_values = values_with_sources(
-        cfg, values, params_from, lambda path: shown_path(path, item.config)
-    )
     if values:
-        note = inject_parameters(nb, values)
-        if note:
+        injected = inject_parameters(nb, values)
+        if injected == AT_TOP and settings.notebook_inject.value != AT_TOP:
             warnings.warn(
-                NotebookWarning(f"{shown_path(source, item.config)} {note}"), stacklevel=1
+                NotebookWarning(
+                    f"{where} has no cell tagged 'parameters': the injected parameters run "
+                    "first (the notebook may overwrite them)"
+                ),
+                stacklevel=1,
             )
+        state_of(item).record.notebook_values = values_with_sources(
+            cfg, values, params_from, injected, lambda path: shown_path(path, item.config)
+        )
     capacity = settings.vram_capacity_gib
     env = kernel_environment(
         cfg,

@@ -234,7 +234,8 @@ def build_report(
         "reruns": summary.reruns,
         "notebook_values": {
             nodeid: [
-                {"name": name, "value": value, "source": where} for name, value, where in entries
+                {"name": name, "value": value, "source": where, "injected": injected}
+                for name, value, where, injected in entries
             ]
             for nodeid, entries in summary.notebook_values.items()
         },

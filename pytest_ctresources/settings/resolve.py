@@ -42,6 +42,7 @@ from pytest_ctresources.settings.options import (
     cleanup_mode,
     fraction,
     non_negative_gib,
+    notebook_inject_mode,
     positive_count,
     seconds,
     seconds_or_off,
@@ -83,6 +84,7 @@ class Settings:
     auto_margin: Sourced[float]
     estimate_prompt_tokens: Sourced[int]
     progress_after_s: Sourced[float | None]
+    notebook_inject: Sourced[str]
     report_forced: bool = False
     report_top: int = 10
     report_json: Path | None = None
@@ -262,6 +264,9 @@ def resolve_settings(
         auto_margin=margin,  # type: ignore[arg-type]
         estimate_prompt_tokens=prompt_tokens,  # type: ignore[arg-type]
         progress_after_s=progress,  # type: ignore[arg-type]
+        notebook_inject=_ini_or_default(  # type: ignore[arg-type]
+            ini, "ct_notebook_inject", ini_source, notebook_inject_mode
+        ),
         report_forced=bool(options.get("ct_report")),
         report_top=int(options.get("ct_report_top") or 10),  # type: ignore[call-overload]
         report_json=report_json,
