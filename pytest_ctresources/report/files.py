@@ -47,8 +47,25 @@ JSON_MARK = re.compile(rb'\{\s*"schema"\s*:\s*"' + re.escape(SCHEMA.encode()) + 
 #: after ``IHDR``, from ``savefig(metadata=...)``): any other PNG is someone's image.
 PLOT_MARK_KEY = "pytest-ctresources"
 PLOT_MARK_VALUE = "vram-plot"
-#: How much of an existing file is read to recognise a report (the marks are at its start).
+#: How much of an existing file is read to recognise a report (the marks are at its start,
+#: but at a PDF's end, in its document information dictionary).
 HEAD_BYTES = 4096
+TAIL_BYTES = 65536
+#: The plot's formats, by extension, as matplotlib writes them: (format, what it is).
+PLOT_FORMATS = {
+    ".png": ("png", "a PNG image"),
+    ".svg": ("svg", "an SVG image"),
+    ".pdf": ("pdf", "a PDF document"),
+}
+#: The mark of a plot the plugin wrote, as matplotlib's metadata of each format: a PNG
+#: ``tEXt`` chunk, an SVG's Dublin Core description (near its start), a PDF's subject (in its
+#: information dictionary, near its end).
+MARK_TEXT = f"{PLOT_MARK_KEY} {PLOT_MARK_VALUE}"
+PLOT_METADATA = {
+    "png": {PLOT_MARK_KEY: PLOT_MARK_VALUE},
+    "svg": {"Description": MARK_TEXT},
+    "pdf": {"Subject": MARK_TEXT},
+}
 
 
 class TargetError(ValueError):
@@ -94,9 +111,21 @@ def _png_marked(head: bytes) -> bool:
     return False
 
 
-def _recognised(head: bytes, flag: str) -> bool:
-    """Whether ``head`` (the start of a file) is a report of ``flag``'s kind the plugin wrote."""
-    return _png_marked(head) if flag == PLOT_FLAG else JSON_MARK.match(head) is not None
+def _recognised(handle: IO[bytes], size: int, path: Path, flag: str) -> bool:
+    """Whether the open file (``size`` bytes) is a report of ``flag``'s kind the plugin wrote,
+    in the format ``path``'s extension names."""
+    head = handle.read(HEAD_BYTES)
+    if flag == JSON_FLAG:
+        return JSON_MARK.match(head) is not None
+    suffix = path.suffix.lower()
+    if suffix == ".svg":
+        mark = f"<dc:description>{MARK_TEXT}</dc:description>"
+        return head.startswith(b"<?xml") and mark.encode() in head
+    if suffix == ".pdf":
+        handle.seek(max(0, size - TAIL_BYTES))
+        mark = f"/Subject ({MARK_TEXT})"
+        return head.startswith(b"%PDF-") and mark.encode() in handle.read()
+    return _png_marked(head)
 
 
 def refusal(path: Path, value: str, flag: str) -> str | None:
@@ -128,16 +157,12 @@ def refusal(path: Path, value: str, flag: str) -> str | None:
             return f"{value} changed while it was looked at"
         if info.st_uid != os.geteuid():
             return f"{value} belongs to uid {info.st_uid}, not to you (uid {os.geteuid()})"
-        if info.st_size == 0:
+        if info.st_size == 0 or _recognised(handle, info.st_size, path, flag):
             return None
-        head = handle.read(HEAD_BYTES)
-    if _recognised(head, flag):
-        return None
-    what = (
-        "a PNG image that pytest-ctresources wrote (its VRAM plot)"
-        if flag == PLOT_FLAG
-        else "a pytest-ctresources JSON report"
-    )
+    what = "a pytest-ctresources JSON report"
+    if flag == PLOT_FLAG:
+        kind = PLOT_FORMATS.get(path.suffix.lower(), (None, "a VRAM plot"))[1]
+        what = f"{kind} that pytest-ctresources wrote (its VRAM plot)"
     return f"{value} exists and is not {what}"
 
 
@@ -154,18 +179,50 @@ def check_target(value: str, flag: str, invocation_dir: Path) -> Path:
         mode = None
     except OSError as exc:  # ENOTDIR (a component is a file), ENAMETOOLONG, ELOOP, EACCES
         raise TargetError(f"cannot write {value}: {exc.strerror}") from None
-    parent = path.parent
     if mode is not None and not stat.S_ISREG(mode):
         raise TargetError(f"{value} is {_kind(mode)}")
-    if not parent.is_dir():
-        raise TargetError(f"cannot write {value}: directory {named(str(parent))} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK) or (
+    # Missing directories are created when the report is written, as --junitxml does.
+    existing = _existing_ancestor(path.parent)
+    if not existing.is_dir():
+        raise TargetError(f"cannot write {value}: {named(str(existing))} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK) or (
         mode is not None and not os.access(path, os.W_OK)
     ):
         raise TargetError(f"cannot write {value}: permission denied")
     if mode is not None and (problem := refusal(path, value, flag)) is not None:
         raise TargetError(f"{problem}: it is not replaced (remove it, or name another path)")
+    if flag == PLOT_FLAG and path.suffix.lower() not in PLOT_FORMATS:
+        extension = f"the extension {named(path.suffix)}" if path.suffix else "no extension"
+        raise TargetError(
+            f"{value} has {extension}: the plot's format comes from it, and it can be written "
+            f"as {', '.join(PLOT_FORMATS)}"
+        )
     return path
+
+
+def _existing_ancestor(directory: Path) -> Path:
+    """``directory`` or the nearest of its parents that exists (a link counts as existing)."""
+    while not os.path.lexists(directory) and directory != directory.parent:
+        directory = directory.parent
+    return directory
+
+
+def _shared(directory: Path) -> bool:
+    """Whether ``directory`` is a shared place (anyone may write to it: the system temporary
+    directory, ``/dev/shm``): a report and the directories made for it there stay private."""
+    return bool(os.stat(directory).st_mode & stat.S_IWOTH)
+
+
+def _make_directories(directory: Path) -> bool:
+    """Create ``directory`` and its missing parents (under the umask in the user's own tree,
+    0700 in a shared place; never over an entry, such as a link planted meanwhile). Returns
+    whether the report goes into a shared place."""
+    folder = _existing_ancestor(directory)
+    shared = _shared(folder)
+    for part in directory.relative_to(folder).parts:
+        folder = folder / part
+        os.mkdir(folder, 0o700 if shared else 0o777)
+    return shared
 
 
 def check_plot_support() -> str | None:
@@ -254,8 +311,16 @@ def write_file(path: Path, write: Callable[[IO[bytes]], None], flag: str | None 
     node or a link planted at ``path`` during the run is left alone. Raises ``OSError`` or
     :class:`TargetError`.
     """
+    private = _make_directories(path.parent)
     descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        if not private:
+            # What the user's umask gives a file (0644 under 022), as pytest's --junitxml and
+            # pytest-html's files get. It is read by setting the strictest mask for a moment:
+            # a file another thread creates meanwhile can only come out more private.
+            umask = os.umask(0o077)
+            os.umask(umask)
+            os.fchmod(descriptor, 0o666 & ~umask)
         with os.fdopen(descriptor, "wb") as handle:
             write(handle)
             handle.flush()
@@ -286,22 +351,23 @@ def write_json(path: Path, document: dict[str, Any]) -> None:
 def write_plot(
     path: Path, summary: RunSummary, capacity_gib: float | None, capacity_note: str
 ) -> None:
-    """The VRAM plot (report/plot.py) as a PNG at ``path`` (:func:`write_file`)."""
+    """The VRAM plot (report/plot.py) at ``path``, in the format its extension names
+    (:data:`PLOT_FORMATS`; :func:`write_file`)."""
     from pytest_ctresources.report import plot
 
     drawn = plot.figure(summary, capacity_gib, capacity_note)
+    kind = PLOT_FORMATS[path.suffix.lower()][0]
     # The mark tells a later run this file is the plugin's to replace (refusal).
-    metadata = {PLOT_MARK_KEY: PLOT_MARK_VALUE}
     write_file(
         path,
-        lambda handle: drawn.savefig(handle, format="png", dpi=plot.DPI, metadata=metadata),
+        lambda handle: drawn.savefig(
+            handle, format=kind, dpi=plot.DPI, metadata=PLOT_METADATA[kind]
+        ),
         PLOT_FLAG,
     )
 
 
-def _reason(exc: BaseException, path: Path) -> str:
-    if isinstance(exc, FileNotFoundError) and not path.parent.is_dir():
-        return f"its directory {named(str(path.parent))} no longer exists"
+def _reason(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror  # the temporary file's name, in exc.filename, would only confuse
     text = str(exc).strip()
@@ -314,7 +380,7 @@ def _attempt(flag: str, path: Path, write: Callable[[], None]) -> bool:
     except Exception as exc:  # a report that cannot be written never changes the outcome
         warnings.warn(
             ReportFileWarning(
-                f"ctresources: {flag} {named(str(path))} was not written: {_reason(exc, path)}; "
+                f"ctresources: {flag} {named(str(path))} was not written: {_reason(exc)}; "
                 "the file "
                 "there, if any, is unchanged"
             ),
