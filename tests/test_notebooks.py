@@ -586,6 +586,37 @@ def test_warnings_made_errors_fail_in_one_line(pytester: pytest.Pytester, how: s
     assert "Traceback" not in result.stdout.str()
 
 
+def test_a_notebook_config_without_nbmake_says_to_add_it(pytester: pytest.Pytester) -> None:
+    write(pytester.path / "nb.ipynb", notebook("x = 1"))
+    pytester.makefile(".yaml", exp="NOTEBOOK: nb.ipynb\nBATCH_SIZE: 4\n")
+    pytester.makeini("[pytest]\nct_notebook_configs = exp.yaml\n")
+    result = pytester.runpytest("exp.yaml")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "exp.yaml names a NOTEBOOK: notebook configs run under nbmake: add --nbmake "
+            "(pip install nbmake, if it is not installed)"
+        ]
+    )
+    assert "found no collectors" not in result.stdout.str() + result.stderr.str()
+
+
+def test_unlisted_notebook_configs_are_named_when_nothing_ran(pytester: pytest.Pytester) -> None:
+    (pytester.path / "configs").mkdir()
+    for name in ("a", "b"):
+        (pytester.path / "configs" / f"{name}.yaml").write_text("NOTEBOOK: nb.ipynb\n")
+    (pytester.path / "configs" / "other.yaml").write_text("BATCH_SIZE: 4\n")  # no NOTEBOOK
+    pytester.makeini("[pytest]\nct_batch_size = 4\n")
+    result = pytester.runpytest("--nbmake", "configs")
+    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+    hint = (
+        "ctresources: configs/a.yaml, configs/b.yaml name a NOTEBOOK but are not listed in the "
+        "ini key ct_notebook_configs: list them there (files, folders, globs), or name them on "
+        "the command line, to run them"
+    )
+    assert hint in result.stdout.lines
+
+
 def test_one_item_per_experiment_config_that_is_ours(pytester: pytest.Pytester) -> None:
     write(
         pytester.path / "notebooks" / "exp.ipynb",

@@ -381,6 +381,7 @@ class NotebookSupport:
         self._item_class: Any = None
         self.project_wide = project_wide(config)
         self.configs = NotebookConfigs(config)
+        self.unlisted: list[str] = []  # configs naming a NOTEBOOK, not ours: the hint's
         for pattern in self.configs.unmatched:
             # As pytest says of testpaths that match nothing: a typo would collect nothing.
             warning = CtResourcesWarning(
@@ -404,11 +405,23 @@ class NotebookSupport:
         # Ours when listed, or named on the command line (as pytest collects a test file
         # named there whatever python_files says); a YAML file that merely has a NOTEBOOK
         # line may be another tool's.
-        if not (self.configs.lists(file_path) or parent.session.isinitpath(file_path)):
-            return None
         if not _names_a_notebook(file_path):
             return None
+        if not (self.configs.lists(file_path) or parent.session.isinitpath(file_path)):
+            self.unlisted.append(shown_path(file_path, parent.config))
+            return None
         return ExperimentNotebookFile.from_parent(parent, path=file_path)
+
+    def pytest_report_collectionfinish(self, items: list[pytest.Item]) -> str | None:
+        """Where nothing was collected, the configs that would have been, and how."""
+        if items or not self.unlisted:
+            return None
+        more = f" and {len(self.unlisted) - 3} more" if len(self.unlisted) > 3 else ""
+        return (
+            f"ctresources: {', '.join(self.unlisted[:3])}{more} name a NOTEBOOK but are not "
+            f"listed in the ini key {NOTEBOOK_CONFIGS_INI}: list them there (files, folders, "
+            "globs), or name them on the command line, to run them"
+        )
 
     @pytest.hookimpl(wrapper=True, trylast=True)
     def pytest_make_collect_report(
@@ -433,6 +446,32 @@ class NotebookSupport:
             node.parent, name=node.name, filename=filename
         )
         return item
+
+
+class NotebookHint:
+    """Without ``--nbmake``, in a project that asks: a ``NOTEBOOK`` config named on the
+    command line says what it needs, instead of pytest's "found no collectors"."""
+
+    name = "ctresources-notebook-hint"
+
+    def pytest_collect_file(self, file_path: Path, parent: pytest.Collector) -> pytest.File | None:
+        if not (
+            file_path.suffix in YAML_SUFFIXES
+            and parent.session.isinitpath(file_path)
+            and _names_a_notebook(file_path)
+        ):
+            return None
+        return NeedsNbmake.from_parent(parent, path=file_path)
+
+
+class NeedsNbmake(pytest.File):
+    """A ``NOTEBOOK`` config named without ``--nbmake``: a collection error saying so."""
+
+    def collect(self) -> Iterator[pytest.Item]:
+        raise self.CollectError(
+            f"{shown_path(self.path, self.config)} names a NOTEBOOK: notebook configs run "
+            "under nbmake: add --nbmake (pip install nbmake, if it is not installed)"
+        )
 
 
 def project_wide(config: pytest.Config) -> bool:
