@@ -29,7 +29,13 @@ from pytest_ctresources.report.files import (
     check_target,
 )
 from pytest_ctresources.settings.activation import Activation, project_request
-from pytest_ctresources.settings.config import CircuitTracerConfig, ConfigError, parse_bool, shown
+from pytest_ctresources.settings.config import (
+    FIELDS,
+    CircuitTracerConfig,
+    ConfigError,
+    parse_bool,
+    shown,
+)
 from pytest_ctresources.settings.experiment_yaml import ExperimentFile, load_experiment_yaml
 from pytest_ctresources.settings.options import (
     INI_ONLY,
@@ -132,6 +138,26 @@ class Settings:
             f"ctresources: vram capacity {capacity}, cleanup={self.cleanup.value} "
             f"({self.cleanup.source}), {variable}={alloc} ({source})"
         )
+        return lines + self.overridden_lines()
+
+    def overridden_lines(self) -> list[str]:
+        """A line per config field set in more than one session layer: which won, which lost
+        (``ct_batch_size`` in the ini under the experiment YAML's ``BATCH_SIZE``)."""
+        experiment: dict[str, Sourced[object]] = {}
+        if self.experiment is not None:
+            path = self.experiment.path
+            experiment = {
+                name: Sourced(value, Source.yaml(path, FIELDS[name].yaml_key))
+                for name, value in self.experiment.values.items()
+            }
+        layers = (self.option_layer, self.env_layer, experiment, self.ini_layer)  # highest first
+        lines = []
+        for name in FIELDS:
+            setters = [layer[name] for layer in layers if name in layer]
+            if len(setters) > 1:
+                won, *lost = setters
+                losers = "; ".join(f"{item.value} ({item.source})" for item in lost)
+                lines.append(f"ctresources: {name}={won.value} ({won.source}) wins over {losers}")
         return lines
 
 
