@@ -204,6 +204,10 @@ def _start(config: pytest.Config) -> Runtime:
         from pytest_ctresources.notebooks.items import NotebookSupport
 
         config.pluginmanager.register(NotebookSupport(config), NotebookSupport.name)
+    elif activation.project_wide:
+        from pytest_ctresources.notebooks.items import NotebookHint
+
+        config.pluginmanager.register(NotebookHint(), NotebookHint.name)
     _plan_and_shard(config, runtime)
     if activation.project_wide:  # else once collection found a test that asks
         leases.start(config, runtime)  # VRAM leases where tests run; the ledger dir checked

@@ -151,6 +151,32 @@ def test_a_model_that_fails_to_load_fails_once_in_one_line(pytester: pytest.Pyte
     assert "did you mean google/gemma-2-2b" not in out  # a known name gets no suggestion
 
 
+def test_a_short_model_name_that_fails_to_load_says_what_ct_resources_estimate_says(
+    pytester: pytest.Pytester, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pytest_ctresources.estimator.cli import main
+
+    pytester.makefile(".yaml", exp="MODEL_NAME: gemma-2-2b\nTRANSCODER_SET: gemma\n")
+    pytester.makepyfile(test_load="def test_first(ct_session):\n    ct_session.load_model()\n")
+    result = pytester.runpytest("--ct-config", "exp.yaml")
+    result.assert_outcomes(failed=1)
+    note = (
+        "'gemma-2-2b' is short for google/gemma-2-2b; experiment configs take the full name, "
+        "which circuit-tracer loads (short names work on the command line)"
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "cannot load model 'gemma-2-2b' with transcoders 'gemma' (MODEL_NAME in exp.yaml): "
+            f"offline (HF_HUB_OFFLINE is set) and its files are not in the local Hugging Face "
+            f"cache; {note}"
+        ]
+    )
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["estimate", "--config", str(pytester.path / "exp.yaml"), "--gpu-gib", "24"])
+    assert note in capsys.readouterr().err  # the same words for the same file
+
+
 def test_the_batch_size_is_a_number_before_and_after_an_auto_call(
     pytester: pytest.Pytester,
 ) -> None:

@@ -16,6 +16,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
+from pytest_ctresources.core.record import AFTER_PARAMETERS, AT_TOP
 from pytest_ctresources.notebooks.params import (
     INJECTED_TAG,
     NotALiteral,
@@ -87,7 +88,7 @@ def injected_cells(path: Path) -> list:  # type: ignore[type-arg]
 
 def test_injected_cell_goes_after_the_parameters_cell() -> None:
     nb = notebook("x = 1", parameters="BATCH_SIZE = 256")
-    assert inject_parameters(nb, {"BATCH_SIZE": 64, "PROMPT": "hi"}) is None
+    assert inject_parameters(nb, {"BATCH_SIZE": 64, "PROMPT": "hi"}) == AFTER_PARAMETERS
     cell = nb.cells[1]
     assert cell.metadata["tags"] == [INJECTED_TAG]
     assert "BATCH_SIZE = 64" in cell.source and "PROMPT = 'hi'" in cell.source
@@ -95,8 +96,7 @@ def test_injected_cell_goes_after_the_parameters_cell() -> None:
 
 def test_without_parameters_cell_the_injected_cell_goes_first() -> None:
     nb = notebook("x = 1")
-    note = inject_parameters(nb, {"BATCH_SIZE": 64})
-    assert note is not None and "no cell tagged 'parameters'" in note
+    assert inject_parameters(nb, {"BATCH_SIZE": 64}) == AT_TOP
     assert nb.cells[0].metadata["tags"] == [INJECTED_TAG]
 
 
@@ -490,20 +490,85 @@ def test_relative_ct_config_reaches_the_kernel(pytester: pytest.Pytester) -> Non
 
 
 def test_no_parameters_cell_is_said(pytester: pytest.Pytester) -> None:
+    """A session-wide value reaching a notebook with no parameters cell: a warning, and the
+    summary says the values were injected at the top."""
     write(pytester.path / "plain.ipynb", notebook("assert BATCH_SIZE == 5"))
-    result = pytester.runpytest("--nbmake", "--ct-batch-size", "5")
+    result = pytester.runpytest("--nbmake", "--ct-batch-size", "5", "-v")
     result.assert_outcomes(passed=1, warnings=1)
-    result.stdout.fnmatch_lines(["*NotebookWarning: plain.ipynb has no cell tagged 'parameters'*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*NotebookWarning: plain.ipynb has no cell tagged 'parameters'*",
+            "  plain.ipynb::plain.ipynb: BATCH_SIZE=5 (--ct-batch-size)"
+            " [injected at the top: the notebook may have overwritten them]",
+        ]
+    )
+
+
+def test_config_notebook_without_parameters_cell_fails_at_setup(
+    pytester: pytest.Pytester,
+) -> None:
+    """The notebook's own assignment would overwrite the config's value while the reports
+    said it ran with it: the item fails at setup, in one line naming the notebook and the
+    config and what to do."""
+    write(
+        pytester.path / "plain.ipynb",
+        notebook("PROMPT = 'default prompt'", "print('PROMPT is', PROMPT)"),
+    )
+    pytester.makefile(".yaml", exp="NOTEBOOK: plain.ipynb\nPARAMS:\n  PROMPT: injected prompt\n")
+    pytester.makeini("[pytest]\nct_notebook_configs = exp.yaml\n")
+    result = pytester.runpytest("--nbmake", "exp.yaml", "-rA", "--ct-report-json", "r.json")
+    result.assert_outcomes(errors=1)
+    message = (
+        "plain.ipynb (the NOTEBOOK of exp.yaml) receives PROMPT but has no cell tagged "
+        "'parameters', so its own assignments could overwrite them: tag the cell that sets "
+        "them 'parameters', or set the ini key ct_notebook_inject = top to inject them at the "
+        "top (papermill's behaviour)"
+    )
+    assert message in result.stdout.lines  # the error, in one line
+    (line,) = summary_lines(result)
+    assert line.startswith("ERROR exp.yaml::plain.ipynb - Failed: plain.ipynb (the NOTEBOOK of")
+    report = json.loads((pytester.path / "r.json").read_text())
+    assert report["notebook_values"] == {}  # nothing ran, nothing is said to have been used
+
+
+def test_inject_top_opt_in_says_so(pytester: pytest.Pytester) -> None:
+    """ct_notebook_inject = top: papermill's behaviour; the notebook overwrites the value, and
+    the summary and the JSON report say the value was injected at the top."""
+    write(
+        pytester.path / "plain.ipynb",
+        notebook("PROMPT = 'default prompt'", "assert PROMPT == 'default prompt'"),
+    )
+    pytester.makefile(".yaml", exp="NOTEBOOK: plain.ipynb\nPARAMS:\n  PROMPT: injected prompt\n")
+    pytester.makeini("[pytest]\nct_notebook_configs = exp.yaml\nct_notebook_inject = top\n")
+    result = pytester.runpytest("--nbmake", "exp.yaml", "-v", "--ct-report-json", "r.json")
+    result.assert_outcomes(passed=1)  # asked for: no warning
+    result.stdout.fnmatch_lines(
+        [
+            "  exp.yaml::plain.ipynb: PROMPT='injected prompt' (PARAMS in exp.yaml)"
+            " [injected at the top: the notebook may have overwritten them]"
+        ]
+    )
+    report = json.loads((pytester.path / "r.json").read_text())
+    assert report["notebook_values"] == {
+        "exp.yaml::plain.ipynb": [
+            {
+                "name": "PROMPT",
+                "value": "'injected prompt'",
+                "source": "PARAMS in exp.yaml",
+                "injected": "top",
+            }
+        ]
+    }
 
 
 @pytest.mark.parametrize("how", ["-W error", "filterwarnings = error"])
 def test_warnings_made_errors_fail_in_one_line(pytester: pytest.Pytester, how: str) -> None:
     """Under -W error a notebook without a parameters cell that receives values fails in one
-    line naming it, not as an NBMAKE INTERNAL ERROR; one that receives nothing passes."""
+    line naming it, not as an NBMAKE INTERNAL ERROR; one with a parameters cell passes."""
     write(pytester.path / "plain.ipynb", notebook("x = 1"))
-    pytester.makefile(".yaml", exp="NOTEBOOK: plain.ipynb\nBATCH_SIZE: 5\n")
-    ini = "[pytest]\nct_notebook_configs = exp.yaml\n"
-    args = ["--nbmake", "-p", "no:randomly"]
+    write(pytester.path / "tagged.ipynb", notebook("x = 1", parameters="BATCH_SIZE = 1"))
+    ini = "[pytest]\n"
+    args = ["--nbmake", "-p", "no:randomly", "--ct-batch-size", "5"]
     if how == "-W error":
         args += ["-W", "error"]
     else:
@@ -511,11 +576,45 @@ def test_warnings_made_errors_fail_in_one_line(pytester: pytest.Pytester, how: s
     pytester.makeini(ini)
     result = pytester.runpytest(*args)
     result.assert_outcomes(passed=1, failed=1)
-    message = "NotebookWarning: plain.ipynb has no cell tagged 'parameters': the injected parameters run first"
+    message = (
+        "NotebookWarning: plain.ipynb has no cell tagged 'parameters': the injected parameters"
+        " run first (the notebook may overwrite them)"
+    )
     assert message in result.stdout.lines  # the failure, in one line
-    assert summary_lines(result) == [f"FAILED exp.yaml::plain.ipynb - {message}"]
+    assert summary_lines(result) == [f"FAILED plain.ipynb::plain.ipynb - {message}"]
     assert "INTERNAL ERROR" not in result.stdout.str()
     assert "Traceback" not in result.stdout.str()
+
+
+def test_a_notebook_config_without_nbmake_says_to_add_it(pytester: pytest.Pytester) -> None:
+    write(pytester.path / "nb.ipynb", notebook("x = 1"))
+    pytester.makefile(".yaml", exp="NOTEBOOK: nb.ipynb\nBATCH_SIZE: 4\n")
+    pytester.makeini("[pytest]\nct_notebook_configs = exp.yaml\n")
+    result = pytester.runpytest("exp.yaml")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "exp.yaml names a NOTEBOOK: notebook configs run under nbmake: add --nbmake "
+            "(pip install nbmake, if it is not installed)"
+        ]
+    )
+    assert "found no collectors" not in result.stdout.str() + result.stderr.str()
+
+
+def test_unlisted_notebook_configs_are_named_when_nothing_ran(pytester: pytest.Pytester) -> None:
+    (pytester.path / "configs").mkdir()
+    for name in ("a", "b"):
+        (pytester.path / "configs" / f"{name}.yaml").write_text("NOTEBOOK: nb.ipynb\n")
+    (pytester.path / "configs" / "other.yaml").write_text("BATCH_SIZE: 4\n")  # no NOTEBOOK
+    pytester.makeini("[pytest]\nct_batch_size = 4\n")
+    result = pytester.runpytest("--nbmake", "configs")
+    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+    hint = (
+        "ctresources: configs/a.yaml, configs/b.yaml name a NOTEBOOK but are not listed in the "
+        "ini key ct_notebook_configs: list them there (files, folders, globs), or name them on "
+        "the command line, to run them"
+    )
+    assert hint in result.stdout.lines
 
 
 def test_one_item_per_experiment_config_that_is_ours(pytester: pytest.Pytester) -> None:
@@ -574,10 +673,14 @@ def test_one_item_per_experiment_config_that_is_ours(pytester: pytest.Pytester) 
     result.assert_outcomes(passed=2)
     values = json.loads((pytester.path / "r.json").read_text())["notebook_values"]
     assert values["configs/small.yaml::exp.ipynb"] == [
-        {"name": "BATCH_SIZE", "value": "7", "source": "--ct-batch-size"},
-        {"name": "MAX_FEATURE_NODES", "value": "10", "source": "configs/small.yaml"},
-        {"name": "PROMPT", "value": "'the small'", "source": "PARAMS in configs/small.yaml"},
+        {"name": name, "value": value, "source": source, "injected": AFTER_PARAMETERS}
+        for name, value, source in (
+            ("BATCH_SIZE", "7", "--ct-batch-size"),
+            ("MAX_FEATURE_NODES", "10", "configs/small.yaml"),
+            ("PROMPT", "'the small'", "PARAMS in configs/small.yaml"),
+        )
     ]
+
     # Named on the command line, a YAML file is taken to be ours (as pytest collects a test
     # file named there whatever python_files says), and checked as ours.
     result = pytester.runpytest("--nbmake", "pipeline/job.yaml")

@@ -206,6 +206,27 @@ def test_bad_env_and_ini_are_usage_errors(
     assert len([ln for ln in result.stderr.lines if ln.startswith("ERROR")]) == 1
 
 
+def test_verbose_header_says_which_layer_won_and_which_lost(pytester: pytest.Pytester) -> None:
+    """ct_batch_size in the ini loses to the experiment YAML's BATCH_SIZE: -v says so."""
+    pytester.makefile(".yaml", exp="BATCH_SIZE: 32\n")
+    pytester.makeini("[pytest]\nct_batch_size = 64\nct_config = exp.yaml\n")
+    pytester.makepyfile("def test_a(): pass")
+    result = pytester.runpytest("-v", "-p", "no:randomly")
+    result.stdout.fnmatch_lines(
+        [
+            "ctresources: batch_size=32 (BATCH_SIZE in *exp.yaml) wins over 64 (ini ct_batch_size in *tox.ini)"
+        ]
+    )
+    result = pytester.runpytest("-v", "--ct-batch-size", "8")
+    result.stdout.fnmatch_lines(
+        [
+            "ctresources: batch_size=8 (--ct-batch-size) wins over 32 (BATCH_SIZE in *exp.yaml);"
+            " 64 (ini ct_batch_size in *tox.ini)"
+        ]
+    )
+    assert "wins over" not in pytester.runpytest().stdout.str()  # only under -v
+
+
 def test_ini_keys_given_with_dash_o_are_named_as_such(pytester: pytest.Pytester) -> None:
     # pytest's -o overrides the ini file: the source is the option, not a file that may not
     # even have the key.

@@ -130,3 +130,35 @@ def test_the_five_minute_example_runs_as_shown(
             "attributions: 2 in 2 test(s), batch size(s) 32",
         ]
     )
+
+
+def _section(result: pytest.RunResult, title: str) -> list[str]:
+    """The lines of the terminal section ``title`` (up to the next ``===`` line)."""
+    lines = result.stdout.lines
+    start = next(i for i, line in enumerate(lines) if f" {title} " in line and "===" in line)
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("==="))
+    return lines[start + 1 : end]
+
+
+def test_the_readme_example_run_prints_a_short_summary_and_v_keeps_the_details(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first set-up command's pytest run (the example suite on the bundled tiny model),
+    as the README writes it: by default a summary of at most 15 lines; its -v keeps the
+    values each notebook item ran with and the slowest attributions."""
+    section = README[README.index("## Developing the plugin") :]
+    command = next(line for line in section.splitlines() if "python -m pytest --nbmake" in line)
+    args = shlex.split(command.split("python -m pytest", 1)[1].split("&&")[0])
+    assert "-v" in args
+    monkeypatch.chdir(ROOT)  # the repository's own ini, examples and configs
+    quiet = [arg for arg in args if arg != "-v"]
+    # In-process; no cache: nothing is written into the repository.
+    default = pytester.runpytest(*quiet, "-p", "no:cacheprovider", "-p", "no:randomly")
+    assert default.ret == pytest.ExitCode.OK
+    summary = _section(default, "ctresources summary")
+    assert 1 <= len(summary) <= 15, summary
+    verbose = pytester.runpytest(*args, "-p", "no:cacheprovider", "-p", "no:randomly")
+    assert verbose.ret == pytest.ExitCode.OK
+    details = "\n".join(_section(verbose, "ctresources summary"))
+    assert "notebook items ran with" in details and "slowest attributions" in details
+    assert len(details.splitlines()) > len(summary)

@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,18 +51,95 @@ def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytes
     return pytester
 
 
-def test_a_report_replaces_the_previous_one_privately_and_leaves_no_temporary(
+@pytest.fixture
+def umask_027() -> Iterator[None]:
+    previous = os.umask(0o027)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+@pytest.mark.usefixtures("umask_027")
+def test_a_report_replaces_the_previous_one_under_the_umask_and_leaves_no_temporary(
     project: pytest.Pytester,
 ) -> None:
+    """In the user's own tree a report follows the umask, as --junitxml's does; missing
+    directories are created, as --junitxml and --html create them."""
     for _ in range(2):  # the second run replaces the first run's report
         # In-process: the fake CUDA conftest gives torch.cuda back when its run ends.
-        project.runpytest("--ct-report-json", "r.json", "--ct-report-plot", "p.png")
-        document = json.loads((project.path / "r.json").read_text())
+        project.runpytest(
+            "--ct-report-json", "results/ci/r.json", "--ct-report-plot", "plots/p.png"
+        ).assert_outcomes(passed=1)
+        document = json.loads((project.path / "results/ci/r.json").read_text())
         assert [t["nodeid"] for t in document["tests"]] == ["test_cuda.py::test_uses_cuda"]
-        assert (project.path / "p.png").read_bytes().startswith(PNG_MAGIC)
-    for name in ("r.json", "p.png"):
-        assert stat.S_IMODE(os.stat(project.path / name).st_mode) == 0o600
-    assert _temporaries(project.path, "r.json", "p.png") == []
+        assert (project.path / "plots/p.png").read_bytes().startswith(PNG_MAGIC)
+    for name in ("results/ci/r.json", "plots/p.png"):
+        assert _mode(project.path / name) == 0o640
+    for name in ("results", "results/ci", "plots"):
+        assert _mode(project.path / name) == 0o750
+    assert _temporaries(project.path / "results/ci", "r.json") == []
+    assert _temporaries(project.path / "plots", "p.png") == []
+
+
+@pytest.mark.usefixtures("umask_027")
+def test_a_report_in_a_shared_place_stays_private(project: pytest.Pytester) -> None:
+    """A directory anyone may write to (the system temporary directory): the report and the
+    directories made for it there are the user's alone."""
+    shared = project.path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    result = project.runpytest(
+        "--ct-report-json", "shared/r.json", "--ct-report-plot", "shared/mine/p.png"
+    )
+    result.assert_outcomes(passed=1)
+    assert _mode(shared / "r.json") == 0o600
+    assert _mode(shared / "mine") == 0o700
+    assert _mode(shared / "mine" / "p.png") == 0o600
+
+
+@pytest.mark.parametrize(
+    ("name", "start"), [("p.png", PNG_MAGIC), ("p.svg", b"<?xml"), ("p.PDF", b"%PDF-")]
+)
+def test_the_plot_is_written_in_the_format_its_extension_names_and_replaced_next_time(
+    project: pytest.Pytester, name: str, start: bytes
+) -> None:
+    for _ in range(2):  # the second run recognises the first one's plot as its own
+        project.runpytest("--ct-report-plot", name).assert_outcomes(passed=1)
+        assert (project.path / name).read_bytes().startswith(start)
+
+
+def test_a_plot_of_another_format_is_not_replaced(project: pytest.Pytester) -> None:
+    """An SVG or PDF that is not the plugin's plot (no mark) is someone's: refused."""
+    (project.path / "p.svg").write_text('<?xml version="1.0"?><svg/>')
+    result = project.runpytest("--ct-report-plot", "p.svg")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [
+            "ERROR: --ct-report-plot: p.svg exists and is not an SVG image that pytest-ctresources"
+            " wrote (its VRAM plot): it is not replaced*"
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "said"), [("vram.jpg", "the extension .jpg"), ("vram", "no extension")]
+)
+def test_a_plot_extension_it_cannot_write_is_one_line(
+    pytester: pytest.Pytester, name: str, said: str
+) -> None:
+    pytester.makepyfile("def test_it(): pass")
+    result = pytester.runpytest("--ct-report-plot", name)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert [line for line in result.stderr.lines if line.strip()] == [
+        f"ERROR: --ct-report-plot: {name} has {said}: the plot's format comes from it, and it "
+        "can be written as .png, .svg, .pdf"
+    ]
+    assert not (pytester.path / name).exists()
 
 
 PLANT = """
@@ -106,12 +184,13 @@ REMOVE_DIRECTORY = """
 import shutil
 def test_removes_the_report_directory():
     shutil.rmtree("out")
+    open("out", "w").close()  # a file where the directory was: no directory can be made
 def test_fails():
     assert False
 """
 
 
-def test_a_directory_removed_during_the_run_is_one_warning_and_changes_nothing(
+def test_a_directory_replaced_by_a_file_during_the_run_is_one_warning_and_changes_nothing(
     pytester: pytest.Pytester,
 ) -> None:
     (pytester.path / "out").mkdir()
@@ -129,8 +208,9 @@ def test_a_directory_removed_during_the_run_is_one_warning_and_changes_nothing(
             if f"ReportFileWarning: ctresources: {flag}" in line
         ]
         assert len(lines) == 1
-        assert f"{name} was not written: its directory " in lines[0]
-        assert lines[0].endswith("out no longer exists; the file there, if any, is unchanged")
+        assert lines[0].endswith(
+            f"out/{name} was not written: Not a directory; the file there, if any, is unchanged"
+        )
     assert "ctresources summary" in text  # the terminal summary is still printed
     assert "Traceback" not in text and "INTERNALERROR" not in text
 

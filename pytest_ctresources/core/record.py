@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 PROPERTY_PREFIX = "ct_"
 #: The worker name of a test that a plain (non-xdist) run leased for.
 PLAIN_RUN_WORKER = "main"
+#: Where a notebook's injected cell went (``TestRecord.notebook_values``, the JSON report).
+AFTER_PARAMETERS = "after_parameters"
+AT_TOP = "top"
 
 
 @dataclass
@@ -64,7 +67,8 @@ class TestRecord:
     """``[field, session source, session value, own value, own source]`` for each setting
     the test's own marker (or a notebook's own config) kept over a session-wide one."""
     notebook_values: list[list[str]] = field(default_factory=list)
-    """A notebook item's injected values: ``[NAME, Python literal, where from]`` each."""
+    """A notebook item's injected values: ``[NAME, Python literal, where from, where
+    injected]`` each (:data:`AFTER_PARAMETERS` or :data:`AT_TOP`)."""
     # -- cleanup -------------------------------------------------------------------------
     figures_closed: int = 0
     # -- where it ran, and its VRAM lease ------------------------------------------------

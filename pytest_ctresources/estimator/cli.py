@@ -304,10 +304,7 @@ def _resolved(cfg: CircuitTracerConfig, field: str, resolve_name: Callable[[str]
         raise CliError(f"{where}: {exc}") from None
     if resolved != name and cfg.source_of(field).kind == "yaml":
         # The plugin would load this name as written, where it means something else.
-        raise CliError(
-            f"{where}: {shown(name)} is short for {resolved}; experiment configs take the "
-            "full name, which circuit-tracer loads (short names work on the command line)"
-        )
+        raise CliError(f"{where}: {registry.short_name_note(name, resolved)}")
     return resolved
 
 

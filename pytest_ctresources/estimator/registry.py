@@ -426,6 +426,15 @@ def _is_config_json(name: str) -> bool:
         return False
 
 
+def short_name_note(name: str, resolved: str) -> str:
+    """Why a short name in an experiment config does not load: what ``ct-resources
+    estimate`` and a model that failed to load both say of it."""
+    return (
+        f"{shown(name)} is short for {resolved}; experiment configs take the full name, which "
+        "circuit-tracer loads (short names work on the command line)"
+    )
+
+
 def resolve_model_name(name: str) -> str:
     """The registry's full name for model ``name`` as a person types it: a full name (any
     case) or a short one that stands for one model only (``gemma-2-2b``, ``qwen3-4b``). A

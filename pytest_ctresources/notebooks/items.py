@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_ctresources.core.record import AT_TOP
 from pytest_ctresources.core.runtime import runtime_of
 from pytest_ctresources.core.state import state_of
 from pytest_ctresources.exceptions import CtResourcesWarning
@@ -45,6 +46,7 @@ from pytest_ctresources.notebooks.kernels import kernel_environment, kernel_laun
 from pytest_ctresources.notebooks.params import (
     METADATA_KEY,
     check_params,
+    has_parameters_cell,
     inject_parameters,
     injected_values,
     notebook_metadata,
@@ -141,7 +143,16 @@ def make_item_class() -> type:
                 where = shown_path(self.filename, self.config)
                 # Read once here, so that a notebook nbformat or nbclient cannot run fails
                 # its own item at setup in one line, and its metadata marks select it.
-                marks, need = notebook_metadata(read_notebook(Path(self.filename), where), where)
+                nb = read_notebook(Path(self.filename), where)
+                marks, need = notebook_metadata(nb, where)
+                if self.experiment is not None:
+                    check_parameters_cell(
+                        nb,
+                        injected_values(cfg),
+                        settings.notebook_inject.value,
+                        where,
+                        shown_path(self.experiment.path, self.config),
+                    )
             except ConfigError as exc:
                 state_of(self).config_error = str(exc)
                 return
@@ -182,6 +193,23 @@ def make_item_class() -> type:
             return super().repr_failure(excinfo, style)
 
     return CtNotebookItem
+
+
+def check_parameters_cell(
+    nb: Any, values: dict[str, Any], inject: str, where: str, config_where: str
+) -> None:
+    """Refuse a config's notebook that would receive values but has no cell tagged
+    ``parameters``: injected first, they could be overwritten by the notebook's own
+    assignments while the reports say they were used. ``ct_notebook_inject = top`` allows it
+    (papermill's behaviour; the reports then say they were injected at the top)."""
+    if not values or inject == AT_TOP or has_parameters_cell(nb):
+        return
+    raise ConfigError(
+        f"{where} (the NOTEBOOK of {config_where}) receives {', '.join(values)} but has no "
+        "cell tagged 'parameters', so its own assignments could overwrite them: tag the cell "
+        "that sets them 'parameters', or set the ini key ct_notebook_inject = top to inject "
+        "them at the top (papermill's behaviour)"
+    )
 
 
 def _resolve_auto(item: Any, runtime: Any, cfg: CircuitTracerConfig) -> CircuitTracerConfig:
@@ -262,15 +290,19 @@ def run_notebook(item: Any) -> None:
         if layer is not None
         for key in layer.params
     }
-    state_of(item).record.notebook_values = values_with_sources(
-        cfg, values, params_from, lambda path: shown_path(path, item.config)
-    )
     if values:
-        note = inject_parameters(nb, values)
-        if note:
+        injected = inject_parameters(nb, values)
+        if injected == AT_TOP and settings.notebook_inject.value != AT_TOP:
             warnings.warn(
-                NotebookWarning(f"{shown_path(source, item.config)} {note}"), stacklevel=1
+                NotebookWarning(
+                    f"{where} has no cell tagged 'parameters': the injected parameters run "
+                    "first (the notebook may overwrite them)"
+                ),
+                stacklevel=1,
             )
+        state_of(item).record.notebook_values = values_with_sources(
+            cfg, values, params_from, injected, lambda path: shown_path(path, item.config)
+        )
     capacity = settings.vram_capacity_gib
     env = kernel_environment(
         cfg,
@@ -349,6 +381,7 @@ class NotebookSupport:
         self._item_class: Any = None
         self.project_wide = project_wide(config)
         self.configs = NotebookConfigs(config)
+        self.unlisted: list[str] = []  # configs naming a NOTEBOOK, not ours: the hint's
         for pattern in self.configs.unmatched:
             # As pytest says of testpaths that match nothing: a typo would collect nothing.
             warning = CtResourcesWarning(
@@ -372,11 +405,23 @@ class NotebookSupport:
         # Ours when listed, or named on the command line (as pytest collects a test file
         # named there whatever python_files says); a YAML file that merely has a NOTEBOOK
         # line may be another tool's.
-        if not (self.configs.lists(file_path) or parent.session.isinitpath(file_path)):
-            return None
         if not _names_a_notebook(file_path):
             return None
+        if not (self.configs.lists(file_path) or parent.session.isinitpath(file_path)):
+            self.unlisted.append(shown_path(file_path, parent.config))
+            return None
         return ExperimentNotebookFile.from_parent(parent, path=file_path)
+
+    def pytest_report_collectionfinish(self, items: list[pytest.Item]) -> str | None:
+        """Where nothing was collected, the configs that would have been, and how."""
+        if items or not self.unlisted:
+            return None
+        more = f" and {len(self.unlisted) - 3} more" if len(self.unlisted) > 3 else ""
+        return (
+            f"ctresources: {', '.join(self.unlisted[:3])}{more} name a NOTEBOOK but are not "
+            f"listed in the ini key {NOTEBOOK_CONFIGS_INI}: list them there (files, folders, "
+            "globs), or name them on the command line, to run them"
+        )
 
     @pytest.hookimpl(wrapper=True, trylast=True)
     def pytest_make_collect_report(
@@ -401,6 +446,32 @@ class NotebookSupport:
             node.parent, name=node.name, filename=filename
         )
         return item
+
+
+class NotebookHint:
+    """Without ``--nbmake``, in a project that asks: a ``NOTEBOOK`` config named on the
+    command line says what it needs, instead of pytest's "found no collectors"."""
+
+    name = "ctresources-notebook-hint"
+
+    def pytest_collect_file(self, file_path: Path, parent: pytest.Collector) -> pytest.File | None:
+        if not (
+            file_path.suffix in YAML_SUFFIXES
+            and parent.session.isinitpath(file_path)
+            and _names_a_notebook(file_path)
+        ):
+            return None
+        return NeedsNbmake.from_parent(parent, path=file_path)
+
+
+class NeedsNbmake(pytest.File):
+    """A ``NOTEBOOK`` config named without ``--nbmake``: a collection error saying so."""
+
+    def collect(self) -> Iterator[pytest.Item]:
+        raise self.CollectError(
+            f"{shown_path(self.path, self.config)} names a NOTEBOOK: notebook configs run "
+            "under nbmake: add --nbmake (pip install nbmake, if it is not installed)"
+        )
 
 
 def project_wide(config: pytest.Config) -> bool:

@@ -19,6 +19,7 @@ import unicodedata
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from pytest_ctresources.core.record import AFTER_PARAMETERS, AT_TOP
 from pytest_ctresources.notebooks.inputs import finite_need
 from pytest_ctresources.settings.config import FIELDS, CircuitTracerConfig, ConfigError, shown
 
@@ -145,12 +146,14 @@ def values_with_sources(
     cfg: CircuitTracerConfig,
     values: Mapping[str, Any],
     params_from: Mapping[str, str],
+    injected: str,
     show: Callable[[str], str] = str,
 ) -> list[list[str]]:
-    """What a notebook item received, as the summary shows it: ``[NAME, literal, where]``
-    per injected value (``where``: the experiment YAML, the option or the variable it came
-    from; ``params_from`` names the YAML each ``PARAMS`` key came from; ``show`` turns a
-    file's path into how messages show it)."""
+    """What a notebook item received, as the summary shows it: ``[NAME, literal, where,
+    injected]`` per injected value (``where``: the experiment YAML, the option or the
+    variable it came from; ``params_from`` names the YAML each ``PARAMS`` key came from;
+    ``injected``: where the cell went, as :func:`inject_parameters` returns it; ``show``
+    turns a file's path into how messages show it)."""
     field_of = {spec.yaml_key: name for name, spec in FIELDS.items()}
     out = []
     for key, value in values.items():
@@ -160,7 +163,7 @@ def values_with_sources(
         else:
             source = cfg.source_of(name)
             where = show(source.path) if source.kind == "yaml" and source.path else str(source)
-        out.append([key, python_literal(value), where])
+        out.append([key, python_literal(value), where, injected])
     return out
 
 
@@ -179,12 +182,18 @@ def injected_source(values: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def inject_parameters(nb: NotebookNode, values: Mapping[str, Any]) -> str | None:
-    """Insert the ``injected-parameters`` cell after the ``parameters`` cell, papermill style.
+def has_parameters_cell(nb: NotebookNode) -> bool:
+    """Whether ``nb`` has a cell tagged ``parameters``."""
+    return any(PARAMETERS_TAG in cell.get("metadata", {}).get("tags", []) for cell in nb.cells)
+
+
+def inject_parameters(nb: NotebookNode, values: Mapping[str, Any]) -> str:
+    """Insert the ``injected-parameters`` cell after the ``parameters`` cell, papermill style,
+    or first where the notebook has none.
 
     Call it only for a notebook that receives values. Cells injected by an earlier run (kept
-    by ``--overwrite``) are removed first, as papermill does. Returns a note when the
-    notebook has no ``parameters`` cell (the cell then goes first).
+    by ``--overwrite``) are removed first, as papermill does. Returns where the cell went:
+    :data:`AFTER_PARAMETERS` or :data:`AT_TOP`.
     """
     from nbformat.v4 import new_code_cell
 
@@ -192,13 +201,12 @@ def inject_parameters(nb: NotebookNode, values: Mapping[str, Any]) -> str | None
         cell for cell in nb.cells if INJECTED_TAG not in cell.get("metadata", {}).get("tags", [])
     ]
     cell = new_code_cell(injected_source(values), metadata={"tags": [INJECTED_TAG]})
-    cells = nb.cells
-    for index, existing in enumerate(cells):
+    for index, existing in enumerate(nb.cells):
         if PARAMETERS_TAG in existing.get("metadata", {}).get("tags", []):
-            cells.insert(index + 1, cell)
-            return None
-    cells.insert(0, cell)
-    return "has no cell tagged 'parameters': the injected parameters run first"
+            nb.cells.insert(index + 1, cell)
+            return AFTER_PARAMETERS
+    nb.cells.insert(0, cell)
+    return AT_TOP
 
 
 def _key(key: str) -> str:

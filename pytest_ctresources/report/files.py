@@ -31,10 +31,11 @@ from pytest_ctresources.exceptions import ReportFileWarning
 from pytest_ctresources.settings.report_paths import (
     JSON_FLAG,
     PLOT_FLAG,
-    PLOT_MARK_KEY,
-    PLOT_MARK_VALUE,
+    PLOT_FORMATS,
+    PLOT_METADATA,
     SCHEMA,
     TargetError,
+    existing_ancestor,
     file_kind,
     named,
     refusal,
@@ -45,6 +46,24 @@ if TYPE_CHECKING:
     from pytest_ctresources.report.summary import RunSummary, SummaryReporter
 
 SCHEMA_VERSION = 2
+
+
+def _shared(directory: Path) -> bool:
+    """Whether ``directory`` is a shared place (anyone may write to it: the system temporary
+    directory, ``/dev/shm``): a report and the directories made for it there stay private."""
+    return bool(os.stat(directory).st_mode & stat.S_IWOTH)
+
+
+def _make_directories(directory: Path) -> bool:
+    """Create ``directory`` and its missing parents (under the umask in the user's own tree,
+    0700 in a shared place; never over an entry, such as a link planted meanwhile). Returns
+    whether the report goes into a shared place."""
+    folder = existing_ancestor(directory)
+    shared = _shared(folder)
+    for part in directory.relative_to(folder).parts:
+        folder = folder / part
+        os.mkdir(folder, 0o700 if shared else 0o777)
+    return shared
 
 
 def build_report(
@@ -104,7 +123,8 @@ def build_report(
         "reruns": summary.reruns,
         "notebook_values": {
             nodeid: [
-                {"name": name, "value": value, "source": where} for name, value, where in entries
+                {"name": name, "value": value, "source": where, "injected": injected}
+                for name, value, where, injected in entries
             ]
             for nodeid, entries in summary.notebook_values.items()
         },
@@ -123,8 +143,16 @@ def write_file(path: Path, write: Callable[[IO[bytes]], None], flag: str | None 
     node or a link planted at ``path`` during the run is left alone. Raises ``OSError`` or
     :class:`TargetError`.
     """
+    private = _make_directories(path.parent)
     descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        if not private:
+            # What the user's umask gives a file (0644 under 022), as pytest's --junitxml and
+            # pytest-html's files get. It is read by setting the strictest mask for a moment:
+            # a file another thread creates meanwhile can only come out more private.
+            umask = os.umask(0o077)
+            os.umask(umask)
+            os.fchmod(descriptor, 0o666 & ~umask)
         with os.fdopen(descriptor, "wb") as handle:
             write(handle)
             handle.flush()
@@ -155,22 +183,23 @@ def write_json(path: Path, document: dict[str, Any]) -> None:
 def write_plot(
     path: Path, summary: RunSummary, capacity_gib: float | None, capacity_note: str
 ) -> None:
-    """The VRAM plot (report/plot.py) as a PNG at ``path`` (:func:`write_file`)."""
+    """The VRAM plot (report/plot.py) at ``path``, in the format its extension names
+    (:data:`PLOT_FORMATS`; :func:`write_file`)."""
     from pytest_ctresources.report import plot
 
     drawn = plot.figure(summary, capacity_gib, capacity_note)
+    kind = PLOT_FORMATS[path.suffix.lower()][0]
     # The mark tells a later run this file is the plugin's to replace (refusal).
-    metadata = {PLOT_MARK_KEY: PLOT_MARK_VALUE}
     write_file(
         path,
-        lambda handle: drawn.savefig(handle, format="png", dpi=plot.DPI, metadata=metadata),
+        lambda handle: drawn.savefig(
+            handle, format=kind, dpi=plot.DPI, metadata=PLOT_METADATA[kind]
+        ),
         PLOT_FLAG,
     )
 
 
-def _reason(exc: BaseException, path: Path) -> str:
-    if isinstance(exc, FileNotFoundError) and not path.parent.is_dir():
-        return f"its directory {named(str(path.parent))} no longer exists"
+def _reason(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror  # the temporary file's name, in exc.filename, would only confuse
     text = str(exc).strip()
@@ -183,7 +212,7 @@ def _attempt(flag: str, path: Path, write: Callable[[], None]) -> bool:
     except Exception as exc:  # a report that cannot be written never changes the outcome
         warnings.warn(
             ReportFileWarning(
-                f"ctresources: {flag} {named(str(path))} was not written: {_reason(exc, path)}; "
+                f"ctresources: {flag} {named(str(path))} was not written: {_reason(exc)}; "
                 "the file "
                 "there, if any, is unchanged"
             ),

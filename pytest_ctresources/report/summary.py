@@ -18,7 +18,7 @@ import pytest
 
 from pytest_ctresources.core.accounting import UNMARKED_BYTES, suggested_marker
 from pytest_ctresources.core.learned import LearnedNeed
-from pytest_ctresources.core.record import TestRecord
+from pytest_ctresources.core.record import AT_TOP, TestRecord
 from pytest_ctresources.report.placement import Placement, placement_from, placement_lines
 from pytest_ctresources.settings.activation import activation_of
 from pytest_ctresources.units import GIB, bytes_text
@@ -381,10 +381,12 @@ class RunSummary:
         out = ["notebook items ran with (injected; the rest as each notebook sets it):"]
         for nodeid, entries in sorted(self.notebook_values.items()):
             groups: dict[str, list[str]] = {}  # by source, in the order they first appear
-            for name, literal, where in entries:
+            for name, literal, where, _injected in entries:
                 shown = literal if len(literal) <= 40 else literal[:37] + "..."
                 groups.setdefault(where, []).append(f"{name}={shown}")
             text = "; ".join(f"{', '.join(values)} ({where})" for where, values in groups.items())
+            if entries[0][3] == AT_TOP:
+                text += " [injected at the top: the notebook may have overwritten them]"
             out.append(f"  {nodeid}: {text}")
         return out
 

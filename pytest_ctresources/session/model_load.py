@@ -35,10 +35,23 @@ def _known_names() -> list[str]:
 
 
 def did_you_mean_model(name: str) -> str:
-    """`` (did you mean ctresources/tiny-gemma-2?)`` against the bundled and registry names."""
+    """`` (did you mean ctresources/tiny-gemma-2?)`` against the bundled and registry names;
+    for a short name (``gemma-2-2b``), what ``ct-resources estimate`` says of it."""
+    from pytest_ctresources.estimator.registry import (
+        UnknownShape,
+        resolve_model_name,
+        short_name_note,
+    )
+
     known = _known_names()
     if name in known:
         return ""
+    try:
+        resolved = resolve_model_name(name)
+    except UnknownShape as exc:  # a short name for several models: the message lists them
+        return f"; {exc}"
+    if resolved != name:
+        return f"; {short_name_note(name, resolved)}"
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
     return f" (did you mean {close[0]}?)" if close else ""
 

@@ -39,6 +39,7 @@ _UNITS = {
 CLEANUP_MODES: tuple[str, ...] = ("auto", "always", "never")
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
 BINDING_MODES: tuple[str, ...] = ("auto", "off")
+NOTEBOOK_INJECT_MODES: tuple[str, ...] = ("parameters", "top")
 NOTEBOOK_CONFIGS_INI = "ct_notebook_configs"
 
 
@@ -110,6 +111,14 @@ def cleanup_mode(text: str) -> str:
     value = _text(text).strip()
     if value not in CLEANUP_MODES:
         raise ValueError(f"must be one of {', '.join(CLEANUP_MODES)}; got {shown(value)}")
+    return value
+
+
+def notebook_inject_mode(text: str) -> str:
+    """Parse ``ct_notebook_inject``."""
+    value = _text(text).strip()
+    if value not in NOTEBOOK_INJECT_MODES:
+        raise ValueError(f"must be one of {', '.join(NOTEBOOK_INJECT_MODES)}; got {shown(value)}")
     return value
 
 
@@ -322,6 +331,13 @@ INI_ONLY: tuple[tuple[str, str, str], ...] = (
         "ct_alloc_conf",
         "PYTORCH_CUDA_ALLOC_CONF set (if unset) before CUDA can initialise; empty disables",
         DEFAULT_ALLOC_CONF,
+    ),
+    (
+        "ct_notebook_inject",
+        "under --nbmake: 'parameters' injects a notebook's values after its cell tagged "
+        "'parameters' (a config's notebook without one fails); 'top' injects them at the top "
+        "where it has none (papermill's behaviour: the notebook may overwrite them)",
+        "parameters",
     ),
 )
 

@@ -12,6 +12,7 @@ import os
 import re
 import stat
 from pathlib import Path
+from typing import IO
 
 from pytest_ctresources.units import shown
 
@@ -26,8 +27,25 @@ JSON_MARK = re.compile(rb'\{\s*"schema"\s*:\s*"' + re.escape(SCHEMA.encode()) + 
 #: after ``IHDR``, from ``savefig(metadata=...)``): any other PNG is someone's image.
 PLOT_MARK_KEY = "pytest-ctresources"
 PLOT_MARK_VALUE = "vram-plot"
-#: How much of an existing file is read to recognise a report (the marks are at its start).
+#: How much of an existing file is read to recognise a report (the marks are at its start,
+#: but at a PDF's end, in its document information dictionary).
 HEAD_BYTES = 4096
+TAIL_BYTES = 65536
+#: The plot's formats, by extension, as matplotlib writes them: (format, what it is).
+PLOT_FORMATS = {
+    ".png": ("png", "a PNG image"),
+    ".svg": ("svg", "an SVG image"),
+    ".pdf": ("pdf", "a PDF document"),
+}
+#: The mark of a plot the plugin wrote, as matplotlib's metadata of each format: a PNG
+#: ``tEXt`` chunk, an SVG's Dublin Core description (near its start), a PDF's subject (in its
+#: information dictionary, near its end).
+MARK_TEXT = f"{PLOT_MARK_KEY} {PLOT_MARK_VALUE}"
+PLOT_METADATA = {
+    "png": {PLOT_MARK_KEY: PLOT_MARK_VALUE},
+    "svg": {"Description": MARK_TEXT},
+    "pdf": {"Subject": MARK_TEXT},
+}
 
 
 class TargetError(ValueError):
@@ -73,9 +91,21 @@ def _png_marked(head: bytes) -> bool:
     return False
 
 
-def _recognised(head: bytes, flag: str) -> bool:
-    """Whether ``head`` (the start of a file) is a report of ``flag``'s kind the plugin wrote."""
-    return _png_marked(head) if flag == PLOT_FLAG else JSON_MARK.match(head) is not None
+def _recognised(handle: IO[bytes], size: int, path: Path, flag: str) -> bool:
+    """Whether the open file (``size`` bytes) is a report of ``flag``'s kind the plugin wrote,
+    in the format ``path``'s extension names."""
+    head = handle.read(HEAD_BYTES)
+    if flag == JSON_FLAG:
+        return JSON_MARK.match(head) is not None
+    suffix = path.suffix.lower()
+    if suffix == ".svg":
+        mark = f"<dc:description>{MARK_TEXT}</dc:description>"
+        return head.startswith(b"<?xml") and mark.encode() in head
+    if suffix == ".pdf":
+        handle.seek(max(0, size - TAIL_BYTES))
+        mark = f"/Subject ({MARK_TEXT})"
+        return head.startswith(b"%PDF-") and mark.encode() in handle.read()
+    return _png_marked(head)
 
 
 def refusal(path: Path, value: str, flag: str) -> str | None:
@@ -107,16 +137,12 @@ def refusal(path: Path, value: str, flag: str) -> str | None:
             return f"{value} changed while it was looked at"
         if info.st_uid != os.geteuid():
             return f"{value} belongs to uid {info.st_uid}, not to you (uid {os.geteuid()})"
-        if info.st_size == 0:
+        if info.st_size == 0 or _recognised(handle, info.st_size, path, flag):
             return None
-        head = handle.read(HEAD_BYTES)
-    if _recognised(head, flag):
-        return None
-    what = (
-        "a PNG image that pytest-ctresources wrote (its VRAM plot)"
-        if flag == PLOT_FLAG
-        else "a pytest-ctresources JSON report"
-    )
+    what = "a pytest-ctresources JSON report"
+    if flag == PLOT_FLAG:
+        kind = PLOT_FORMATS.get(path.suffix.lower(), (None, "a VRAM plot"))[1]
+        what = f"{kind} that pytest-ctresources wrote (its VRAM plot)"
     return f"{value} exists and is not {what}"
 
 
@@ -133,18 +159,32 @@ def check_target(value: str, flag: str, invocation_dir: Path) -> Path:
         mode = None
     except OSError as exc:  # ENOTDIR (a component is a file), ENAMETOOLONG, ELOOP, EACCES
         raise TargetError(f"cannot write {value}: {exc.strerror}") from None
-    parent = path.parent
     if mode is not None and not stat.S_ISREG(mode):
         raise TargetError(f"{value} is {file_kind(mode)}")
-    if not parent.is_dir():
-        raise TargetError(f"cannot write {value}: directory {named(str(parent))} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK) or (
+    # Missing directories are created when the report is written, as --junitxml does.
+    existing = existing_ancestor(path.parent)
+    if not existing.is_dir():
+        raise TargetError(f"cannot write {value}: {named(str(existing))} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK) or (
         mode is not None and not os.access(path, os.W_OK)
     ):
         raise TargetError(f"cannot write {value}: permission denied")
     if mode is not None and (problem := refusal(path, value, flag)) is not None:
         raise TargetError(f"{problem}: it is not replaced (remove it, or name another path)")
+    if flag == PLOT_FLAG and path.suffix.lower() not in PLOT_FORMATS:
+        extension = f"the extension {named(path.suffix)}" if path.suffix else "no extension"
+        raise TargetError(
+            f"{value} has {extension}: the plot's format comes from it, and it can be written "
+            f"as {', '.join(PLOT_FORMATS)}"
+        )
     return path
+
+
+def existing_ancestor(directory: Path) -> Path:
+    """``directory`` or the nearest of its parents that exists (a link counts as existing)."""
+    while not os.path.lexists(directory) and directory != directory.parent:
+        directory = directory.parent
+    return directory
 
 
 def check_plot_support() -> str | None:

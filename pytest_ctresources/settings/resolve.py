@@ -22,7 +22,13 @@ import pytest
 
 from pytest_ctresources.gpu.allocator import ALLOC_CONF_ENV, ALLOC_KEY, alloc_conf_in_environment
 from pytest_ctresources.settings.activation import Activation, project_request
-from pytest_ctresources.settings.config import CircuitTracerConfig, ConfigError, parse_bool, shown
+from pytest_ctresources.settings.config import (
+    FIELDS,
+    CircuitTracerConfig,
+    ConfigError,
+    parse_bool,
+    shown,
+)
 from pytest_ctresources.settings.experiment_yaml import ExperimentFile, load_experiment_yaml
 from pytest_ctresources.settings.options import (
     INI_ONLY,
@@ -35,6 +41,7 @@ from pytest_ctresources.settings.options import (
     cleanup_mode,
     fraction,
     non_negative_gib,
+    notebook_inject_mode,
     positive_count,
     seconds,
     seconds_or_off,
@@ -83,6 +90,7 @@ class Settings:
     auto_margin: Sourced[float]
     estimate_prompt_tokens: Sourced[int]
     progress_after_s: Sourced[float | None]
+    notebook_inject: Sourced[str]
     report_forced: bool = False
     report_top: int = 10
     report_json: Path | None = None
@@ -130,6 +138,26 @@ class Settings:
             f"ctresources: vram capacity {capacity}, cleanup={self.cleanup.value} "
             f"({self.cleanup.source}), {variable}={alloc} ({source})"
         )
+        return lines + self.overridden_lines()
+
+    def overridden_lines(self) -> list[str]:
+        """A line per config field set in more than one session layer: which won, which lost
+        (``ct_batch_size`` in the ini under the experiment YAML's ``BATCH_SIZE``)."""
+        experiment: dict[str, Sourced[object]] = {}
+        if self.experiment is not None:
+            path = self.experiment.path
+            experiment = {
+                name: Sourced(value, Source.yaml(path, FIELDS[name].yaml_key))
+                for name, value in self.experiment.values.items()
+            }
+        layers = (self.option_layer, self.env_layer, experiment, self.ini_layer)  # highest first
+        lines = []
+        for name in FIELDS:
+            setters = [layer[name] for layer in layers if name in layer]
+            if len(setters) > 1:
+                won, *lost = setters
+                losers = "; ".join(f"{item.value} ({item.source})" for item in lost)
+                lines.append(f"ctresources: {name}={won.value} ({won.source}) wins over {losers}")
         return lines
 
 
@@ -262,6 +290,9 @@ def resolve_settings(
         auto_margin=margin,  # type: ignore[arg-type]
         estimate_prompt_tokens=prompt_tokens,  # type: ignore[arg-type]
         progress_after_s=progress,  # type: ignore[arg-type]
+        notebook_inject=_ini_or_default(  # type: ignore[arg-type]
+            ini, "ct_notebook_inject", ini_source, notebook_inject_mode
+        ),
         report_forced=bool(options.get("ct_report")),
         report_top=int(options.get("ct_report_top") or 10),  # type: ignore[call-overload]
         report_json=report_json,
