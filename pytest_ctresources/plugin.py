@@ -29,6 +29,7 @@ from pytest_ctresources.core.runtime import (
     start_runtime,
 )
 from pytest_ctresources.core.state import state_of
+from pytest_ctresources.gpu import snapshots
 from pytest_ctresources.gpu.allocator import ALLOC_KEY, AllocConf
 from pytest_ctresources.gpu.cleanup import cuda_initialised
 from pytest_ctresources.gpu.cleanup_between_tests import BetweenTests, unraisable_as_warnings
@@ -278,6 +279,11 @@ def _act_per_test(config: pytest.Config, runtime: Runtime) -> None:
         runtime.cleaner = BetweenTests(runtime.settings.cleanup.value)
         config.pluginmanager.register(runtime.cleaner, BetweenTests.name)
     config.pluginmanager.register(PerTestHooks(), PerTestHooks.name)
+    settings = runtime.settings
+    if settings.snapshot.value != "off":  # with off, no recording call at all
+        snapshots.register(
+            config, settings.snapshot.value, settings.snapshot_dir, settings.report_json
+        )
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -397,6 +403,7 @@ class PerTestHooks:
                 try:
                     leases.give_back(item)  # whatever raised (-W error::CtLeakWarning, ...)
                 finally:
+                    snapshots.finish(item, runtime.settings.leak_threshold_bytes.value)
                     # The one place the test's record is written: its teardown report carries it
                     # to the controller, the summary and junit XML (report/record.py).
                     written = state.record.to_properties()

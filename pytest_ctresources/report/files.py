@@ -168,6 +168,42 @@ def check_target(value: str, flag: str, invocation_dir: Path) -> Path:
     return path
 
 
+def check_directory(value: str, invocation_dir: Path) -> Path:
+    """A directory the plugin writes files into, checked at start-up: absent (made later,
+    private: :func:`private_directory`) or a directory, never a link. Raises
+    :class:`TargetError`."""
+    path = invocation_dir / value
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return path
+    except OSError as exc:
+        raise TargetError(f"cannot write into {named(value)}: {exc.strerror}") from None
+    if stat.S_ISLNK(mode):
+        raise TargetError(
+            f"{named(value)} is a symbolic link (nothing is written through one: name its target)"
+        )
+    if not stat.S_ISDIR(mode):
+        what = "a file" if stat.S_ISREG(mode) else _kind(mode).split(",")[0]
+        raise TargetError(f"{named(value)} is {what}, not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise TargetError(f"cannot write into {named(value)}: permission denied")
+    return path
+
+
+def private_directory(path: Path) -> Path:
+    """``path`` as a directory to write into: made with mode 0700 if absent (its parents
+    too); an existing one must be a real directory of this user's, never a link. Raises
+    ``OSError`` or :class:`TargetError`."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise TargetError(f"{named(str(path))} is {_kind(info.st_mode)}, not a directory")
+    if info.st_uid != os.geteuid():
+        raise TargetError(f"{named(str(path))} belongs to uid {info.st_uid}, not to you")
+    return path
+
+
 def check_plot_support() -> str | None:
     """Why ``--ct-report-plot`` cannot work here (matplotlib is an optional dependency)."""
     import importlib.util
@@ -223,6 +259,7 @@ def build_report(
             },
             "oom_retry_floor": settings.oom_retry_floor.value,
             "strict": settings.strict,
+            "snapshot": {"value": settings.snapshot.value, "source": str(settings.snapshot.source)},
         },
         "tests": [record.to_dict() for record in summary.records.values()],
         "placements": [placement.to_dict() for placement in summary.placements.values()],
@@ -238,6 +275,7 @@ def build_report(
             ]
             for nodeid, entries in summary.notebook_values.items()
         },
+        "snapshots": [{"nodeid": nodeid, **entry} for nodeid, entry in summary.snapshots.items()],
     }
 
 
