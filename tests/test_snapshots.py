@@ -248,3 +248,38 @@ def test_passing_tests_leave_nothing_and_the_default_is_the_cache(
     nodeid = "test_cache.py::test_b"
     assert [path.name for path in folder.iterdir()] == [file_name(nodeid)]
     result.stdout.fnmatch_lines([f"  {nodeid} (leak): {folder / file_name(nodeid)}"])
+
+
+def test_a_notebooks_kernel_snapshot_is_kept(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # CPU stand-in for a kernel that used CUDA (as in tests/test_notebooks.py): the kernel's
+    # peak and its snapshot, written by hand where the start-up file would write them.
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    monkeypatch.setenv("CT_FAKE_GPUS", "Card=24")
+    snapshot = {"segments": [], "device_traces": [[alloc(1, 5, USER)]]}
+    nb = new_notebook(metadata={"ctresources": {"vram_gib": 1}})
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    nb.cells.append(
+        new_code_cell(
+            "import json, os, pickle\n"
+            "json.dump({'device': 0, 'peak_allocated_bytes': 5 * 2**30, "
+            "'peak_reserved_bytes': 5 * 2**30}, open(os.environ['CT_NOTEBOOK_VRAM_FILE'], 'w'))\n"
+            f"pickle.dump({snapshot!r}, open(os.environ['CT_NOTEBOOK_SNAPSHOT_FILE'], 'wb'))"
+        )
+    )
+    nbformat.write(nb, pytester.path / "nb.ipynb")
+    result = pytester.runpytest("--nbmake", "--ct-snapshot=on-failure", "--ct-report-json=r.json")
+    result.assert_outcomes(passed=1, warnings=1)  # (this CPU process records nothing)
+    path = pytester.path / "r-snapshots" / file_name("nb.ipynb::nb.ipynb")
+    assert pickle.loads(path.read_bytes()) == snapshot
+    (entry,) = json.loads((pytester.path / "r.json").read_text())["snapshots"]
+    assert entry["why"] == "over its declared need"
+    assert entry["sites"][0]["user"] == "/home/me/proj/tests/test_big.py:12 (test_big)"
+    result.stdout.fnmatch_lines(["      5.00 GiB in 1 block(s) at /home/me/proj/tests/*"])

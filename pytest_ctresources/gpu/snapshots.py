@@ -72,6 +72,15 @@ def reasons(
     return found
 
 
+def ran_out_of_memory(exc: BaseException) -> bool:
+    """CUDA out of memory in the test, or in a notebook's kernel (nbmake's failure carries
+    the kernel's error by name)."""
+    if oom.is_oom(exc):
+        return True
+    error = getattr(exc.args[0] if exc.args else None, "error", None)
+    return "OutOfMemoryError" in str(getattr(error, "summary", ""))
+
+
 def start_recording() -> str | None:
     """Start recording this process's CUDA allocations; the reason it cannot, if it cannot
     (no torch, or one built without CUDA)."""
@@ -128,16 +137,17 @@ class SnapshotRecorder:
         item.stash[_OOM_KEY] = False
 
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> None:
-        if call.excinfo is not None and oom.is_oom(call.excinfo.value):
+        if call.excinfo is not None and ran_out_of_memory(call.excinfo.value):
             item.stash[_OOM_KEY] = True
 
     def finish(self, item: pytest.Item, leak_threshold: int) -> None:
         """After the test's teardown and cleanup: keep its snapshot if asked, put the file
         and the top sites into its record; stop recording."""
-        if not item.stash.get(_RECORDING_KEY, False):
-            return
+        recording = item.stash.get(_RECORDING_KEY, False)
         item.stash[_RECORDING_KEY] = False
         state = state_of(item)
+        if not recording and state.kernel_snapshot is None:
+            return
         try:
             found = reasons(
                 out_of_memory=item.stash.get(_OOM_KEY, False),
@@ -170,7 +180,8 @@ class SnapshotRecorder:
             record.snapshot_moment = moment
             record.snapshot_sites = [site.to_dict() for site in top_sites(alive, str(self.root))]
         finally:
-            stop_recording()
+            if recording:
+                stop_recording()
 
 
 def _write(content: bytes, handle: IO[bytes]) -> None:
