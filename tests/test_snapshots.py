@@ -283,3 +283,17 @@ def test_a_notebooks_kernel_snapshot_is_kept(
     assert entry["why"] == "over its declared need"
     assert entry["sites"][0]["user"] == "/home/me/proj/tests/test_big.py:12 (test_big)"
     result.stdout.fnmatch_lines(["      5.00 GiB in 1 block(s) at /home/me/proj/tests/*"])
+
+
+def test_under_xdist_workers_write_and_the_controller_reports(project: pytest.Pytester) -> None:
+    project.makepyfile(
+        test_two="from conftest import FAKE\n\ndef test_a():\n    FAKE.alloc(1)\n\n"
+        "def test_b():\n    FAKE.alloc(1); FAKE.free(1)\n"
+    )
+    result = project.runpytest("-n", "2", "--ct-snapshot=on-failure", "--ct-report-json=r.json")
+    result.assert_outcomes(passed=2)
+    folder = project.path / "r-snapshots"
+    assert [path.name for path in folder.iterdir()] == [file_name("test_two.py::test_a")]
+    (entry,) = json.loads((project.path / "r.json").read_text())["snapshots"]
+    assert entry["sites"][0]["user"] == "test_two.py:4 (test_a)"
+    result.stdout.fnmatch_lines(["  test_two.py::test_a (leak): *"])
