@@ -328,6 +328,13 @@ def _act_per_test(config: pytest.Config, runtime: Runtime) -> None:
         runtime.cleaner = BetweenTests(runtime.settings.cleanup.value)
         config.pluginmanager.register(runtime.cleaner, BetweenTests.name)
     config.pluginmanager.register(PerTestHooks(), PerTestHooks.name)
+    settings = runtime.settings
+    if settings.snapshot.value != "off":  # with off, no recording call at all
+        from pytest_ctresources.report import snapshots
+
+        snapshots.register(
+            config, settings.snapshot.value, settings.snapshot_dir, settings.report_json
+        )
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -470,6 +477,9 @@ class PerTestHooks:
                 try:
                     leases.give_back(item)  # whatever raised (-W error::CtLeakWarning, ...)
                 finally:
+                    from pytest_ctresources.report import snapshots
+
+                    snapshots.finish(item, runtime.settings.leak_threshold_bytes.value)
                     # The one place the test's record is written: its teardown report carries it
                     # to the controller, the summary and junit XML (core/record.py).
                     written = state.record.to_properties()

@@ -643,6 +643,42 @@ ROWS: list[Row] = [
         source="ct-resources: error:",
         env=(("CT_FAKE_GPUS", "H200=lots"),),
     ),
+    # --- --ct-snapshot, --ct-snapshot-dir: option, ini key, variable -----------------------
+    option("snapshot-mode", "--ct-snapshot", "sometimes", message="one of off, on-failure"),
+    ini("ini-snapshot-mode", "ct_snapshot", "yes", "one of off, on-failure, always"),
+    env("env-snapshot-mode", "CT_SNAPSHOT", "on", "one of off, on-failure, always"),
+    option(
+        "snapshot-dir-file",
+        "--ct-snapshot-dir",
+        "notes.txt",
+        message="notes.txt is a file, not a directory",
+        source="--ct-snapshot-dir:",
+        files=(("notes.txt", VICTIM_TEXT),),
+    ),
+    option(
+        "snapshot-dir-symlink",
+        "--ct-snapshot-dir",
+        "link",
+        message="is a symbolic link",
+        source="--ct-snapshot-dir:",
+        prepare=lambda path: (path / "link").symlink_to("."),
+    ),
+    Row(
+        "ini-snapshot-dir-fifo",
+        "usage",
+        "ini ct_snapshot_dir in ",
+        "is a FIFO, not a directory",
+        ini="ct_snapshot_dir = pipe",
+        prepare=_fifo,
+    ),
+    env(
+        "env-snapshot-dir-file",
+        "CT_SNAPSHOT_DIR",
+        "notes.txt",
+        "is a file, not a directory",
+        files=(("notes.txt", VICTIM_TEXT),),
+    ),
+    toml_list("toml-snapshot", "ct_snapshot", '["always"]'),
 ]
 
 

@@ -85,6 +85,13 @@ class TestRecord:
     lease_reused_gib: float | None = None
     placed_because: str | None = None
     """Why the VRAM scheduler sent the test to this worker (xdist/scheduler.py)."""
+    # -- its CUDA memory snapshot (--ct-snapshot) ----------------------------------------
+    snapshot_file: str | None = None
+    snapshot_why: str | None = None
+    """out of memory, leak, over its declared need (or always)."""
+    snapshot_moment: str | None = None
+    """When ``snapshot_sites`` were alive: at the peak, when it ran out of memory."""
+    snapshot_sites: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def used_cuda(self) -> bool:

@@ -49,6 +49,8 @@ class TestState:
     """Its CUDA figures after teardown and cleanup."""
     kernel_figures: VramFigures | None = None
     """A notebook's figures, measured in its kernel (used instead of the meter's)."""
+    kernel_snapshot: bytes | None = None
+    """A notebook's CUDA memory snapshot, pickled by its kernel (``--ct-snapshot``)."""
     record: TestRecord = field(default_factory=TestRecord)
 
     def new_attempt(self) -> None:

@@ -313,7 +313,7 @@ def run_notebook(item: Any) -> None:
     )
     launch = None
     try:
-        with kernel_launch(env) as launch:
+        with kernel_launch(env, snapshot=settings.snapshot.value != "off") as launch:
             run = KernelRun(
                 source,
                 nb,
@@ -334,6 +334,8 @@ def run_notebook(item: Any) -> None:
     finally:
         if launch is not None and launch.figures is not None:
             state_of(item).kernel_figures = launch.figures
+        if launch is not None:
+            state_of(item).kernel_snapshot = launch.snapshot
     if option.overwrite:
         nbformat.write(result.nb, str(source))
     if result.error is not None:

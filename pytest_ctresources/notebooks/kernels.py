@@ -41,6 +41,7 @@ from pytest_ctresources.gpu.measure import VramFigures
 from pytest_ctresources.settings.config import CircuitTracerConfig
 
 VRAM_FILE_ENV = "CT_NOTEBOOK_VRAM_FILE"
+SNAPSHOT_FILE_ENV = "CT_NOTEBOOK_SNAPSHOT_FILE"
 CAPACITY_ENV = "CT_VRAM_CAPACITY"
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
@@ -48,7 +49,8 @@ ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 # config files and before the kernel and its shell exist: nothing it defines reaches the
 # notebook, and it sets no config (``c`` is left empty), so the profile's settings all stand.
 # It caps the allocator like the pytest process (importing torch only when a cap is set) and
-# reports the kernel's CUDA figures at exit, using only what the kernel itself loaded.
+# reports the kernel's CUDA figures at exit, using only what the kernel itself loaded. Under
+# --ct-snapshot it records the allocator's history from the start and dumps it at exit.
 KERNEL_STARTUP = """\
 import atexit
 import os
@@ -57,6 +59,10 @@ if os.environ.get("CT_VRAM_CAPACITY"):
     from pytest_ctresources.gpu.allocator import CapacityCap
 
     CapacityCap(float(os.environ["CT_VRAM_CAPACITY"])).arm(import_torch=True)
+if os.environ.get("CT_NOTEBOOK_SNAPSHOT_FILE"):
+    from pytest_ctresources.report.snapshots import start_recording
+
+    start_recording()
 
 
 def _ctresources_report_vram():
@@ -66,6 +72,8 @@ def _ctresources_report_vram():
     if not path or torch is None or not torch.cuda.is_initialized():
         return
     device = torch.cuda.current_device()
+    if os.environ.get("CT_NOTEBOOK_SNAPSHOT_FILE"):
+        torch.cuda.memory._dump_snapshot(os.environ["CT_NOTEBOOK_SNAPSHOT_FILE"])
     with open(path, "w") as handle:
         json.dump({
             "device": device,
@@ -168,12 +176,17 @@ class KernelLaunch:
     config: Any
     """traitlets ``Config`` for the manager: IPC transport, socket path, start-up file."""
     figures: VramFigures | None = None
+    snapshot: bytes | None = None
+    """The kernel's CUDA memory snapshot, pickled (``snapshot=True``; None if it used no CUDA)."""
 
 
 @contextmanager
-def kernel_launch(extra_env: Mapping[str, str]) -> Iterator[KernelLaunch]:
-    """A private directory for one kernel's sockets, start-up file and VRAM report; removed
-    at the end of the block, when :attr:`KernelLaunch.figures` is filled."""
+def kernel_launch(
+    extra_env: Mapping[str, str], *, snapshot: bool = False
+) -> Iterator[KernelLaunch]:
+    """A private directory for one kernel's sockets, start-up file and VRAM report (and, with
+    ``snapshot``, its memory snapshot); removed at the end of the block, when
+    :attr:`KernelLaunch.figures` and :attr:`KernelLaunch.snapshot` are filled."""
     from traitlets.config import Config
 
     # mkdtemp: a new directory, mode 0700, that nobody else can have prepared or can enter.
@@ -185,8 +198,10 @@ def kernel_launch(extra_env: Mapping[str, str]) -> Iterator[KernelLaunch]:
         startup = scratch / "startup.py"
         startup.write_text(KERNEL_STARTUP, encoding="utf-8")
         vram_file = scratch / "vram.json"
+        snapshot_file = scratch / "snapshot.pickle"
+        recording = {SNAPSHOT_FILE_ENV: str(snapshot_file)} if snapshot else {}
         launch = KernelLaunch(
-            env={**os.environ, **extra_env, VRAM_FILE_ENV: str(vram_file)},
+            env={**os.environ, **extra_env, VRAM_FILE_ENV: str(vram_file), **recording},
             manager_class=ipc_kernel_manager(),
             config=Config(
                 {
@@ -199,6 +214,8 @@ def kernel_launch(extra_env: Mapping[str, str]) -> Iterator[KernelLaunch]:
             yield launch
         finally:
             launch.figures = read_figures(vram_file)
+            if snapshot and snapshot_file.is_file():
+                launch.snapshot = snapshot_file.read_bytes()
     finally:
         if sockets is not None and sockets != scratch:
             shutil.rmtree(sockets, ignore_errors=True)

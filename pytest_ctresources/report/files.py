@@ -66,6 +66,19 @@ def _make_directories(directory: Path) -> bool:
     return shared
 
 
+def private_directory(path: Path) -> Path:
+    """``path`` as a directory to write into: made with mode 0700 if absent (its parents
+    too); an existing one must be a real directory of this user's, never a link. Raises
+    ``OSError`` or :class:`TargetError`."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise TargetError(f"{named(str(path))} is {file_kind(info.st_mode)}, not a directory")
+    if info.st_uid != os.geteuid():
+        raise TargetError(f"{named(str(path))} belongs to uid {info.st_uid}, not to you")
+    return path
+
+
 def build_report(
     summary: RunSummary,
     runtime: Runtime,
@@ -112,6 +125,7 @@ def build_report(
             },
             "oom_retry_floor": settings.oom_retry_floor.value,
             "strict": settings.strict,
+            "snapshot": {"value": settings.snapshot.value, "source": str(settings.snapshot.source)},
         },
         "tests": [record.to_dict() for record in summary.records.values()],
         "placements": [placement.to_dict() for placement in summary.placements.values()],
@@ -128,6 +142,7 @@ def build_report(
             ]
             for nodeid, entries in summary.notebook_values.items()
         },
+        "snapshots": [{"nodeid": nodeid, **entry} for nodeid, entry in summary.snapshots.items()],
     }
 
 

@@ -20,6 +20,7 @@ from pytest_ctresources.core.accounting import UNMARKED_BYTES, suggested_marker
 from pytest_ctresources.core.learned import LearnedNeed
 from pytest_ctresources.core.record import AT_TOP, TestRecord
 from pytest_ctresources.report.placement import Placement, placement_from, placement_lines
+from pytest_ctresources.report.snapshot_sites import Site
 from pytest_ctresources.settings.activation import activation_of
 from pytest_ctresources.units import GIB, bytes_text
 
@@ -165,6 +166,8 @@ class RunSummary:
     """(field, session-wide source, its value) -> the tests whose own marker overrode it."""
     notebook_values: dict[str, list[list[str]]] = field(default_factory=dict)
     """Notebook item -> the values injected into it (``[NAME, literal, where from]``)."""
+    snapshots: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Test -> its CUDA memory snapshot: file, why, moment and top sites (``--ct-snapshot``)."""
     _outcomes: dict[str, str] = field(default_factory=dict)
     _rerun_attempt: set[str] = field(default_factory=set)
     _acted: set[str] = field(default_factory=set)
@@ -213,6 +216,13 @@ class RunSummary:
             self.notebook_values[nodeid] = [
                 list(map(str, entry)) for entry in record.notebook_values
             ]
+        if record.snapshot_file is not None:
+            self.snapshots[nodeid] = {
+                "file": record.snapshot_file,
+                "why": record.snapshot_why,
+                "moment": record.snapshot_moment,
+                "sites": list(record.snapshot_sites),
+            }
         outcome = self._outcomes.get(nodeid, "passed")
         row = vram_record(nodeid, outcome, record)
         if row is not None:
@@ -337,6 +347,31 @@ class RunSummary:
         placements = list(self.placements.values())
         if any(p.waited_s > 0 or p.lease_wait_s < 0 for p in placements):
             out += placement_lines(placements) if not quiet else placement_lines(placements)[:1]
+        out += self.snapshot_lines(top, quiet=quiet)
+        return out
+
+    def snapshot_lines(self, top: int, *, quiet: bool) -> list[str]:
+        """The tests whose memory snapshot was kept for a finding, each with its file and the
+        sites that held most; the count of the others (``--ct-snapshot always``)."""
+        found = {
+            nodeid: entry for nodeid, entry in self.snapshots.items() if entry["why"] != "always"
+        }
+        out = []
+        if found:
+            out.append(
+                f"memory snapshots: {len(found)} test(s) (open in https://pytorch.org/memory_viz)"
+            )
+        if found and not quiet:
+            lines = []
+            for nodeid, entry in sorted(found.items()):
+                lines.append(f"  {nodeid} ({entry['why']}): {entry['file']}")
+                lines += [
+                    f"      {Site(**site).text()} {entry['moment']}" for site in entry["sites"]
+                ]
+            out += capped(lines, top * 6)
+        others = len(self.snapshots) - len(found)
+        if others:
+            out.append(f"memory snapshots of {others} other test(s) (--ct-snapshot always)")
         return out
 
     def detail_lines(self, top: int, verbosity: int) -> list[str]:

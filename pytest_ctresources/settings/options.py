@@ -41,6 +41,7 @@ DEFAULT_ALLOC_CONF = "expandable_segments:True"
 BINDING_MODES: tuple[str, ...] = ("auto", "off")
 NOTEBOOK_INJECT_MODES: tuple[str, ...] = ("parameters", "top")
 NOTEBOOK_CONFIGS_INI = "ct_notebook_configs"
+SNAPSHOT_MODES: tuple[str, ...] = ("off", "on-failure", "always")
 
 
 #: The longest a test may wait for its VRAM lease: a week. (Beyond threading.TIMEOUT_MAX, about
@@ -119,6 +120,22 @@ def notebook_inject_mode(text: str) -> str:
     value = _text(text).strip()
     if value not in NOTEBOOK_INJECT_MODES:
         raise ValueError(f"must be one of {', '.join(NOTEBOOK_INJECT_MODES)}; got {shown(value)}")
+    return value
+
+
+def snapshot_mode(text: str) -> str:
+    """Parse ``ct_snapshot``."""
+    value = _text(text).strip().lower()
+    if value not in SNAPSHOT_MODES:
+        raise ValueError(f"must be one of {', '.join(SNAPSHOT_MODES)}; got {shown(text)}")
+    return value
+
+
+def directory_path(text: str) -> str:
+    """Parse a directory path (checked where it is resolved, against the file system)."""
+    value = _text(text).strip()
+    if not value or "\0" in value:
+        raise ValueError(f"must be a directory path, got {shown(text)}")
     return value
 
 
@@ -258,6 +275,28 @@ SETTINGS: tuple[SettingSpec, ...] = (
         "act as if the GPU had GIB of memory: used in skip decisions, and the CUDA allocator "
         "of this process is capped at it",
         positive_number,
+    ),
+    SettingSpec(
+        "ct_snapshot",
+        "--ct-snapshot",
+        "ct_snapshot",
+        "CT_SNAPSHOT",
+        "off|on-failure|always",
+        "record the CUDA allocator's history with Python stacks during each test and dump it "
+        "(torch's memory snapshot, for https://pytorch.org/memory_viz) for a test that ran out "
+        "of memory, leaked or went over its declared need ('on-failure'), or for every test "
+        "('always'); default off",
+        snapshot_mode,
+    ),
+    SettingSpec(
+        "ct_snapshot_dir",
+        "--ct-snapshot-dir",
+        "ct_snapshot_dir",
+        "CT_SNAPSHOT_DIR",
+        "DIR",
+        "where --ct-snapshot writes its files (default: beside --ct-report-json, else in "
+        "pytest's cache directory)",
+        directory_path,
     ),
 )
 

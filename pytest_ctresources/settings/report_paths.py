@@ -187,6 +187,29 @@ def existing_ancestor(directory: Path) -> Path:
     return directory
 
 
+def check_directory(value: str, invocation_dir: Path) -> Path:
+    """A directory the plugin writes files into, checked at start-up: absent (made later,
+    private: ``report/files.py``'s ``private_directory``) or a directory, never a link.
+    Raises :class:`TargetError`."""
+    path = invocation_dir / value
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return path
+    except OSError as exc:
+        raise TargetError(f"cannot write into {named(value)}: {exc.strerror}") from None
+    if stat.S_ISLNK(mode):
+        raise TargetError(
+            f"{named(value)} is a symbolic link (nothing is written through one: name its target)"
+        )
+    if not stat.S_ISDIR(mode):
+        what = "a file" if stat.S_ISREG(mode) else file_kind(mode).split(",")[0]
+        raise TargetError(f"{named(value)} is {what}, not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise TargetError(f"cannot write into {named(value)}: permission denied")
+    return path
+
+
 def check_plot_support() -> str | None:
     """Why ``--ct-report-plot`` cannot work here (matplotlib is an optional dependency)."""
     import importlib.util

@@ -50,12 +50,14 @@ from pytest_ctresources.settings.report_paths import (
     JSON_FLAG,
     PLOT_FLAG,
     TargetError,
+    check_directory,
     check_plot_support,
     check_target,
 )
 from pytest_ctresources.settings.sources import Source, Sourced
 
 _INI_DEFAULTS = {name: default for name, _help, default in INI_ONLY}
+SNAPSHOT_OFF: Sourced[str] = Sourced("off", Source.default())
 REPORT_DESTS = (
     "ct_report",
     "ct_report_top",
@@ -97,6 +99,10 @@ class Settings:
     report_plot: Path | None = None
     strict: bool = False
     forget: bool = False
+    snapshot: Sourced[str] = SNAPSHOT_OFF
+    """``--ct-snapshot``: off, on-failure or always."""
+    snapshot_dir: Path | None = None
+    """``--ct-snapshot-dir``, checked (None: the default, decided where the run starts)."""
 
     def session_config(self) -> CircuitTracerConfig:
         """The session-wide config, defaults < ini < experiment YAML < environment < command
@@ -213,7 +219,7 @@ def resolve_settings(
         if raw_ini:
             source = ini_source(spec.ini)
             value = _parse(spec, raw_ini, source)
-            if spec.dest == "ct_config":
+            if spec.dest in ("ct_config", "ct_snapshot_dir"):
                 # An ini file's path is relative to that file; -o's to where pytest runs.
                 base = invocation_dir if spec.ini in overridden else ini_dir
                 value = str(base / str(value))
@@ -269,6 +275,13 @@ def resolve_settings(
             raise pytest.UsageError(f"{PLOT_FLAG}: {unsupported}")
         if report_json is not None and os.path.abspath(report_json) == os.path.abspath(report_plot):
             raise pytest.UsageError(f"{PLOT_FLAG}: {report_plot} is also the {JSON_FLAG} path")
+    snapshot = session.get("ct_snapshot", SNAPSHOT_OFF)
+    snapshot_dir = session.get("ct_snapshot_dir")
+    if snapshot_dir is not None:
+        try:
+            checked_dir = check_directory(str(snapshot_dir.value), invocation_dir)
+        except TargetError as exc:
+            raise pytest.UsageError(f"{snapshot_dir.source}: {exc}") from None
     return Settings(
         ini_layer=ini_layer,
         experiment=experiment,
@@ -299,6 +312,8 @@ def resolve_settings(
         report_plot=report_plot,
         strict=bool(options.get("ct_strict")),
         forget=bool(options.get("ct_forget")),
+        snapshot=snapshot,  # type: ignore[arg-type]
+        snapshot_dir=checked_dir if snapshot_dir is not None else None,
     )
 
 
