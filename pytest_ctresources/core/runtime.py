@@ -24,6 +24,7 @@ from pytest_ctresources.gpu.detect import (
     detect_gpus,
     parse_fake_gpus,
 )
+from pytest_ctresources.report import learned as learned_needs
 from pytest_ctresources.report.learned import LearnedNeeds
 from pytest_ctresources.session.cache import ModelCache
 from pytest_ctresources.settings.config import FIELDS, CircuitTracerConfig
@@ -53,6 +54,7 @@ class Runtime:
     _gpu_facts: GpuFacts | None = None
     _learned: LearnedNeeds | None = None
     _session_config: CircuitTracerConfig | None = None
+    _library_versions: dict[str, str] | None = None
 
     def gpu_facts(self, *, may_import_torch: bool = True) -> GpuFacts:
         """The GPUs of this process, detected once. Without NVML, detection falls back to
@@ -89,6 +91,12 @@ class Runtime:
         if self._learned is None:
             self._learned = LearnedNeeds(self.cache, self.shipped_learned)
         return self._learned
+
+    def library_versions(self) -> dict[str, str]:
+        """The versions of the libraries that move memory (report/learned.py), read once."""
+        if self._library_versions is None:
+            self._library_versions = learned_needs.library_versions()
+        return self._library_versions
 
     def resident_bytes(self) -> int:
         """CUDA memory the models ``ct_session`` keeps loaded between tests hold now."""

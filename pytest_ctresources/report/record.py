@@ -79,6 +79,13 @@ class TestRecord:
     lease_reused_gib: float | None = None
     placed_because: str | None = None
     """Why the VRAM scheduler sent the test to this worker (xdist/scheduler.py)."""
+    # -- what earlier runs tell ------------------------------------------------------------
+    peak_increase: dict[str, Any] | None = None
+    """Its peak grew over its last passing one (report/regression.py's ``Increase``)."""
+    vram_skip: str | None = None
+    """The plugin skipped it: its VRAM need did not fit (no GPU, or too small); the reason."""
+    gpu_ran: str | None = None
+    """The GPU it ran on, for a GPU test that was not skipped for VRAM (report/coverage.py)."""
 
     @property
     def used_cuda(self) -> bool:

@@ -146,6 +146,37 @@ def seconds(text: str) -> float:
     )
 
 
+#: The largest ``--ct-fail-on-increase`` percentage and ``--ct-require-gpu-run-within`` days.
+MAX_PERCENT = 10_000.0
+MAX_DAYS = 3650.0
+
+
+def percent_or_off(text: str) -> float | None:
+    """Parse a percentage, 0 or more, or ``off`` (None)."""
+    if _text(text).strip().lower() == "off":
+        return None
+    return _number(
+        text,
+        zero_ok=True,
+        most=MAX_PERCENT,
+        unit="%",
+        message="must be a percentage, 0 or more, or off",
+    )
+
+
+def days_or_off(text: str) -> float | None:
+    """Parse a number of days, 0 or more, or ``off`` (None)."""
+    if _text(text).strip().lower() == "off":
+        return None
+    return _number(
+        text,
+        zero_ok=True,
+        most=MAX_DAYS,
+        unit=" days",
+        message="must be a number of days, 0 or more, or off",
+    )
+
+
 def byte_size(text: str) -> int:
     """Parse ``256MiB``, ``1GiB``, ``500MB`` or a bare number of MiB into bytes (at most
     ``MAX_GIB`` GiB)."""
@@ -322,6 +353,19 @@ INI_ONLY: tuple[tuple[str, str, str], ...] = (
         "PYTORCH_CUDA_ALLOC_CONF set (if unset) before CUDA can initialise; empty disables",
         DEFAULT_ALLOC_CONF,
     ),
+    (
+        "ct_fail_on_increase",
+        "fail a test whose peak reserved grew by more than this percentage over its last "
+        "passing peak on the same GPU model and config (same as --ct-fail-on-increase); "
+        "'off' only warns in the summary",
+        "off",
+    ),
+    (
+        "ct_require_gpu_run_within",
+        "fail the run when a GPU test skipped in it has not really run on a GPU for this "
+        "many days (same as --ct-require-gpu-run-within)",
+        "off",
+    ),
 )
 
 
@@ -410,6 +454,7 @@ def add_options(parser: pytest.Parser) -> None:
         help="clear the VRAM needs learned by earlier runs (kept in pytest's cache)",
     )
     _add_placement_options(group)
+    _add_history_options(group)
     for name, help_text, default in INI_ONLY:
         # default=None tells "unset" from "set to the default" (or to empty, for ct_alloc_conf)
         parser.addini(name, f"{help_text} [default: {default}]", type="string", default=None)
@@ -481,4 +526,31 @@ def _add_placement_options(group: pytest.OptionGroup) -> None:
         type=argparse_type(_runner_gpus),
         help="with --ct-shard: the GPU of each of the N jobs (80 for all; 2x24,80 job by job; "
         "default: this job's GPU, for all)",
+    )
+
+
+def _add_history_options(group: pytest.OptionGroup) -> None:
+    """What earlier runs tell: the VRAM regression gate and the GPU tests' last real runs."""
+    from pytest_ctresources.report.regression import DEFAULT_PERCENT
+
+    group.addoption(
+        "--ct-fail-on-increase",
+        dest="ct_fail_on_increase",
+        metavar="PCT",
+        nargs="?",
+        const=f"{DEFAULT_PERCENT:g}",
+        default=None,
+        type=argparse_type(percent_or_off),
+        help="fail a test whose peak reserved grew by more than PCT percent (default "
+        f"{DEFAULT_PERCENT:g}) over its last passing peak on the same GPU model and config; "
+        "without it the summary warns",
+    )
+    group.addoption(
+        "--ct-require-gpu-run-within",
+        dest="ct_require_gpu_run_within",
+        metavar="DAYS",
+        default=None,
+        type=argparse_type(days_or_off),
+        help="fail the run when a GPU test skipped in it has not really run on a GPU "
+        "within DAYS days (or never did)",
     )

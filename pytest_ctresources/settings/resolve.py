@@ -28,7 +28,7 @@ from pytest_ctresources.report.files import (
     check_plot_support,
     check_target,
 )
-from pytest_ctresources.settings.activation import Activation, project_request
+from pytest_ctresources.settings.activation import Activation, flag_of, project_request
 from pytest_ctresources.settings.config import CircuitTracerConfig, ConfigError, parse_bool, shown
 from pytest_ctresources.settings.experiment_yaml import ExperimentFile, load_experiment_yaml
 from pytest_ctresources.settings.options import (
@@ -40,8 +40,10 @@ from pytest_ctresources.settings.options import (
     binding_mode,
     byte_size,
     cleanup_mode,
+    days_or_off,
     fraction,
     non_negative_gib,
+    percent_or_off,
     positive_count,
     seconds,
     seconds_or_off,
@@ -58,7 +60,12 @@ REPORT_DESTS = (
     "ct_oom_retry",
     "ct_forget",
     "ct_leases",
+    "ct_fail_on_increase",
+    "ct_require_gpu_run_within",
 )
+
+#: A setting that is off unless asked for (its default).
+_OFF: Sourced[float | None] = Sourced(None, Source.default())
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,11 @@ class Settings:
     report_plot: Path | None = None
     strict: bool = False
     forget: bool = False
+    fail_on_increase: Sourced[float | None] = _OFF
+    """The percentage over its last passing peak above which a test fails (None: it warns)."""
+    require_gpu_run_within: Sourced[float | None] = _OFF
+    """Days within which each GPU test skipped in this run must have really run (None: no
+    requirement)."""
 
     def session_config(self) -> CircuitTracerConfig:
         """The session-wide config, defaults < ini < experiment YAML < environment < command
@@ -268,7 +280,26 @@ def resolve_settings(
         report_plot=report_plot,
         strict=bool(options.get("ct_strict")),
         forget=bool(options.get("ct_forget")),
+        fail_on_increase=_option_or_ini(
+            options, ini, "ct_fail_on_increase", ini_source, percent_or_off
+        ),  # type: ignore[arg-type]
+        require_gpu_run_within=_option_or_ini(
+            options, ini, "ct_require_gpu_run_within", ini_source, days_or_off
+        ),  # type: ignore[arg-type]
     )
+
+
+def _option_or_ini(
+    options: Mapping[str, object],
+    ini: Mapping[str, str | None],
+    key: str,
+    ini_source: Callable[[str], Source],
+    parse: Callable[[str], object],
+) -> Sourced[object]:
+    """An option whose ini key has the same name: the option if given, else the ini key."""
+    if options.get(key) is not None:
+        return Sourced(options[key], Source.option(flag_of(key)))
+    return _ini_or_default(ini, key, ini_source, parse)
 
 
 def _ini_or_default(
