@@ -133,10 +133,11 @@ def test_skipped_gpu_tests_say_when_and_where_they_last_ran(
     result.stdout.fnmatch_lines(
         [
             "skipped for VRAM: 2 test(s)",
-            f"  test_cov.py::test_on_gpu: needs 2.0 GiB VRAM; no CUDA GPU detected; last really "
-            f"ran {today} ??:?? UTC on Fake GPU",
-            "  test_cov.py::test_too_big: needs 4.0 GiB VRAM; no CUDA GPU detected; never "
-            "really ran",
+            "  test_cov.py::test_on_gpu: needs 2.0 GiB VRAM; no CUDA GPU detected",
+            "  test_cov.py::test_too_big: needs 4.0 GiB VRAM; no CUDA GPU detected",
+            "GPU tests skipped here: 2 test(s); when each last really ran on a GPU:",
+            f"  test_cov.py::test_on_gpu: {today} ??:?? UTC on Fake GPU",
+            "  test_cov.py::test_too_big: never",
         ]
     )
     coverage = json.loads((project.path / "r.json").read_text())["gpu_coverage"]

@@ -53,7 +53,7 @@ class SkippedGpuTest:
     last: LastRun | None
 
     def text(self) -> str:
-        return f"last really ran {self.last.text()}" if self.last else "never really ran"
+        return self.last.text() if self.last else "never"
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,6 @@ class GpuCoverage:
     skipped: tuple[SkippedGpuTest, ...]
     within_days: float | None
     now: datetime.datetime
-
-    def of(self, nodeid: str) -> SkippedGpuTest | None:
-        return next((test for test in self.skipped if test.nodeid == nodeid), None)
 
     def stale(self) -> list[SkippedGpuTest]:
         """The skipped tests that have not really run within the days required, the stalest

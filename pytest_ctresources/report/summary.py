@@ -355,15 +355,10 @@ class RunSummary:
             out.append(f"skipped for VRAM: {len(self.vram_skips)} test(s)")
             if not quiet:
                 out += capped(
-                    [
-                        f"  {nodeid}: {reason}{self.last_gpu_run(nodeid)}"
-                        for nodeid, reason in sorted(self.vram_skips.items())
-                    ],
+                    [f"  {nodeid}: {reason}" for nodeid, reason in sorted(self.vram_skips.items())],
                     top,
                 )
-        failure = self.coverage.failure_line() if self.coverage is not None else None
-        if failure is not None:
-            out.append(failure)
+        out += self.coverage_lines(top, quiet=quiet)
         placements = list(self.placements.values())
         if any(p.waited_s > 0 or p.lease_wait_s < 0 for p in placements):
             out += placement_lines(placements) if not quiet else placement_lines(placements)[:1]
@@ -398,10 +393,20 @@ class RunSummary:
         out += self.slowest_lines(min(top, 5))
         return out
 
-    def last_gpu_run(self, nodeid: str) -> str:
-        """``; last really ran 2026-12-02 05:40 UTC on NVIDIA H200`` for a skipped GPU test."""
-        skipped = self.coverage.of(nodeid) if self.coverage is not None else None
-        return f"; {skipped.text()}" if skipped is not None else ""
+    def coverage_lines(self, top: int, *, quiet: bool) -> list[str]:
+        """The GPU tests skipped in this run and when each last really ran on a GPU; the
+        failure of ``--ct-require-gpu-run-within``."""
+        coverage = self.coverage
+        if coverage is None or not coverage.skipped:
+            return []
+        out = [
+            f"GPU tests skipped here: {len(coverage.skipped)} test(s); when each last really "
+            "ran on a GPU:"
+        ]
+        if not quiet:
+            out += capped([f"  {test.nodeid}: {test.text()}" for test in coverage.skipped], top)
+        failure = coverage.failure_line()
+        return [*out, failure] if failure is not None else out
 
     @property
     def acted(self) -> bool:
