@@ -97,6 +97,20 @@ def test_a_peak_learned_on_another_gpu_is_not_compared(
     project.runpytest("-p", "no:randomly", "--ct-fail-on-increase").assert_outcomes(passed=2)
 
 
+def test_workers_compare_with_the_peaks_the_controller_ships(
+    project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project.makepyfile(test_suite=GROWING)
+    monkeypatch.setenv("GROW_GIB", "1.0")
+    project.runpytest("-p", "no:randomly").assert_outcomes(passed=2)
+    monkeypatch.setenv("GROW_GIB", "1.5")
+    result = project.runpytest("-n", "2", "--ct-fail-on-increase=20")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        ["*ctresources --ct-fail-on-increase: test_suite.py::test_grows: peak 1.50 GiB *, up 50%*"]
+    )
+
+
 COVERED = """
 import pytest
 
@@ -165,12 +179,6 @@ def test_skipped_gpu_tests_say_when_and_where_they_last_ran(
         "-p", "no:randomly", "-k", "on_gpu", "-o", "ct_require_gpu_run_within=1"
     )
     assert result.ret == 0
-
-
-def test_a_project_that_does_not_ask_writes_no_gpu_runs(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile("def test_a():\n    pass\n")
-    pytester.runpytest("-p", "no:randomly").assert_outcomes(passed=1)
-    assert not list(pytester.path.glob(".pytest_cache/v/ctresources/*"))
 
 
 # --- the pure parts ------------------------------------------------------------------------
