@@ -5,16 +5,21 @@
 Times, in subprocesses alternating with and without the plugin (``-p no:ctresources``):
 ``pytest --co`` of a 2,000-test project, a full run of those 2,000 trivial tests, and a
 one-test project writing a pytest-html report. None of these projects asks for the plugin
-(settings/activation.py), so the plugin should cost nothing measurable. Prints the fastest and
-the median wall times, the median of the ratios of paired runs, and which heavy modules
-loading the plugin imported (must be none). The fastest run is the estimate of the
-code's cost (as ``timeit`` uses it): on a shared machine the median also carries the noise
-of whatever else ran, and alternating the two variants keeps that noise from favouring one.
+(settings/activation.py), so the plugin should cost nothing measurable. A fourth workload is
+the 2,000 trivial tests in a project that asks (``ct_cleanup = auto`` in its ini): there
+the plugin acts around every test, and what a test that uses nothing of it costs shows.
+Prints the fastest and the median wall times, the medians of the ratios of paired runs (wall
+and CPU time, user + system of the pytest process: CPU time moves less with what else loads
+the machine), and which heavy modules loading the plugin imported (must be none). The
+fastest run is the estimate of the code's cost (as ``timeit`` uses it): on a shared machine
+the median also carries the noise of whatever else ran, and alternating the two variants
+keeps that noise from favouring one.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import subprocess
 import sys
@@ -33,15 +38,21 @@ def make_project(root: Path, n_tests: int) -> None:
     (root / "pytest.ini").write_text("[pytest]\n")
 
 
-def timed(root: Path, args: list[str]) -> float:
-    start = time.perf_counter()
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(root: Path, args: list[str]) -> tuple[float, float]:
+    """Wall and CPU seconds of one pytest run in ``root``."""
+    start, cpu = time.perf_counter(), _children_cpu()
     subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
         cwd=root,
         check=True,
         stdout=subprocess.DEVNULL,
     )
-    return time.perf_counter() - start
+    return time.perf_counter() - start, _children_cpu() - cpu
 
 
 def heavy_imports_of_plugin() -> list[str]:
@@ -66,32 +77,43 @@ def main() -> None:
         one.mkdir()
         (one / "test_one.py").write_text("def test_one():\n    assert True\n")
         (one / "pytest.ini").write_text("[pytest]\n")
+        asking = Path(tmp) / "asking"
+        asking.mkdir()
+        make_project(asking, args.tests)
+        (asking / "pytest.ini").write_text("[pytest]\nct_cleanup = auto\n")
         workloads = (
             ("pytest --co", root, ["--co"]),
             (f"{args.tests} trivial tests", root, []),
             ("1 test, --html", one, ["--html", "report.html", "--self-contained-html"]),
+            (f"{args.tests} trivial tests, asking", asking, []),
         )
         rows = []
-        paired: list[tuple[str, float]] = []
+        paired: list[tuple[str, float, float]] = []
         for label, where, extra in workloads:
-            with_plugin: list[float] = []
-            without: list[float] = []
+            with_plugin: list[tuple[float, float]] = []
+            without: list[tuple[float, float]] = []
             timed(where, extra)  # warm the filesystem and bytecode caches
             for _ in range(args.repeats):
                 with_plugin.append(timed(where, extra))
                 without.append(timed(where, [*extra, "-p", "no:ctresources"]))
-            rows.append((f"{label}, fastest", min(with_plugin), min(without)))
-            rows.append(
-                (f"{label}, median", statistics.median(with_plugin), statistics.median(without))
+            walls = [w for w, _ in with_plugin], [w for w, _ in without]
+            rows.append((f"{label}, fastest", min(walls[0]), min(walls[1])))
+            medians = statistics.median(walls[0]), statistics.median(walls[1])
+            rows.append((f"{label}, median", *medians))
+            pairs = list(zip(with_plugin, without, strict=True))
+            paired.append(
+                (
+                    label,
+                    statistics.median(a[0] / b[0] for a, b in pairs),
+                    statistics.median(a[1] / b[1] for a, b in pairs),
+                )
             )
-            ratios = [a / b for a, b in zip(with_plugin, without, strict=True)]
-            paired.append((label, statistics.median(ratios)))
     print(f"python {sys.version.split()[0]}, {args.repeats} alternating runs each")
     print(f"{'workload':<32} {'with plugin':>12} {'without':>12} {'ratio':>7}")
     for label, with_s, without_s in rows:
         print(f"{label:<32} {with_s:>11.3f}s {without_s:>11.3f}s {with_s / without_s:>7.3f}")
-    for label, ratio in paired:
-        print(f"{label}: median of paired ratios {ratio:.3f}")
+    for label, wall, cpu in paired:
+        print(f"{label}: median of paired ratios, wall {wall:.3f}, CPU {cpu:.3f}")
     heavy = heavy_imports_of_plugin()
     print("heavy modules imported by loading the plugin:", ", ".join(heavy) or "none")
 

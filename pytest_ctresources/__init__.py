@@ -10,13 +10,49 @@ Public API (importing this package never imports torch, matplotlib or circuit_tr
 - :mod:`pytest_ctresources.testing`: tiny offline ReplacementModels for CPU smoke tests.
 """
 
-from pytest_ctresources.gpu.cleanup import cleanup_python_cuda, safe_clean_cuda
-from pytest_ctresources.gpu.detect import GpuFacts, GpuInfo, detect_gpus
-from pytest_ctresources.session.cache import ModelCache
-from pytest_ctresources.session.session import CtSession
-from pytest_ctresources.settings.config import CircuitTracerConfig, ConfigError
-from pytest_ctresources.settings.experiment_yaml import load_experiment_yaml
-from pytest_ctresources.settings.sources import Source
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pytest_ctresources.gpu.cleanup import cleanup_python_cuda, safe_clean_cuda
+    from pytest_ctresources.gpu.detect import GpuFacts, GpuInfo, detect_gpus
+    from pytest_ctresources.session.cache import ModelCache
+    from pytest_ctresources.session.session import CtSession
+    from pytest_ctresources.settings.config import CircuitTracerConfig, ConfigError
+    from pytest_ctresources.settings.experiment_yaml import load_experiment_yaml
+    from pytest_ctresources.settings.sources import Source
+
+#: Where each public name lives. They are imported on first use (PEP 562): pytest imports this
+#: package at every start-up, through the plugin's entry point, in projects that never use it.
+_PUBLIC = {
+    "cleanup_python_cuda": "pytest_ctresources.gpu.cleanup",
+    "safe_clean_cuda": "pytest_ctresources.gpu.cleanup",
+    "GpuFacts": "pytest_ctresources.gpu.detect",
+    "GpuInfo": "pytest_ctresources.gpu.detect",
+    "detect_gpus": "pytest_ctresources.gpu.detect",
+    "ModelCache": "pytest_ctresources.session.cache",
+    "CtSession": "pytest_ctresources.session.session",
+    "CircuitTracerConfig": "pytest_ctresources.settings.config",
+    "ConfigError": "pytest_ctresources.settings.config",
+    "load_experiment_yaml": "pytest_ctresources.settings.experiment_yaml",
+    "Source": "pytest_ctresources.settings.sources",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})
+
 
 __all__ = [
     "CircuitTracerConfig",

@@ -17,42 +17,36 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_ctresources.core import accounting
-from pytest_ctresources.core.runtime import (
-    RUNTIME_KEY,
-    Runtime,
-    runs_no_tests,
-    runtime_of,
-    start_runtime,
-)
-from pytest_ctresources.core.state import state_of
-from pytest_ctresources.gpu.allocator import ALLOC_KEY, AllocConf
-from pytest_ctresources.gpu.cleanup import cuda_initialised
-from pytest_ctresources.gpu.cleanup_between_tests import BetweenTests, unraisable_as_warnings
-from pytest_ctresources.leases import leases
-from pytest_ctresources.report.header import header_lines
-from pytest_ctresources.report.learned import StaleLearnedNeeds, narrowed_files
-from pytest_ctresources.report.summary import SummaryReporter
-from pytest_ctresources.session.fixtures import OneLineModelFailures, ct_config, ct_session
+from pytest_ctresources.session.fixtures import ct_config, ct_session
 from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.activation import ACTIVATION_KEY, activation_of
 from pytest_ctresources.settings.options import DEFAULT_ALLOC_CONF, add_options, binding_mode
-from pytest_ctresources.settings.parametrize_tests import parametrize_from_params
 from pytest_ctresources.settings.resolve import activation_from_config
-from pytest_ctresources.xdist.binding import Binding, bind_worker, is_worker, open_seats
-from pytest_ctresources.xdist.exchange import PlacementWorker, placement_channel
-from pytest_ctresources.xdist.learned_exchange import LearnedNeedsExchange, send_stale
+from pytest_ctresources.xdist.binding import runs_no_tests
+
+if TYPE_CHECKING:
+    from pytest_ctresources.core.runtime import Runtime
+    from pytest_ctresources.report.learned import LearnedNeeds
+    from pytest_ctresources.xdist.binding import Binding
+    from pytest_ctresources.xdist.exchange import PlacementWorker
+
+# Only what every pytest start-up needs is imported above: the options, and whether the project
+# asks for the plugin (settings/activation.py). Everything the plugin does once it acts is
+# imported in the hook that does it, so a project that does not ask pays for none of it.
 
 __all__ = ["ct_config", "ct_session"]
 
-_BINDING_KEY = pytest.StashKey[Binding]()
+_BINDING_KEY: pytest.StashKey[Binding] = pytest.StashKey()
 #: The user properties the plugin wrote for the item's last attempt (a rerun replaces them).
 _WRITTEN_KEY = pytest.StashKey[list[tuple[str, object]]]()
 #: In an xdist worker of a run placed by VRAM: its side of the placement channel.
-_PLACEMENT_KEY = pytest.StashKey[PlacementWorker]()
+_PLACEMENT_KEY: pytest.StashKey[PlacementWorker] = pytest.StashKey()
+#: The run's runtime once started (core/runtime.py's own key is not imported before then).
+_RUNTIME_KEY: pytest.StashKey[Runtime] = pytest.StashKey()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -76,6 +70,8 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
         mode = binding_mode(early_config.getini("ct_gpu_binding") or "auto")
     except ValueError:
         mode = "off"
+    from pytest_ctresources.xdist.binding import is_worker
+
     if mode == "auto" and is_worker(os.environ):
         binding = _bind_worker()
         if binding is not None:
@@ -86,6 +82,8 @@ def _apply_alloc_conf(config: pytest.Config) -> None:
     """Put ``ct_alloc_conf`` (or the default) into the environment unless the user set an
     allocator variable. (A bad value, a TOML list included, is not applied; the settings
     report it at configure.)"""
+    from pytest_ctresources.gpu.allocator import ALLOC_KEY, AllocConf
+
     value = config.getini("ct_alloc_conf")
     alloc = AllocConf(DEFAULT_ALLOC_CONF if value is None else str(value).strip())
     alloc.apply()
@@ -95,6 +93,7 @@ def _apply_alloc_conf(config: pytest.Config) -> None:
 
 def _bind_worker() -> Binding | None:
     from pytest_ctresources.gpu.detect import detect_gpus
+    from pytest_ctresources.xdist.binding import bind_worker, open_seats
 
     try:
         facts = detect_gpus(torch_fallback=False)  # NVML only: no torch import at start-up
@@ -110,6 +109,53 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", markers.marker_help(name))
     if ACTIVATION_KEY not in config.stash:  # a config made without the early hook
         config.stash[ACTIVATION_KEY] = activation_from_config(config, config.option)
+    # A plain run of a project that does not ask: nothing more until collection shows whether
+    # a test asks (pytest_collection_finish). Notebooks (their configs ask once collected)
+    # and an xdist controller (its workers collect) start at once, as a project that asks.
+    if (
+        activation_of(config).project_wide
+        or config.getoption("nbmake", False)
+        or hasattr(config, "workerinput")
+        or runs_no_tests(config)
+    ):
+        _start(config)
+    _find_stale_learned(config)
+
+
+def _find_stale_learned(config: pytest.Config) -> None:
+    """Learned needs of tests that no longer exist are pruned (report/learned.py), in every
+    process that collects, as collection goes; the needs are read at its end, and only where
+    the plugin then acts."""
+    if runs_no_tests(config) or not hasattr(config, "cache"):
+        return  # the workers collect; without pytest's cache nothing is learned
+    from pytest_ctresources.report.learned import StaleLearnedNeeds, narrowed_files
+
+    def learned() -> LearnedNeeds | None:
+        runtime = config.stash.get(_RUNTIME_KEY, None)
+        return runtime.learned() if runtime is not None else None
+
+    config.pluginmanager.register(
+        StaleLearnedNeeds(
+            learned,
+            lambda file: (config.rootpath / file).exists(),
+            lambda stale: _report_stale(config, stale),
+            narrowed_files(config),
+        ),
+        StaleLearnedNeeds.name,
+    )
+
+
+def _start(config: pytest.Config) -> Runtime:
+    """Resolve the settings, start the run's :class:`Runtime` and register what the run
+    needs: once per run, at configure or when the first test that asks is collected."""
+    from pytest_ctresources.core import accounting
+    from pytest_ctresources.core.runtime import RUNTIME_KEY, start_runtime
+    from pytest_ctresources.gpu.allocator import ALLOC_KEY
+    from pytest_ctresources.leases import leases
+    from pytest_ctresources.report.summary import SummaryReporter
+
+    if _RUNTIME_KEY in config.stash:
+        return config.stash[_RUNTIME_KEY]
     activation = activation_of(config)
     binding = config.stash.get(_BINDING_KEY, None)
     if binding is not None and not hasattr(config, "workerinput"):
@@ -118,27 +164,19 @@ def pytest_configure(config: pytest.Config) -> None:
         binding.undo(os.environ)
         binding = None
     runtime = start_runtime(config, config.stash.get(ALLOC_KEY, None), binding)
-    config.stash[RUNTIME_KEY] = runtime
+    config.stash[RUNTIME_KEY] = config.stash[_RUNTIME_KEY] = runtime
     if activation.project_wide:
         _act_per_test(config, runtime)
         if hasattr(config, "workerinput"):
             _report_to_placement(config, runtime)
-    if runtime.learned():
-        config.pluginmanager.register(
-            StaleLearnedNeeds(
-                runtime.learned(),
-                lambda file: (config.rootpath / file).exists(),
-                lambda stale: _report_stale(config, stale),
-                narrowed_files(config),
-            ),
-            StaleLearnedNeeds.name,
-        )
     if not hasattr(config, "workerinput"):  # xdist workers report to the controller instead
         reporter = SummaryReporter(runtime, config)
         if runtime.settings.forget:
             reporter.forgotten = runtime.learned().forget()
         config.pluginmanager.register(reporter, SummaryReporter.name)
         if config.pluginmanager.hasplugin("xdist"):
+            from pytest_ctresources.xdist.learned_exchange import LearnedNeedsExchange
+
             config.pluginmanager.register(
                 LearnedNeedsExchange(runtime.learned, reporter.stale_learned.update),
                 LearnedNeedsExchange.name,
@@ -171,11 +209,15 @@ def pytest_configure(config: pytest.Config) -> None:
             accounting.StrictChecks(runtime), accounting.StrictChecks.name
         )
     _register_history_checks(config, runtime)
+    return runtime
 
 
 def _register_history_checks(config: pytest.Config, runtime: Runtime) -> None:
     """``--ct-fail-on-increase`` where tests run, ``--ct-require-gpu-run-within`` where the
     summary is made."""
+    from pytest_ctresources.core import accounting
+    from pytest_ctresources.report.summary import SummaryReporter
+
     if runtime.settings.fail_on_increase.value is not None:
         config.pluginmanager.register(
             accounting.IncreaseGate(runtime), accounting.IncreaseGate.name
@@ -207,7 +249,7 @@ def _learn_durations_and_place(config: pytest.Config) -> None:
 def _report_to_placement(config: pytest.Config, runtime: Runtime) -> None:
     """In an xdist worker of a run placed by VRAM: report the GPU, and the needs once
     collected (xdist/exchange.py)."""
-    from pytest_ctresources.xdist.exchange import worker_gpu
+    from pytest_ctresources.xdist.exchange import PlacementWorker, placement_channel, worker_gpu
 
     channel = placement_channel(config)
     if channel is None:
@@ -223,6 +265,7 @@ def _report_to_placement(config: pytest.Config, runtime: Runtime) -> None:
 
 def _need_of(runtime: Runtime) -> Callable[[pytest.Item], float | None]:
     """A collected test's need in GiB, as its setup will decide it (None: none)."""
+    from pytest_ctresources.core import accounting
 
     def need_of(item: pytest.Item) -> float | None:
         try:
@@ -290,6 +333,9 @@ def _plan_and_shard(config: pytest.Config, runtime: Runtime) -> None:
 def _act_per_test(config: pytest.Config, runtime: Runtime) -> None:
     """Register what the plugin does around each test: only in a run it acts in, so that a
     project that does not ask has none of its hooks on the stack of any test."""
+    from pytest_ctresources.gpu.cleanup_between_tests import BetweenTests
+    from pytest_ctresources.session.fixtures import OneLineModelFailures
+
     config.pluginmanager.register(OneLineModelFailures(), OneLineModelFailures.name)
     if runtime.settings.cleanup.value != "never":
         runtime.cleaner = BetweenTests(runtime.settings.cleanup.value)
@@ -307,14 +353,21 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     if not any(activation.acts_for(item) for item in session.items):
         return
-    runtime = runtime_of(config)
-    _act_per_test(config, runtime)
-    leases.start(config, runtime)
+    from pytest_ctresources.gpu.allocator import ALLOC_KEY
+    from pytest_ctresources.gpu.cleanup import cuda_initialised
+    from pytest_ctresources.leases import leases
+
     if ALLOC_KEY not in config.stash and not cuda_initialised():
         _apply_alloc_conf(config)
+    runtime = _start(config)
+    _act_per_test(config, runtime)
+    leases.start(config, runtime)
 
 
 def _report_stale(config: pytest.Config, stale: set[str]) -> None:
+    from pytest_ctresources.report.summary import SummaryReporter
+    from pytest_ctresources.xdist.learned_exchange import send_stale
+
     if hasattr(config, "workerinput"):  # an xdist worker: the controller prunes
         send_stale(config, stale)
         return
@@ -324,7 +377,7 @@ def _report_stale(config: pytest.Config, stale: set[str]) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    runtime = config.stash.get(RUNTIME_KEY, None)
+    runtime = config.stash.get(_RUNTIME_KEY, None)
     if runtime is not None:
         runtime.model_cache.evict()
         if runtime.cleaner is not None:
@@ -337,12 +390,18 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     activation = activation_of(config)
     if not activation.project_wide:
         return [activation.header_line()]
-    return [activation.header_line(), *header_lines(config, runtime_of(config))]
+    from pytest_ctresources.report.header import header_lines
+
+    return [activation.header_line(), *header_lines(config, _start(config))]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     # @pytest.mark.ct_parametrize: one test per element of a PARAMS list.
-    parametrize_from_params(metafunc, runtime_of(metafunc.config).settings.experiment)
+    if metafunc.definition.get_closest_marker("ct_parametrize") is None:
+        return
+    from pytest_ctresources.settings.parametrize_tests import parametrize_from_params
+
+    parametrize_from_params(metafunc, _start(metafunc.config).settings.experiment)
 
 
 class PerTestHooks:
@@ -356,6 +415,10 @@ class PerTestHooks:
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         if not activation_of(item.config).acts_for(item):
             return
+        from pytest_ctresources.core import accounting
+        from pytest_ctresources.core.runtime import runtime_of
+        from pytest_ctresources.core.state import state_of
+
         runtime = runtime_of(item.config)
         if runtime.capacity_cap is not None:
             runtime.capacity_cap.arm()
@@ -397,6 +460,12 @@ class PerTestHooks:
         try:
             return (yield)
         finally:
+            from pytest_ctresources.core import accounting
+            from pytest_ctresources.core.runtime import runtime_of
+            from pytest_ctresources.core.state import state_of
+            from pytest_ctresources.gpu.cleanup_between_tests import unraisable_as_warnings
+            from pytest_ctresources.leases import leases
+
             runtime = runtime_of(item.config)
             state = state_of(item)
             try:
@@ -428,5 +497,8 @@ class PerTestHooks:
             return (yield)
         except BaseException as exc:
             if activation_of(item.config).acts_for(item):
+                from pytest_ctresources.core import accounting
+                from pytest_ctresources.core.runtime import runtime_of
+
                 accounting.explain_oom(item, runtime_of(item.config), exc)
             raise

@@ -31,7 +31,7 @@ from pytest_ctresources.settings.config import FIELDS, CircuitTracerConfig
 from pytest_ctresources.settings.markers import layer_markers
 from pytest_ctresources.settings.resolve import Settings, settings_from_config
 from pytest_ctresources.settings.sources import Source, Sourced
-from pytest_ctresources.xdist.binding import Binding
+from pytest_ctresources.xdist.binding import Binding, runs_no_tests
 from pytest_ctresources.xdist.learned_exchange import shipped_needs
 
 
@@ -195,15 +195,6 @@ def clamped_capacity(capacity: Sourced[float], gpu: GpuInfo | None) -> Sourced[f
         f"{gpu.describe()}"
     )
     return Sourced(gpu.total_gib, Source(source.kind, where, source.path))
-
-
-def runs_no_tests(config: pytest.Config) -> bool:
-    """Whether this is a pytest-xdist controller (its workers run the tests), by xdist's own
-    test: it distributes (``dist`` other than ``no``) to some execution environments (``tx``:
-    ``-n`` fills them in, ``--tx`` names them)."""
-    if hasattr(config, "workerinput"):
-        return False
-    return config.getoption("dist", "no") != "no" and bool(config.getoption("tx", None))
 
 
 RUNTIME_KEY = pytest.StashKey[Runtime]()

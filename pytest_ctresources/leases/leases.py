@@ -401,7 +401,7 @@ def start(config: pytest.Config, runtime: Runtime) -> None:
     A plain run checks the directory at its first lease instead (failing leased tests with
     that line), so that a run which leases nothing never imports pynvml.
     """
-    from pytest_ctresources.core.runtime import runs_no_tests
+    from pytest_ctresources.xdist.binding import runs_no_tests
 
     settings = runtime.settings
     controller = runs_no_tests(config)

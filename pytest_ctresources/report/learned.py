@@ -400,14 +400,15 @@ class StaleLearnedNeeds:
 
     A file named with tests (``file.py::test_x``) is not collected whole (pytest then reports
     only the chosen tests): its other tests are kept. Registered where tests are collected
-    (the only process, or each xdist worker) when there are learned needs; ``report``
-    receives the stale keys at the end of collection."""
+    (the only process, or each xdist worker); ``learned`` gives the needs at the end of
+    collection (None where the plugin does not act: nothing is read then), and ``report``
+    receives the stale keys."""
 
     name = "ctresources-stale-learned"
 
     def __init__(
         self,
-        learned: LearnedNeeds,
+        learned: Callable[[], LearnedNeeds | None],
         exists: Callable[[str], bool],
         report: Callable[[set[str]], None],
         narrowed: frozenset[str] = frozenset(),
@@ -424,9 +425,13 @@ class StaleLearnedNeeds:
                 node.nodeid for node in report.result if isinstance(node, pytest.Item)
             )
 
+    @pytest.hookimpl(trylast=True)  # after the plugin decided, at this hook, whether it acts
     def pytest_collection_finish(self, session: pytest.Session) -> None:
+        learned = self._learned()
+        if not learned:
+            return
         self._seen.update(item.nodeid for item in session.items)
-        self._report(stale_keys(self._learned.keys(), self._seen, self._exists, self._narrowed))
+        self._report(stale_keys(learned.keys(), self._seen, self._exists, self._narrowed))
 
 
 def narrowed_files(config: pytest.Config) -> frozenset[str]:

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Generator, Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_ctresources.core.accounting import halving_summary
-from pytest_ctresources.core.runtime import runtime_of
-from pytest_ctresources.core.state import state_of
-from pytest_ctresources.session.model_load import ModelLoadError
-from pytest_ctresources.session.progress_line import LiveLine
-from pytest_ctresources.session.progress_line import enabled as progress_on
-from pytest_ctresources.session.session import CtSession
-from pytest_ctresources.settings.config import CircuitTracerConfig
-from pytest_ctresources.settings.markers import MarkerError
+if TYPE_CHECKING:
+    from pytest_ctresources.session.session import CtSession
+    from pytest_ctresources.settings.config import CircuitTracerConfig
+
+# What the fixtures run on is imported when a test uses them: this module is imported by the
+# plugin at every pytest start-up, in projects that never use the fixtures too.
 
 
 @pytest.fixture
@@ -25,6 +23,9 @@ def ct_config(request: pytest.FixtureRequest) -> CircuitTracerConfig:
     environment < ``--ct-*`` options < the test's own ``ct_config`` marker (its ``path=`` YAML,
     then its fields). ``ct_config.source_of("batch_size")`` says where a value came from.
     """
+    from pytest_ctresources.core.runtime import runtime_of
+    from pytest_ctresources.settings.markers import MarkerError
+
     try:
         return runtime_of(request.config).config_for(request.node)
     except MarkerError as exc:
@@ -42,6 +43,13 @@ def ct_session(
     ``ct_session.attribute(prompt)`` runs ``circuit_tracer.attribute`` with the config's
     arguments. After the test, the per-test cleanup (``ct_cleanup``) returns its memory.
     """
+    from pytest_ctresources.core.accounting import halving_summary
+    from pytest_ctresources.core.runtime import runtime_of
+    from pytest_ctresources.core.state import state_of
+    from pytest_ctresources.session.progress_line import LiveLine
+    from pytest_ctresources.session.progress_line import enabled as progress_on
+    from pytest_ctresources.session.session import CtSession
+
     runtime = runtime_of(request.config)
     node = request.node
     state = state_of(node)
@@ -98,6 +106,8 @@ class OneLineModelFailures:
 
 def _one_line() -> Generator[None, None, None]:
     __tracebackhide__ = True
+    from pytest_ctresources.session.model_load import ModelLoadError
+
     try:
         return (yield)
     except ModelLoadError as exc:

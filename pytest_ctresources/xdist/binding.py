@@ -19,9 +19,12 @@ import os
 import re
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pytest_ctresources.gpu.detect import VISIBLE_DEVICES_ENV, GpuFacts, GpuInfo
+
+if TYPE_CHECKING:
+    import pytest
 
 WORKER_ENV = "PYTEST_XDIST_WORKER"
 WORKER_COUNT_ENV = "PYTEST_XDIST_WORKER_COUNT"
@@ -156,3 +159,12 @@ def open_seats(environ: Mapping[str, str] | None = None) -> Seats | None:
 def is_worker(environ: Mapping[str, str]) -> bool:
     """Whether this process is a pytest-xdist worker."""
     return WORKER_ENV in environ
+
+
+def runs_no_tests(config: pytest.Config) -> bool:
+    """Whether this is a pytest-xdist controller (its workers run the tests), by xdist's own
+    test: it distributes (``dist`` other than ``no``) to some execution environments (``tx``:
+    ``-n`` fills them in, ``--tx`` names them)."""
+    if hasattr(config, "workerinput"):
+        return False
+    return config.getoption("dist", "no") != "no" and bool(config.getoption("tx", None))
