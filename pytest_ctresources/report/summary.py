@@ -550,7 +550,9 @@ class SummaryReporter:
         self._finished = signal_name is None
         settings = self.runtime.settings
         self.summary.flag(settings.leak_threshold_bytes.value)
-        measured = self.summary.learned(self.runtime.library_versions())
+        # The versions are read (from metadata, a few milliseconds) only when there is a peak.
+        versions = self.runtime.library_versions() if self.summary.records else None
+        measured = self.summary.learned(versions)
         stale = self.stale_learned
         if measured or stale:
             learned = self.runtime.learned()
