@@ -215,7 +215,27 @@ def _start(config: pytest.Config) -> Runtime:
         config.pluginmanager.register(
             accounting.StrictChecks(runtime), accounting.StrictChecks.name
         )
+    _register_history_checks(config, runtime)
     return runtime
+
+
+def _register_history_checks(config: pytest.Config, runtime: Runtime) -> None:
+    """``--ct-fail-on-increase`` where tests run, ``--ct-require-gpu-run-within`` where the
+    summary is made."""
+    from pytest_ctresources.core import accounting
+    from pytest_ctresources.report.summary import SummaryReporter
+
+    if runtime.settings.fail_on_increase.value is not None:
+        config.pluginmanager.register(
+            accounting.IncreaseGate(runtime), accounting.IncreaseGate.name
+        )
+    reporter = config.pluginmanager.get_plugin(SummaryReporter.name)
+    if runtime.settings.require_gpu_run_within.value is not None and reporter is not None:
+        from pytest_ctresources.report.coverage import GpuRunRequirement
+
+        config.pluginmanager.register(
+            GpuRunRequirement(lambda: reporter.summary.coverage), GpuRunRequirement.name
+        )
 
 
 def _learn_durations_and_place(config: pytest.Config) -> None:
@@ -435,6 +455,7 @@ class PerTestHooks:
             if reason is not None:
                 if placement is not None and state.need is not None:
                     reason = placement.explain_skip(reason, state.need.gib)
+                state.record.vram_skip = reason
                 # A skip mark, evaluated by pytest's skipping plugin right after this hook, reports
                 # the test's own location rather than this file's.
                 item.add_marker(pytest.mark.skip(reason=reason))

@@ -17,7 +17,9 @@ from collections.abc import Callable, Generator
 
 import pytest
 
+from pytest_ctresources.core import regression
 from pytest_ctresources.core.learned import memory_key
+from pytest_ctresources.core.regression import Increase
 from pytest_ctresources.core.runtime import Runtime, own_settings
 from pytest_ctresources.core.skips import skip_reason
 from pytest_ctresources.core.state import state_of
@@ -67,13 +69,13 @@ def begin(item: pytest.Item, runtime: Runtime) -> str | None:
     if need is None:
         return None
     session = _uses_session(item, state.config)
-    return skip_reason(
-        need.gib,
-        need.source,
-        runtime.test_gpu(),
-        runtime.settings.vram_capacity_gib,
-        runs_on_cpu=session,
+    gpu = runtime.test_gpu()
+    reason = skip_reason(
+        need.gib, need.source, gpu, runtime.settings.vram_capacity_gib, runs_on_cpu=session
     )
+    if reason is None and gpu is not None:
+        state.record.gpu_ran = gpu.name  # a GPU test, run on a GPU (report/coverage.py)
+    return reason
 
 
 def resolve_need(item: pytest.Item, runtime: Runtime) -> tuple[str, markers.VramNeed | None]:
@@ -225,6 +227,8 @@ def end(item: pytest.Item, runtime: Runtime) -> None:
     record = state.record
     record.device = figures.device
     record.gpu = gpu.name if gpu is not None else "unknown GPU"
+    if gpu is not None:
+        record.gpu_ran = gpu.name
     record.baseline_bytes = figures.baseline_bytes
     record.peak_allocated_bytes = figures.peak_allocated_bytes
     record.peak_reserved_bytes = figures.peak_reserved_bytes
@@ -234,6 +238,9 @@ def end(item: pytest.Item, runtime: Runtime) -> None:
     record.others_resident_bytes = figures.others_resident_bytes
     record.memory_key = state.memory_key
     record.date = datetime.date.today().isoformat()
+    found = peak_increase(item, runtime, figures)
+    if found is not None:
+        record.peak_increase = found.to_dict()
     if need is not None:
         record.need_gib = need.gib
         record.need_source = str(need.source)
@@ -244,6 +251,27 @@ def end(item: pytest.Item, runtime: Runtime) -> None:
     threshold = runtime.settings.leak_threshold_bytes.value
     if figures.leaked_bytes > threshold:
         warnings.warn(CtLeakWarning(leak_message(item.nodeid, figures, threshold)), stacklevel=1)
+
+
+def peak_increase(item: pytest.Item, runtime: Runtime, figures: VramFigures) -> Increase | None:
+    """How far the test's peak reserved grew over its last passing one, on the same GPU
+    model and config, beyond ``--ct-fail-on-increase`` (10% without it; None: no further)."""
+    key = state_of(item).memory_key
+    learned = runtime.learned()
+    before = learned.get(key) if key and learned else None
+    if before is None:
+        return None
+    gpu = runtime.gpu_facts().gpu(figures.device)
+    limit = runtime.settings.fail_on_increase.value
+    return regression.increase(
+        item.nodeid,
+        before,
+        figures.peak_reserved_gib,
+        gpu.name if gpu is not None else "unknown GPU",
+        datetime.date.today().isoformat(),
+        runtime.library_versions(),
+        regression.DEFAULT_PERCENT if limit is None else limit,
+    )
 
 
 def resident_record(resident: ResidentModel, device: int) -> dict[str, object]:
@@ -381,6 +409,29 @@ class StrictChecks:
         if session is not None and session.halvings:
             problems.append(f"passed only after halving the batch size: {halving_summary(session)}")
         return problems
+
+
+class IncreaseGate:
+    """``--ct-fail-on-increase``: registered only then. Fails a passed call whose peak grew
+    over its last passing peak by more than the percentage given."""
+
+    name = "ctresources-fail-on-increase"
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        report = yield
+        if report.passed and call.when == "call":
+            figures = own_figures(item, self.runtime, finished=False)
+            found = peak_increase(item, self.runtime, figures) if figures is not None else None
+            if found is not None:
+                report.outcome = "failed"
+                report.longrepr = f"ctresources --ct-fail-on-increase: {found.line()}"
+        return report
 
 
 def halving_summary(session: CtSession) -> str:

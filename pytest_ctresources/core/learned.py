@@ -27,6 +27,7 @@ from pytest_ctresources.settings.config import AUTO, MAX_GIB, CircuitTracerConfi
 from pytest_ctresources.settings.sources import Source, printable
 
 CACHE_KEY = "ctresources/learned-needs"
+WHAT = "learned VRAM needs"
 #: The largest learned-needs file read (a need takes about 200 bytes: 100,000 tests fit).
 MAX_CACHE_BYTES = 32 << 20
 #: The longest key kept: a node id (a path of at most 4096 bytes, a test name, parameter
@@ -34,6 +35,8 @@ MAX_CACHE_BYTES = 32 << 20
 MAX_KEY_CHARS = 16_384
 #: The longest GPU name or date kept (NVML names are under 96 bytes).
 MAX_TEXT_CHARS = 256
+#: The libraries whose versions are recorded with each learned need (distribution names).
+LIBRARIES = ("torch", "transformers", "nnsight", "circuit-tracer")
 #: The config fields whose values change a test's peak memory.
 MEMORY_FIELDS = (
     "model_name",
@@ -121,6 +124,9 @@ class LearnedNeed:
     gib: float
     gpu: str
     date: str
+    versions: Mapping[str, str] | None = None
+    """The libraries' versions it was measured with (None: an entry of an earlier version of
+    the plugin, which did not record them)."""
 
     @property
     def source(self) -> Source:
@@ -152,22 +158,39 @@ def _valid_entry(key: object, entry: object) -> bool:
         return False
     if not (math.isfinite(gib) and 0 <= gib <= MAX_GIB):
         return False
+    versions = entry.get("versions", {})
+    if not isinstance(versions, dict) or len(versions) > len(LIBRARIES):
+        return False
     return all(
         isinstance(text, str) and len(text) <= MAX_TEXT_CHARS and text.isprintable()
-        for text in (gpu, date)
+        for text in (gpu, date, *versions, *versions.values())
     )
 
 
-def _value_path(cache: pytest.Cache) -> Path | None:
-    """Where ``cache`` keeps :data:`CACHE_KEY`'s value (pytest's ``Cache.get`` opens it as
+def library_versions() -> dict[str, str]:
+    """The installed versions of the libraries that move a test's memory (those not
+    installed are left out), from their metadata: nothing is imported."""
+    from importlib import metadata
+
+    out = {}
+    for name in LIBRARIES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def _value_path(cache: pytest.Cache, key: str) -> Path | None:
+    """Where ``cache`` keeps ``key``'s value (pytest's ``Cache.get`` opens it as
     it finds it, so a FIFO there blocks forever and a link is followed, and ``Cache.set``
     writes through a link; pytest offers no public accessor for the path, so its
     ``_cachedir`` field is read, and None falls back to ``get``/``set``)."""
     cachedir = getattr(cache, "_cachedir", None)
-    return Path(cachedir, "v", *CACHE_KEY.split("/")) if isinstance(cachedir, Path) else None
+    return Path(cachedir, "v", *key.split("/")) if isinstance(cachedir, Path) else None
 
 
-class _Unreadable(Exception):
+class UnreadableCache(Exception):
     """The cached needs cannot be used; the message says why. ``left_alone``: what is at the
     path is not a regular file (a link, a FIFO, a directory), which saving must not touch."""
 
@@ -176,18 +199,17 @@ class _Unreadable(Exception):
         self.left_alone = left_alone
 
 
-def _read_cache(cache: pytest.Cache) -> object:
-    """The cached value, read as data that may be hostile: only a regular file (never
-    through a link, never blocking on a FIFO), at most :data:`MAX_CACHE_BYTES`, JSON whose
-    depth json's decoder bounds. Raises :class:`_Unreadable`."""
-    path = _value_path(cache)
+def read_cache(cache: pytest.Cache, key: str = CACHE_KEY, what: str = WHAT) -> object:
+    """The value cached under ``key`` (``what`` it holds, for messages), read as data that
+    may be hostile: only a regular file (never through a link, never blocking on a FIFO),
+    at most :data:`MAX_CACHE_BYTES`, JSON whose depth json's decoder bounds. Raises
+    :class:`UnreadableCache`."""
+    path = _value_path(cache, key)
     if path is None:
         try:
-            return cache.get(CACHE_KEY, {})
+            return cache.get(key, {})
         except RecursionError:
-            raise _Unreadable(
-                "the learned VRAM needs in pytest's cache are nested too deep"
-            ) from None
+            raise UnreadableCache(f"the {what} in pytest's cache are nested too deep") from None
     shown_path = printable(str(path))
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
@@ -195,50 +217,50 @@ def _read_cache(cache: pytest.Cache) -> object:
         return {}
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise _Unreadable(
-                f"{shown_path} is a symbolic link, not learned VRAM needs; ignored and left "
-                "alone (remove it)",
+            raise UnreadableCache(
+                f"{shown_path} is a symbolic link, not {what}; ignored and left alone (remove it)",
                 left_alone=True,
             ) from None
-        raise _Unreadable(
-            f"cannot read the learned VRAM needs at {shown_path}: {exc.strerror}; ignored and "
-            "left alone",
+        raise UnreadableCache(
+            f"cannot read the {what} at {shown_path}: {exc.strerror}; ignored and left alone",
             left_alone=True,
         ) from None
     # fstat before fdopen: fdopen of a directory raises IsADirectoryError.
     if not stat.S_ISREG(os.fstat(descriptor).st_mode):
         os.close(descriptor)
-        raise _Unreadable(
-            f"{shown_path} is not a regular file, not learned VRAM needs; ignored and left "
-            "alone (remove it)",
+        raise UnreadableCache(
+            f"{shown_path} is not a regular file, not {what}; ignored and left alone (remove it)",
             left_alone=True,
         )
     with os.fdopen(descriptor, "rb") as handle:
         try:
             data = handle.read(MAX_CACHE_BYTES + 1)
         except OSError as exc:
-            raise _Unreadable(
-                f"cannot read the learned VRAM needs at {shown_path}: {exc.strerror}"
+            raise UnreadableCache(
+                f"cannot read the {what} at {shown_path}: {exc.strerror}"
             ) from None
     if len(data) > MAX_CACHE_BYTES:
-        raise _Unreadable(
-            f"the learned VRAM needs at {shown_path} are larger than {MAX_CACHE_BYTES >> 20} MiB"
+        raise UnreadableCache(
+            f"the {what} at {shown_path} are larger than {MAX_CACHE_BYTES >> 20} MiB"
         )
     try:
         return json.loads(data)
     except RecursionError:  # json's decoder stops at Python's recursion limit
-        raise _Unreadable(f"the learned VRAM needs at {shown_path} are nested too deep") from None
+        raise UnreadableCache(f"the {what} at {shown_path} are nested too deep") from None
     except ValueError:  # not JSON, not UTF-8, an integer of over 4300 digits
-        raise _Unreadable(f"the learned VRAM needs at {shown_path} are not valid JSON") from None
+        raise UnreadableCache(f"the {what} at {shown_path} are not valid JSON") from None
 
 
-def _write_cache(cache: pytest.Cache, needs: dict[str, dict[str, Any]]) -> None:
-    """Save ``needs`` beside nothing of anyone else's: the new content goes to a fresh file
-    that replaces the old entry (``rename`` replaces a link, never writes through it), and
-    only where the cache holds a regular file or nothing, in real directories."""
-    path = _value_path(cache)
+def write_cache(
+    cache: pytest.Cache, needs: dict[str, dict[str, Any]], key: str = CACHE_KEY, what: str = WHAT
+) -> None:
+    """Save ``needs`` under ``key`` beside nothing of anyone else's: the new content goes to
+    a fresh file that replaces the old entry (``rename`` replaces a link, never writes
+    through it), and only where the cache holds a regular file or nothing, in real
+    directories."""
+    path = _value_path(cache, key)
     if path is None:
-        cache.set(CACHE_KEY, needs)
+        cache.set(key, needs)
         return
     shown_path = printable(str(path))
     for directory in (path.parent.parent, path.parent):
@@ -246,14 +268,14 @@ def _write_cache(cache: pytest.Cache, needs: dict[str, dict[str, Any]]) -> None:
             mode = os.lstat(directory).st_mode
         except FileNotFoundError:
             # Nothing there to write through: pytest creates its directories itself.
-            cache.set(CACHE_KEY, needs)
+            cache.set(key, needs)
             return
         except OSError as exc:
-            _warn(f"learned VRAM needs not saved: {shown_path}: {exc.strerror}")
+            _warn(f"{what} not saved: {shown_path}: {exc.strerror}")
             return
         if not stat.S_ISDIR(mode):
             _warn(
-                f"learned VRAM needs not saved: {printable(str(directory))} in pytest's "
+                f"{what} not saved: {printable(str(directory))} in pytest's "
                 "cache is not a directory (a link or another file); left alone"
             )
             return
@@ -262,19 +284,19 @@ def _write_cache(cache: pytest.Cache, needs: dict[str, dict[str, Any]]) -> None:
     except FileNotFoundError:
         mode = stat.S_IFREG | 0o644
     except OSError as exc:
-        _warn(f"learned VRAM needs not saved: {shown_path}: {exc.strerror}")
+        _warn(f"{what} not saved: {shown_path}: {exc.strerror}")
         return
     if not stat.S_ISREG(mode):
         _warn(
-            f"learned VRAM needs not saved: {shown_path} is not a regular file (a link, a "
+            f"{what} not saved: {shown_path} is not a regular file (a link, a "
             "FIFO, a directory); left alone"
         )
         return
     data = json.dumps(needs, ensure_ascii=False, indent=2).encode("utf-8")
     try:
-        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".learned-needs.")
+        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     except OSError as exc:
-        _warn(f"learned VRAM needs not saved: {shown_path}: {exc.strerror}")
+        _warn(f"{what} not saved: {shown_path}: {exc.strerror}")
         return
     try:
         with os.fdopen(descriptor, "wb") as handle:
@@ -283,7 +305,7 @@ def _write_cache(cache: pytest.Cache, needs: dict[str, dict[str, Any]]) -> None:
         os.replace(temporary, path)
     except OSError as exc:
         os.unlink(temporary)
-        _warn(f"learned VRAM needs not saved: {shown_path}: {exc.strerror}")
+        _warn(f"{what} not saved: {shown_path}: {exc.strerror}")
 
 
 class LearnedNeeds:
@@ -301,8 +323,8 @@ class LearnedNeeds:
             raw = dict(shipped)
         elif cache is not None:
             try:
-                raw = _read_cache(cache)
-            except _Unreadable as exc:
+                raw = read_cache(cache)
+            except UnreadableCache as exc:
                 # Discarded, as pytest's stepwise discards a cache it cannot read; a regular
                 # file is replaced by the next save, anything else is never touched.
                 _warn(str(exc) + ("" if exc.left_alone else "; discarded"))
@@ -336,15 +358,24 @@ class LearnedNeeds:
         entry = self._needs.get(key)
         if entry is None:
             return None
-        return LearnedNeed(float(entry["gib"]), str(entry["gpu"]), str(entry["date"]))
+        versions = entry.get("versions")
+        return LearnedNeed(
+            float(entry["gib"]),
+            str(entry["gpu"]),
+            str(entry["date"]),
+            dict(versions) if versions is not None else None,
+        )
 
     def update(self, learned: Mapping[str, LearnedNeed]) -> None:
         for key, need in learned.items():
-            self._needs[key] = {"gib": round(need.gib, 3), "gpu": need.gpu, "date": need.date}
+            entry: dict[str, Any] = {"gib": round(need.gib, 3), "gpu": need.gpu, "date": need.date}
+            if need.versions is not None:
+                entry["versions"] = dict(need.versions)
+            self._needs[key] = entry
 
     def save(self) -> None:
         if self._cache is not None:
-            _write_cache(self._cache, self._needs)
+            write_cache(self._cache, self._needs)
 
     def keys(self) -> list[str]:
         return list(self._needs)

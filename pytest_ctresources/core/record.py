@@ -92,6 +92,13 @@ class TestRecord:
     snapshot_moment: str | None = None
     """When ``snapshot_sites`` were alive: at the peak, when it ran out of memory."""
     snapshot_sites: list[dict[str, Any]] = field(default_factory=list)
+    # -- what earlier runs tell ------------------------------------------------------------
+    peak_increase: dict[str, Any] | None = None
+    """Its peak grew over its last passing one (core/regression.py's ``Increase``)."""
+    vram_skip: str | None = None
+    """The plugin skipped it: its VRAM need did not fit (no GPU, or too small); the reason."""
+    gpu_ran: str | None = None
+    """The GPU it ran on, for a GPU test that was not skipped for VRAM (report/coverage.py)."""
 
     @property
     def used_cuda(self) -> bool:

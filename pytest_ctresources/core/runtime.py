@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from pytest_ctresources.core import learned as learned_needs
 from pytest_ctresources.core.learned import LearnedNeeds
 from pytest_ctresources.core.state import state_of
 from pytest_ctresources.estimator.auto import Budget
@@ -53,6 +54,7 @@ class Runtime:
     _gpu_facts: GpuFacts | None = None
     _learned: LearnedNeeds | None = None
     _session_config: CircuitTracerConfig | None = None
+    _library_versions: dict[str, str] | None = None
 
     def gpu_facts(self, *, may_import_torch: bool = True) -> GpuFacts:
         """The GPUs of this process, detected once. Without NVML, detection falls back to
@@ -89,6 +91,12 @@ class Runtime:
         if self._learned is None:
             self._learned = LearnedNeeds(self.cache, self.shipped_learned)
         return self._learned
+
+    def library_versions(self) -> dict[str, str]:
+        """The versions of the libraries that move memory (core/learned.py), read once."""
+        if self._library_versions is None:
+            self._library_versions = learned_needs.library_versions()
+        return self._library_versions
 
     def resident_bytes(self) -> int:
         """CUDA memory the models ``ct_session`` keeps loaded between tests hold now."""

@@ -143,6 +143,8 @@ def build_report(
             for nodeid, entries in summary.notebook_values.items()
         },
         "snapshots": [{"nodeid": nodeid, **entry} for nodeid, entry in summary.snapshots.items()],
+        "peak_increases": list(summary.increases.values()),
+        "gpu_coverage": summary.coverage.to_dict() if summary.coverage is not None else None,
     }
 
 

@@ -19,6 +19,7 @@ import pytest
 from pytest_ctresources.core.accounting import UNMARKED_BYTES, suggested_marker
 from pytest_ctresources.core.learned import LearnedNeed
 from pytest_ctresources.core.record import AT_TOP, TestRecord
+from pytest_ctresources.core.regression import Increase
 from pytest_ctresources.report.placement import Placement, placement_from, placement_lines
 from pytest_ctresources.report.snapshot_sites import Site
 from pytest_ctresources.settings.activation import activation_of
@@ -26,6 +27,7 @@ from pytest_ctresources.units import GIB, bytes_text
 
 if TYPE_CHECKING:
     from pytest_ctresources.core.runtime import Runtime
+    from pytest_ctresources.report.coverage import GpuCoverage
 
 VRAM_SKIP_PATTERN = re.compile(r"needs [0-9.]+ GiB VRAM")
 
@@ -168,6 +170,14 @@ class RunSummary:
     """Notebook item -> the values injected into it (``[NAME, literal, where from]``)."""
     snapshots: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Test -> its CUDA memory snapshot: file, why, moment and top sites (``--ct-snapshot``)."""
+    increases: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Tests whose peak grew over their last passing peak (core/regression.py)."""
+    gpu_skips: dict[str, str] = field(default_factory=dict)
+    """GPU tests the plugin skipped for VRAM -> the reason (report/coverage.py)."""
+    gpu_runs: dict[str, str] = field(default_factory=dict)
+    """GPU tests that really ran -> the GPU."""
+    coverage: GpuCoverage | None = None
+    """The skipped GPU tests' last real runs, found at the end of the run."""
     _outcomes: dict[str, str] = field(default_factory=dict)
     _rerun_attempt: set[str] = field(default_factory=set)
     _acted: set[str] = field(default_factory=set)
@@ -224,6 +234,12 @@ class RunSummary:
                 "sites": list(record.snapshot_sites),
             }
         outcome = self._outcomes.get(nodeid, "passed")
+        if record.peak_increase is not None:
+            self.increases[nodeid] = record.peak_increase
+        if record.vram_skip is not None:
+            self.gpu_skips[nodeid] = record.vram_skip
+        elif record.gpu_ran is not None and outcome != "skipped":
+            self.gpu_runs[nodeid] = record.gpu_ran
         row = vram_record(nodeid, outcome, record)
         if row is not None:
             row.reruns = self.reruns.get(nodeid, 0)
@@ -267,13 +283,13 @@ class RunSummary:
                 flags.append(f"OOM RECOVERED: {record.oom_halvings}")
             record.flags = flags
 
-    def learned(self) -> dict[str, LearnedNeed]:
+    def learned(self, versions: dict[str, str] | None = None) -> dict[str, LearnedNeed]:
         """Needs to remember: the peak reserved of every passed test that used CUDA, except
         a test that passed only after ct_session halved its batch size (its peak is that of a
-        smaller batch than its key says)."""
+        smaller batch than its key says); each with the libraries' ``versions``."""
         return {
             record.memory_key: LearnedNeed(
-                record.peak_reserved_bytes / GIB, record.gpu, record.date
+                record.peak_reserved_bytes / GIB, record.gpu, record.date, versions
             )
             for record in self.records.values()
             if record.outcome == "passed" and record.memory_key and not record.oom_halvings
@@ -337,6 +353,13 @@ class RunSummary:
                 )
             else:
                 out += capped(flags, top)
+        increases = [f"  {Increase.from_dict(found).line()}" for found in self.increases.values()]
+        if increases:
+            out.append(
+                f"VRAM peak increased: {len(increases)} test(s), over the last passing peak on "
+                "the same GPU and config"
+            )
+            out += [] if quiet else capped(sorted(increases), top)
         if self.vram_skips:
             out.append(f"skipped for VRAM: {len(self.vram_skips)} test(s)")
             if not quiet:
@@ -344,6 +367,7 @@ class RunSummary:
                     [f"  {nodeid}: {reason}" for nodeid, reason in sorted(self.vram_skips.items())],
                     top,
                 )
+        out += self.coverage_lines(top, quiet=quiet)
         placements = list(self.placements.values())
         if any(p.waited_s > 0 or p.lease_wait_s < 0 for p in placements):
             out += placement_lines(placements) if not quiet else placement_lines(placements)[:1]
@@ -402,6 +426,21 @@ class RunSummary:
             )
         out += self.slowest_lines(min(top, 5))
         return out
+
+    def coverage_lines(self, top: int, *, quiet: bool) -> list[str]:
+        """The GPU tests skipped in this run and when each last really ran on a GPU; the
+        failure of ``--ct-require-gpu-run-within``."""
+        coverage = self.coverage
+        if coverage is None or not coverage.skipped:
+            return []
+        out = [
+            f"GPU tests skipped here: {len(coverage.skipped)} test(s); when each last really "
+            "ran on a GPU:"
+        ]
+        if not quiet:
+            out += capped([f"  {test.nodeid}: {test.text()}" for test in coverage.skipped], top)
+        failure = coverage.failure_line()
+        return [*out, failure] if failure is not None else out
 
     @property
     def acted(self) -> bool:
@@ -547,13 +586,24 @@ class SummaryReporter:
         self._finished = signal_name is None
         settings = self.runtime.settings
         self.summary.flag(settings.leak_threshold_bytes.value)
-        measured = self.summary.learned()
+        # The versions are read (from metadata, a few milliseconds) only when there is a peak.
+        versions = self.runtime.library_versions() if self.summary.records else None
+        measured = self.summary.learned(versions)
         stale = self.stale_learned
         if measured or stale:
             learned = self.runtime.learned()
             learned.prune(stale)
             learned.update(measured)
             learned.save()
+        if self.summary.gpu_runs or self.summary.gpu_skips:
+            from pytest_ctresources.report import coverage
+
+            self.summary.coverage = coverage.update(
+                getattr(self.config, "cache", None),
+                self.summary.gpu_runs,
+                self.summary.gpu_skips,
+                settings.require_gpu_run_within.value,
+            )
         if settings.report_json is None and settings.report_plot is None:
             return
         from pytest_ctresources.report import files as report_files

@@ -38,6 +38,8 @@ _UNITS = {
 }
 CLEANUP_MODES: tuple[str, ...] = ("auto", "always", "never")
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
+#: ``--ct-fail-on-increase`` without a value: the growth in percent that fails a test.
+DEFAULT_INCREASE_PERCENT = 10.0
 BINDING_MODES: tuple[str, ...] = ("auto", "off")
 NOTEBOOK_INJECT_MODES: tuple[str, ...] = ("parameters", "top")
 NOTEBOOK_CONFIGS_INI = "ct_notebook_configs"
@@ -170,6 +172,37 @@ def seconds(text: str) -> float:
         most=MAX_SECONDS,
         unit=" seconds (a week)",
         message="must be a positive number of seconds",
+    )
+
+
+#: The largest ``--ct-fail-on-increase`` percentage and ``--ct-require-gpu-run-within`` days.
+MAX_PERCENT = 10_000.0
+MAX_DAYS = 3650.0
+
+
+def percent_or_off(text: str) -> float | None:
+    """Parse a percentage, 0 or more, or ``off`` (None)."""
+    if _text(text).strip().lower() == "off":
+        return None
+    return _number(
+        text,
+        zero_ok=True,
+        most=MAX_PERCENT,
+        unit="%",
+        message="must be a percentage, 0 or more, or off",
+    )
+
+
+def days_or_off(text: str) -> float | None:
+    """Parse a number of days, 0 or more, or ``off`` (None)."""
+    if _text(text).strip().lower() == "off":
+        return None
+    return _number(
+        text,
+        zero_ok=True,
+        most=MAX_DAYS,
+        unit=" days",
+        message="must be a number of days, 0 or more, or off",
     )
 
 
@@ -378,6 +411,19 @@ INI_ONLY: tuple[tuple[str, str, str], ...] = (
         "where it has none (papermill's behaviour: the notebook may overwrite them)",
         "parameters",
     ),
+    (
+        "ct_fail_on_increase",
+        "fail a test whose peak reserved grew by more than this percentage over its last "
+        "passing peak on the same GPU model and config (same as --ct-fail-on-increase); "
+        "'off' only warns in the summary",
+        "off",
+    ),
+    (
+        "ct_require_gpu_run_within",
+        "fail the run when a GPU test skipped in it has not really run on a GPU for this "
+        "many days (same as --ct-require-gpu-run-within)",
+        "off",
+    ),
 )
 
 
@@ -466,6 +512,7 @@ def add_options(parser: pytest.Parser) -> None:
         help="clear the VRAM needs learned by earlier runs (kept in pytest's cache)",
     )
     _add_placement_options(group)
+    _add_history_options(group)
     for name, help_text, default in INI_ONLY:
         # default=None tells "unset" from "set to the default" (or to empty, for ct_alloc_conf)
         parser.addini(name, f"{help_text} [default: {default}]", type="string", default=None)
@@ -537,4 +584,29 @@ def _add_placement_options(group: pytest.OptionGroup) -> None:
         type=argparse_type(_runner_gpus),
         help="with --ct-shard: the GPU of each of the N jobs (80 for all; 2x24,80 job by job; "
         "default: this job's GPU, for all)",
+    )
+
+
+def _add_history_options(group: pytest.OptionGroup) -> None:
+    """What earlier runs tell: the VRAM regression gate and the GPU tests' last real runs."""
+    group.addoption(
+        "--ct-fail-on-increase",
+        dest="ct_fail_on_increase",
+        metavar="PCT",
+        nargs="?",
+        const=f"{DEFAULT_INCREASE_PERCENT:g}",
+        default=None,
+        type=argparse_type(percent_or_off),
+        help="fail a test whose peak reserved grew by more than PCT percent (default "
+        f"{DEFAULT_INCREASE_PERCENT:g}) over its last passing peak on the same GPU model and config; "
+        "without it the summary warns",
+    )
+    group.addoption(
+        "--ct-require-gpu-run-within",
+        dest="ct_require_gpu_run_within",
+        metavar="DAYS",
+        default=None,
+        type=argparse_type(days_or_off),
+        help="fail the run when a GPU test skipped in it has not really run on a GPU "
+        "within DAYS days (or never did)",
     )

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from pytest_ctresources.gpu.allocator import ALLOC_CONF_ENV, ALLOC_KEY, alloc_conf_in_environment
-from pytest_ctresources.settings.activation import Activation, project_request
+from pytest_ctresources.settings.activation import Activation, flag_of, project_request
 from pytest_ctresources.settings.config import (
     FIELDS,
     CircuitTracerConfig,
@@ -39,9 +39,11 @@ from pytest_ctresources.settings.options import (
     binding_mode,
     byte_size,
     cleanup_mode,
+    days_or_off,
     fraction,
     non_negative_gib,
     notebook_inject_mode,
+    percent_or_off,
     positive_count,
     seconds,
     seconds_or_off,
@@ -67,7 +69,12 @@ REPORT_DESTS = (
     "ct_oom_retry",
     "ct_forget",
     "ct_leases",
+    "ct_fail_on_increase",
+    "ct_require_gpu_run_within",
 )
+
+#: A setting that is off unless asked for (its default).
+_OFF: Sourced[float | None] = Sourced(None, Source.default())
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,11 @@ class Settings:
     """``--ct-snapshot``: off, on-failure or always."""
     snapshot_dir: Path | None = None
     """``--ct-snapshot-dir``, checked (None: the default, decided where the run starts)."""
+    fail_on_increase: Sourced[float | None] = _OFF
+    """The percentage over its last passing peak above which a test fails (None: it warns)."""
+    require_gpu_run_within: Sourced[float | None] = _OFF
+    """Days within which each GPU test skipped in this run must have really run (None: no
+    requirement)."""
 
     def session_config(self) -> CircuitTracerConfig:
         """The session-wide config, defaults < ini < experiment YAML < environment < command
@@ -314,7 +326,26 @@ def resolve_settings(
         forget=bool(options.get("ct_forget")),
         snapshot=snapshot,  # type: ignore[arg-type]
         snapshot_dir=checked_dir if snapshot_dir is not None else None,
+        fail_on_increase=_option_or_ini(
+            options, ini, "ct_fail_on_increase", ini_source, percent_or_off
+        ),  # type: ignore[arg-type]
+        require_gpu_run_within=_option_or_ini(
+            options, ini, "ct_require_gpu_run_within", ini_source, days_or_off
+        ),  # type: ignore[arg-type]
     )
+
+
+def _option_or_ini(
+    options: Mapping[str, object],
+    ini: Mapping[str, str | None],
+    key: str,
+    ini_source: Callable[[str], Source],
+    parse: Callable[[str], object],
+) -> Sourced[object]:
+    """An option whose ini key has the same name: the option if given, else the ini key."""
+    if options.get(key) is not None:
+        return Sourced(options[key], Source.option(flag_of(key)))
+    return _ini_or_default(ini, key, ini_source, parse)
 
 
 def _ini_or_default(
