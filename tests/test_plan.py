@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -44,16 +43,14 @@ def test_gpu_lists_and_names() -> None:
         parse_gpus("2xV100")
 
 
-def test_a_plan_of_1000_tests_is_made_within_two_seconds() -> None:
+def test_a_plan_of_1000_tests_places_each_on_a_gpu_that_holds_it() -> None:
+    # How long the plan takes is bench/plan_timing.py's figure, not a test's assertion.
     demands = [
         Demand(f"t{i}", (None, 5.0, 20.0, 30.0, 70.0, 90.0)[i % 6], float(1 + i % 17))
         for i in range(1000)
     ]
-    started = time.perf_counter()
     plan = make_plan(parse_gpus("2x80,4x24"), 2, demands)
-    lines = plan.lines()
-    assert time.perf_counter() - started < 2.0
-    assert len(lines) == 1000 + 9
+    assert len(plan.lines()) == 1000 + 9
     skipped = [t for t in plan.tests if t.skip_reason]
     assert len(skipped) == 1000 // 6  # the 90 GiB ones
     assert all(
