@@ -60,9 +60,8 @@ def write_project(root: Path, demands: list[Demand], *, sleep: bool = False) -> 
         path, _, name = demand.nodeid.partition("::")
         mark = "" if demand.need_gib is None else f"@pytest.mark.vram(gib={demand.need_gib:.2f})\n"
         body = f"time.sleep({demand.duration_s!r})" if sleep else "pass"
-        files.setdefault(path, ["import time\n\nimport pytest\n"]).append(
-            f"\n{mark}def {name}():\n    {body}\n"
-        )
+        header = "import time\n\nimport pytest\n" if sleep else "import pytest\n"
+        files.setdefault(path, [header]).append(f"\n{mark}def {name}():\n    {body}\n")
     for path, parts in files.items():
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text("".join(parts))
