@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,8 @@ from pytest_ctresources.xdist.placement import (
     simulate,
 )
 from pytest_ctresources.xdist.plan import PlanGpu, make_plan, parse_gpus
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SUITE = """
 import pytest
@@ -149,3 +153,26 @@ def test_bad_shard_options_are_one_line_errors(pytester: pytest.Pytester) -> Non
     result.stderr.fnmatch_lines(
         ["*--ct-runner-gpus names 2 job(s) but --ct-shard has 3: give one GPU for all jobs*"]
     )
+
+
+def test_the_bench_compares_the_plan_with_a_run_of_the_same_suite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # bench/plan_vs_run.py end to end on 12 tests of its suite, two 24 GiB cards: the plan's
+    # prediction and an xdist run on fake GPUs, each test counted once with its outcome (the
+    # five over 24 GiB skip, as planned). Its ratio is the H200 host's figure, not checked here.
+    pytest.importorskip("xdist")
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import plan_vs_run
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    args = ["--tests", "12", "--scale", "0.002", "--gpus", "2x24", "--workers-per-gpu", "1"]
+    plan_vs_run.main([*args, "--out", str(tmp_path / "suite")])
+    out = capsys.readouterr().out
+    assert "tests: 7 passed, 5 skipped, 0 other; planned to skip: 5" in out
+    assert "pytest exit status 0" in out
+    phase = json.loads((tmp_path / "suite" / "phase.json").read_text())
+    assert len(phase["outcomes"]) == 12 and phase["start"] < phase["stop"]
+    plan = json.loads((tmp_path / "suite" / "plan.json").read_text())
+    assert plan["predicted_wall_s"] > 0 and all(t["duration_learned"] for t in plan["tests"])
