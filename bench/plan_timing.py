@@ -51,14 +51,17 @@ def predicted_against_simulated(seeds: int) -> list[tuple[int, float, float]]:
     return out
 
 
-def write_project(root: Path, demands: list[Demand]) -> None:
+def write_project(root: Path, demands: list[Demand], *, sleep: bool = False) -> None:
     """The suite as a project: ``tests/test_NNN.py::test_I`` with its ``vram`` marker, and the
-    durations in pytest's cache as a run would have learned them."""
+    durations in pytest's cache as a run would have learned them. With ``sleep`` each test
+    sleeps for its duration (its work, for a real run of the suite)."""
     files: dict[str, list[str]] = {}
     for demand in demands:
         path, _, name = demand.nodeid.partition("::")
         mark = "" if demand.need_gib is None else f"@pytest.mark.vram(gib={demand.need_gib:.2f})\n"
-        files.setdefault(path, ["import pytest\n"]).append(f"\n{mark}def {name}():\n    pass\n")
+        body = f"time.sleep({demand.duration_s!r})" if sleep else "pass"
+        header = "import time\n\nimport pytest\n" if sleep else "import pytest\n"
+        files.setdefault(path, [header]).append(f"\n{mark}def {name}():\n    {body}\n")
     for path, parts in files.items():
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text("".join(parts))

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-import time
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,8 @@ from pytest_ctresources.xdist.placement import (
     simulate,
 )
 from pytest_ctresources.xdist.plan import PlanGpu, make_plan, parse_gpus
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SUITE = """
 import pytest
@@ -44,16 +47,14 @@ def test_gpu_lists_and_names() -> None:
         parse_gpus("2xV100")
 
 
-def test_a_plan_of_1000_tests_is_made_within_two_seconds() -> None:
+def test_a_plan_of_1000_tests_places_each_on_a_gpu_that_holds_it() -> None:
+    # How long the plan takes is bench/plan_timing.py's figure, not a test's assertion.
     demands = [
         Demand(f"t{i}", (None, 5.0, 20.0, 30.0, 70.0, 90.0)[i % 6], float(1 + i % 17))
         for i in range(1000)
     ]
-    started = time.perf_counter()
     plan = make_plan(parse_gpus("2x80,4x24"), 2, demands)
-    lines = plan.lines()
-    assert time.perf_counter() - started < 2.0
-    assert len(lines) == 1000 + 9
+    assert len(plan.lines()) == 1000 + 9
     skipped = [t for t in plan.tests if t.skip_reason]
     assert len(skipped) == 1000 // 6  # the 90 GiB ones
     assert all(
@@ -152,3 +153,26 @@ def test_bad_shard_options_are_one_line_errors(pytester: pytest.Pytester) -> Non
     result.stderr.fnmatch_lines(
         ["*--ct-runner-gpus names 2 job(s) but --ct-shard has 3: give one GPU for all jobs*"]
     )
+
+
+def test_the_bench_compares_the_plan_with_a_run_of_the_same_suite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # bench/plan_vs_run.py end to end on 12 tests of its suite, two 24 GiB cards: the plan's
+    # prediction and an xdist run on fake GPUs, each test counted once with its outcome (the
+    # five over 24 GiB skip, as planned). Its ratio is the H200 host's figure, not checked here.
+    pytest.importorskip("xdist")
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import plan_vs_run
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    args = ["--tests", "12", "--scale", "0.002", "--gpus", "2x24", "--workers-per-gpu", "1"]
+    plan_vs_run.main([*args, "--out", str(tmp_path / "suite")])
+    out = capsys.readouterr().out
+    assert "tests: 7 passed, 5 skipped, 0 other; planned to skip: 5" in out
+    assert "pytest exit status 0" in out
+    phase = json.loads((tmp_path / "suite" / "phase.json").read_text())
+    assert len(phase["outcomes"]) == 12 and phase["start"] < phase["stop"]
+    plan = json.loads((tmp_path / "suite" / "plan.json").read_text())
+    assert plan["predicted_wall_s"] > 0 and all(t["duration_learned"] for t in plan["tests"])
