@@ -33,6 +33,7 @@ from pytest_ctresources.session.cache import ResidentModel
 from pytest_ctresources.session.session import CtSession
 from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig
+from pytest_ctresources.settings.options import DEFAULT_INCREASE_PERCENT
 from pytest_ctresources.settings.sources import Source, Sourced
 from pytest_ctresources.units import GIB
 
@@ -270,7 +271,7 @@ def peak_increase(item: pytest.Item, runtime: Runtime, figures: VramFigures) -> 
         gpu.name if gpu is not None else "unknown GPU",
         datetime.date.today().isoformat(),
         runtime.library_versions(),
-        regression.DEFAULT_PERCENT if limit is None else limit,
+        DEFAULT_INCREASE_PERCENT if limit is None else limit,
     )
 
 

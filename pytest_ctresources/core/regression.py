@@ -14,11 +14,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pytest_ctresources.core.learned import LIBRARIES, LearnedNeed
-from pytest_ctresources.settings.options import DEFAULT_INCREASE_PERCENT
-
-#: How much a peak may grow, in percent, before it is an increase (``--ct-fail-on-increase``
-#: given without a value, and the summary's warning without the option).
-DEFAULT_PERCENT = DEFAULT_INCREASE_PERCENT
 
 
 @dataclass(frozen=True)

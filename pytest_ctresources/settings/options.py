@@ -38,7 +38,8 @@ _UNITS = {
 }
 CLEANUP_MODES: tuple[str, ...] = ("auto", "always", "never")
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
-#: ``--ct-fail-on-increase`` without a value: the growth in percent that fails a test.
+#: How much a peak may grow, in percent, before it is an increase (``--ct-fail-on-increase``
+#: given without a value, and the summary's warning without the option).
 DEFAULT_INCREASE_PERCENT = 10.0
 BINDING_MODES: tuple[str, ...] = ("auto", "off")
 NOTEBOOK_INJECT_MODES: tuple[str, ...] = ("parameters", "top")
@@ -598,7 +599,8 @@ def _add_history_options(group: pytest.OptionGroup) -> None:
         default=None,
         type=argparse_type(percent_or_off),
         help="fail a test whose peak reserved grew by more than PCT percent (default "
-        f"{DEFAULT_INCREASE_PERCENT:g}) over its last passing peak on the same GPU model and config; "
+        f"{DEFAULT_INCREASE_PERCENT:g}) over its last passing peak on the same GPU model and "
+        "config; "
         "without it the summary warns",
     )
     group.addoption(
