@@ -38,6 +38,8 @@ def test_vram_marker_against_the_real_gpu(pytester: pytest.Pytester) -> None:
             assert x.sum().item() == 1024
         """
     )
+    # The project asks as a whole (settings/activation.py): the -v header names the GPU.
+    pytester.makeini("[pytest]\nct_cleanup = auto\n")
     result = pytester.runpytest_subprocess("-rs", "-v")
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines(
@@ -142,6 +144,8 @@ def test_failed_test_frees_its_gpu_memory_before_the_next_setup(pytester: pytest
             pass
         """
     )
+    # Tests that use nothing of the plugin are cleaned up where the project asks for it.
+    pytester.makeini("[pytest]\nct_cleanup = auto\n")
     result = pytester.runpytest_subprocess("-p", "no:randomly")
     result.assert_outcomes(passed=2, failed=1)
 
@@ -186,6 +190,7 @@ def test_a_cycle_holding_a_cuda_tensor_is_freed_before_the_next_setup(
             pass
         """
     )
+    pytester.makeini("[pytest]\nct_cleanup = auto\n")  # the project asks (activation.py)
     pytester.runpytest_subprocess("-p", "no:randomly").assert_outcomes(passed=3)
 
 
@@ -214,7 +219,12 @@ def test_strict_ct_session_suite_on_a_real_size_model(pytester: pytest.Pytester)
         """
     )
     result = pytester.runpytest_subprocess(
-        "--ct-config", "exp.yaml", "--ct-strict", "-p", "no:randomly"
+        "--ct-config",
+        "exp.yaml",
+        "--ct-strict",
+        "-p",
+        "no:randomly",
+        "-v",  # -v: the details
     )
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines(
@@ -332,6 +342,7 @@ def test_auto_batch_size_fits_where_256_does_not(pytester: pytest.Pytester) -> N
         pytester,
         "scenario_auto_batch.py",
         "-s",
+        "-vv",  # the summary's per-attribution detail (docs/vram-report.md)
         "--ct-batch-size",
         "auto",
         "--ct-vram-capacity",
