@@ -1241,6 +1241,9 @@ def test_a_corrupt_cache_is_one_warning_and_the_run_goes_on(
         _victim_beside(path)
         args = ("--ct-forget",)
     pytester.makepyfile(test_it=CORRUPT_CACHE_TEST)
+    # The learned needs are read where the plugin acts: this project asks (a project that
+    # does not never reads them, settings/activation.py).
+    pytester.makeini("[pytest]\nct_cleanup = auto\n")
     content = path.read_bytes() if case == "deep" else b""
     # In-process, a warning at configure reaches this test's recorder; one at the end of
     # the session, the run's own summary.

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from pytest_ctresources.report import coverage, learned, regression
+from pytest_ctresources.core import learned, regression
+from pytest_ctresources.report import coverage
 from tests.fake_cuda import FAKE_CUDA_CONFTEST
 
 pytest_plugins = ["pytester"]

@@ -354,7 +354,7 @@ def test_auto_batch_size_fits_where_256_does_not(pytester: pytest.Pytester) -> N
     result.stdout.fnmatch_lines(
         [
             "  scenario_auto_batch.py::*: auto batch size * (25 prompt tokens, * active "
-            "features, predicted * GiB; * is the largest that fits*; budget 13.3 GiB = "
+            "features*, predicted * GiB*; * is the largest that fits*; budget 13.3 GiB = "
             "14.0 GiB (--ct-vram-capacity) less 5% margin)"
         ]
     )
