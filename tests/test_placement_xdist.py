@@ -190,6 +190,7 @@ def test_socket_workers_on_hosts_of_their_own_report_their_own_gpu(
         "--rsyncdir",
         str(pytester.path),
         "-rs",
+        "-v",  # the placement block is a detail where no test waited (docs/vram-report.md)
         "--ct-report-json",
         "r.json",
         *[str(path) for path in pytester.path.glob("test_*.py")],  # xdist: relative to --rsyncdir
