@@ -20,6 +20,7 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -198,6 +199,11 @@ sys.stdin.read()
 """
 
 
+_OWN_GROUP: dict[str, Any] = (
+    {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+)
+
+
 class Child:
     """A child process of :data:`CHILD`; its lines are read with a deadline."""
 
@@ -207,6 +213,11 @@ class Child:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             bufsize=0,  # unbuffered: select() sees every byte the child wrote
+            # Its own process group in this session: the kernel discards SIGTSTP sent to a
+            # process of an orphaned group, and pytest's group is orphaned where CI starts it
+            # from a daemon (setsid). A group whose parent is in another group of the same
+            # session is never orphaned, so Ctrl-Z's signal stops the child everywhere.
+            **_OWN_GROUP,
         )
         self.pid = self.proc.pid
 
