@@ -206,8 +206,13 @@ def test_bad_env_and_ini_are_usage_errors(
     assert len([ln for ln in result.stderr.lines if ln.startswith("ERROR")]) == 1
 
 
-def test_verbose_header_says_which_layer_won_and_which_lost(pytester: pytest.Pytester) -> None:
+def test_verbose_header_says_which_layer_won_and_which_lost(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """ct_batch_size in the ini loses to the experiment YAML's BATCH_SIZE: -v says so."""
+    # The header folds at the terminal's width and the line quotes two temporary paths, which
+    # are longer under xdist on CI (popen-gwN): a wide terminal keeps it on one line to match.
+    monkeypatch.setenv("COLUMNS", "1000")
     pytester.makefile(".yaml", exp="BATCH_SIZE: 32\n")
     pytester.makeini("[pytest]\nct_batch_size = 64\nct_config = exp.yaml\n")
     pytester.makepyfile("def test_a(): pass")
