@@ -26,7 +26,7 @@ from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.activation import ACTIVATION_KEY, activation_of
 from pytest_ctresources.settings.options import DEFAULT_ALLOC_CONF, add_options, binding_mode
 from pytest_ctresources.settings.resolve import activation_from_config
-from pytest_ctresources.xdist.binding import runs_no_tests
+from pytest_ctresources.xdist.roles import runs_no_tests
 
 if TYPE_CHECKING:
     from pytest_ctresources.core.learned import LearnedNeeds
@@ -70,7 +70,7 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
         mode = binding_mode(early_config.getini("ct_gpu_binding") or "auto")
     except ValueError:
         mode = "off"
-    from pytest_ctresources.xdist.binding import is_worker
+    from pytest_ctresources.xdist.roles import is_worker
 
     if mode == "auto" and is_worker(os.environ):
         binding = _bind_worker()

@@ -1479,7 +1479,7 @@ FAKE_GPUS_ROWS: tuple[tuple[str, str], ...] = (
     ("value", "message"), FAKE_GPUS_ROWS, ids=[ascii(v)[1:21] for v, _ in FAKE_GPUS_ROWS]
 )
 def test_a_bad_fake_gpus_entry_is_one_line(value: str, message: str) -> None:
-    from pytest_ctresources.gpu.detect import parse_fake_gpus
+    from pytest_ctresources.gpu.fake import parse_fake_gpus
 
     with pytest.raises(ValueError) as error:
         parse_fake_gpus(value)

@@ -13,15 +13,13 @@ from typing import Any
 import pytest
 
 from pytest_ctresources.gpu.detect import (
-    FAKE_GPUS_ENV,
     GpuFacts,
     GpuInfo,
     detect_gpus,
-    parse_fake_gpus,
-    parse_fake_used,
     parse_visible_devices,
     used_memory_reader,
 )
+from pytest_ctresources.gpu.fake import FAKE_GPUS_ENV, parse_fake_gpus, parse_fake_used
 from pytest_ctresources.units import GIB
 
 # --------------------------------------------------------------------------- CT_FAKE_GPUS

@@ -19,20 +19,16 @@ from pytest_ctresources.exceptions import AllocConfIneffectiveWarning
 from pytest_ctresources.gpu.allocator import ALLOC_CONF_ENV, AllocConf, CapacityCap
 from pytest_ctresources.gpu.cleanup import cleanup_python_cuda, cuda_initialised
 from pytest_ctresources.gpu.cleanup_between_tests import BetweenTests
-from pytest_ctresources.gpu.detect import (
-    FAKE_GPUS_ENV,
-    GpuFacts,
-    GpuInfo,
-    detect_gpus,
-    parse_fake_gpus,
-)
+from pytest_ctresources.gpu.detect import GpuFacts, GpuInfo, detect_gpus
+from pytest_ctresources.gpu.fake import FAKE_GPUS_ENV, parse_fake_gpus
 from pytest_ctresources.session.cache import ModelCache
 from pytest_ctresources.settings.config import FIELDS, CircuitTracerConfig
 from pytest_ctresources.settings.markers import layer_markers
 from pytest_ctresources.settings.resolve import Settings, settings_from_config
 from pytest_ctresources.settings.sources import Source, Sourced
-from pytest_ctresources.xdist.binding import Binding, runs_no_tests
+from pytest_ctresources.xdist.binding import Binding
 from pytest_ctresources.xdist.learned_exchange import shipped_needs
+from pytest_ctresources.xdist.roles import runs_no_tests
 
 
 @dataclass

@@ -411,7 +411,7 @@ def start(config: pytest.Config, runtime: Runtime) -> None:
     A plain run checks the directory at its first lease instead (failing leased tests with
     that line), so that a run which leases nothing never imports pynvml.
     """
-    from pytest_ctresources.xdist.binding import runs_no_tests
+    from pytest_ctresources.xdist.roles import runs_no_tests
 
     settings = runtime.settings
     controller = runs_no_tests(config)
@@ -435,7 +435,7 @@ def start(config: pytest.Config, runtime: Runtime) -> None:
 
 
 def _check_fake_used() -> None:
-    from pytest_ctresources.gpu.detect import (
+    from pytest_ctresources.gpu.fake import (
         FAKE_GPUS_ENV,
         FAKE_GPUS_USED_ENV,
         parse_fake_gpus,

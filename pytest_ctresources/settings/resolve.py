@@ -415,7 +415,7 @@ def activation_from_config(config: pytest.Config, namespace: object) -> Activati
     """Whether the project asks the plugin to act (settings/activation.py), from the options
     in ``namespace`` (pytest's known arguments, before conftests load), the environment and
     the ini file."""
-    from pytest_ctresources.gpu.detect import FAKE_GPUS_ENV, FAKE_GPUS_USED_ENV
+    from pytest_ctresources.gpu.fake import FAKE_GPUS_ENV, FAKE_GPUS_USED_ENV
 
     overridden = overridden_ini_keys(config, namespace)
     inifile = str(config.inipath) if config.inipath else None

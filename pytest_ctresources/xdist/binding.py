@@ -18,14 +18,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from pytest_ctresources.gpu.detect import VISIBLE_DEVICES_ENV, GpuFacts, GpuInfo
+from pytest_ctresources.xdist.roles import WORKER_ENV
 
-if TYPE_CHECKING:
-    import pytest
-
-WORKER_ENV = "PYTEST_XDIST_WORKER"
 WORKER_COUNT_ENV = "PYTEST_XDIST_WORKER_COUNT"
 TESTRUN_ENV = "PYTEST_XDIST_TESTRUNUID"
 _WORKER_ID = re.compile(r"gw(\d+)$")
@@ -140,17 +137,3 @@ def _int(text: str | None) -> int | None:
 def testrun_id(environ: Mapping[str, str]) -> str:
     """The run's id, shared by its workers (xdist's ``--testrunuid``)."""
     return environ.get(TESTRUN_ENV) or "local"
-
-
-def is_worker(environ: Mapping[str, str]) -> bool:
-    """Whether this process is a pytest-xdist worker."""
-    return WORKER_ENV in environ
-
-
-def runs_no_tests(config: pytest.Config) -> bool:
-    """Whether this is a pytest-xdist controller (its workers run the tests), by xdist's own
-    test: it distributes (``dist`` other than ``no``) to some execution environments (``tx``:
-    ``-n`` fills them in, ``--tx`` names them)."""
-    if hasattr(config, "workerinput"):
-        return False
-    return config.getoption("dist", "no") != "no" and bool(config.getoption("tx", None))

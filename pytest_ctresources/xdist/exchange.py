@@ -29,7 +29,8 @@ from typing import Any
 
 import pytest
 
-from pytest_ctresources.gpu.detect import FAKE_GPUS_ENV, GpuFacts, GpuInfo
+from pytest_ctresources.gpu.detect import GpuFacts, GpuInfo
+from pytest_ctresources.gpu.fake import FAKE_GPUS_ENV
 
 #: ``workerinput`` key of the channel.
 PLACEMENT_INPUT = "ct_placement_channel"
