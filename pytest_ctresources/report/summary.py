@@ -8,7 +8,6 @@ report. The JSON file and the plot are written from the same records (``report/f
 from __future__ import annotations
 
 import datetime
-import re
 import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,8 +27,6 @@ from pytest_ctresources.units import GIB, bytes_text
 if TYPE_CHECKING:
     from pytest_ctresources.core.runtime import Runtime
     from pytest_ctresources.report.coverage import GpuCoverage
-
-VRAM_SKIP_PATTERN = re.compile(r"needs [0-9.]+ GiB VRAM")
 
 
 #: How bad each phase's outcome is for the test's final outcome; an outcome another plugin
@@ -157,6 +154,8 @@ class RunSummary:
 
     attributions: dict[str, list[int]] = field(default_factory=dict)
     vram_skips: dict[str, str] = field(default_factory=dict)
+    """Tests the plugin skipped for VRAM (the need did not fit) -> the reason, from their
+    records (report/coverage.py reads them too)."""
     records: dict[str, VramRecord] = field(default_factory=dict)
     halvings: dict[str, str] = field(default_factory=dict)
     auto_choices: dict[str, list[str]] = field(default_factory=dict)
@@ -172,8 +171,6 @@ class RunSummary:
     """Test -> its CUDA memory snapshot: file, why, moment and top sites (``--ct-snapshot``)."""
     increases: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Tests whose peak grew over their last passing peak (core/regression.py)."""
-    gpu_skips: dict[str, str] = field(default_factory=dict)
-    """GPU tests the plugin skipped for VRAM -> the reason (report/coverage.py)."""
     gpu_runs: dict[str, str] = field(default_factory=dict)
     """GPU tests that really ran -> the GPU."""
     coverage: GpuCoverage | None = None
@@ -197,10 +194,6 @@ class RunSummary:
                 self.reruns[nodeid] = self.reruns.get(nodeid, 0) + 1
         elif report.outcome != "passed":
             self._outcomes[nodeid] = _worse(self._outcomes.get(nodeid, "passed"), report.outcome)
-        if report.skipped and isinstance(report.longrepr, tuple):
-            reason = str(report.longrepr[2]).removeprefix("Skipped: ")
-            if VRAM_SKIP_PATTERN.match(reason):
-                self.vram_skips[nodeid] = reason
         if report.when != "teardown" or not TestRecord.carries(report.user_properties):
             return first  # the common case: a test the plugin had nothing to say about
         self._acted.add(nodeid)
@@ -237,7 +230,7 @@ class RunSummary:
         if record.peak_increase is not None:
             self.increases[nodeid] = record.peak_increase
         if record.vram_skip is not None:
-            self.gpu_skips[nodeid] = record.vram_skip
+            self.vram_skips[nodeid] = record.vram_skip
         elif record.gpu_ran is not None and outcome != "skipped":
             self.gpu_runs[nodeid] = record.gpu_ran
         row = vram_record(nodeid, outcome, record)
@@ -595,13 +588,13 @@ class SummaryReporter:
             learned.prune(stale)
             learned.update(measured)
             learned.save()
-        if self.summary.gpu_runs or self.summary.gpu_skips:
+        if self.summary.gpu_runs or self.summary.vram_skips:
             from pytest_ctresources.report import coverage
 
             self.summary.coverage = coverage.update(
                 getattr(self.config, "cache", None),
                 self.summary.gpu_runs,
-                self.summary.gpu_skips,
+                self.summary.vram_skips,
                 settings.require_gpu_run_within.value,
             )
         if settings.report_json is None and settings.report_plot is None:
