@@ -102,36 +102,29 @@ def non_negative_gib(text: str) -> float:
     )
 
 
-def binding_mode(text: str) -> str:
-    """Parse ``ct_gpu_binding``."""
-    value = _text(text).strip().lower()
-    if value not in BINDING_MODES:
-        raise ValueError(f"must be one of {', '.join(BINDING_MODES)}; got {shown(text)}")
-    return value
+def one_of(choices: tuple[str, ...], *, fold_case: bool = False) -> Callable[[str], str]:
+    """A parser of a setting that takes one of ``choices`` (compared after stripping, and
+    case-folded when ``fold_case``); the error names the choices and what was given."""
+
+    def parse(text: str) -> str:
+        value = _text(text).strip()
+        if fold_case:
+            value = value.lower()
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}; got {shown(text)}")
+        return value
+
+    return parse
 
 
-def cleanup_mode(text: str) -> str:
-    """Parse ``ct_cleanup``."""
-    value = _text(text).strip()
-    if value not in CLEANUP_MODES:
-        raise ValueError(f"must be one of {', '.join(CLEANUP_MODES)}; got {shown(value)}")
-    return value
-
-
-def notebook_inject_mode(text: str) -> str:
-    """Parse ``ct_notebook_inject``."""
-    value = _text(text).strip()
-    if value not in NOTEBOOK_INJECT_MODES:
-        raise ValueError(f"must be one of {', '.join(NOTEBOOK_INJECT_MODES)}; got {shown(value)}")
-    return value
-
-
-def snapshot_mode(text: str) -> str:
-    """Parse ``ct_snapshot``."""
-    value = _text(text).strip().lower()
-    if value not in SNAPSHOT_MODES:
-        raise ValueError(f"must be one of {', '.join(SNAPSHOT_MODES)}; got {shown(text)}")
-    return value
+binding_mode = one_of(BINDING_MODES, fold_case=True)
+"""Parse ``ct_gpu_binding``."""
+cleanup_mode = one_of(CLEANUP_MODES)
+"""Parse ``ct_cleanup``."""
+notebook_inject_mode = one_of(NOTEBOOK_INJECT_MODES)
+"""Parse ``ct_notebook_inject``."""
+snapshot_mode = one_of(SNAPSHOT_MODES, fold_case=True)
+"""Parse ``ct_snapshot``."""
 
 
 def directory_path(text: str) -> str:
@@ -152,19 +145,6 @@ def fraction(text: str) -> float:
     return value
 
 
-def seconds_or_off(text: str) -> float | None:
-    """Parse a number of seconds that may be 0, or ``off`` (None)."""
-    if text.strip().lower() == "off":
-        return None
-    return _number(
-        text,
-        zero_ok=True,
-        most=MAX_SECONDS,
-        unit=" seconds (a week)",
-        message="must be a number of seconds, 0 or more, or off",
-    )
-
-
 def seconds(text: str) -> float:
     """Parse a positive number of seconds, at most ``MAX_SECONDS``."""
     return _number(
@@ -181,30 +161,25 @@ MAX_PERCENT = 10_000.0
 MAX_DAYS = 3650.0
 
 
-def percent_or_off(text: str) -> float | None:
-    """Parse a percentage, 0 or more, or ``off`` (None)."""
-    if _text(text).strip().lower() == "off":
-        return None
-    return _number(
-        text,
-        zero_ok=True,
-        most=MAX_PERCENT,
-        unit="%",
-        message="must be a percentage, 0 or more, or off",
-    )
+def _or_off(*, most: float, unit: str, what: str) -> Callable[[str], float | None]:
+    """A parser of ``off`` (None) or a number of ``what``, 0 or more, at most ``most``."""
+
+    def parse(text: str) -> float | None:
+        if _text(text).strip().lower() == "off":
+            return None
+        return _number(
+            text, zero_ok=True, most=most, unit=unit, message=f"must be {what}, 0 or more, or off"
+        )
+
+    return parse
 
 
-def days_or_off(text: str) -> float | None:
-    """Parse a number of days, 0 or more, or ``off`` (None)."""
-    if _text(text).strip().lower() == "off":
-        return None
-    return _number(
-        text,
-        zero_ok=True,
-        most=MAX_DAYS,
-        unit=" days",
-        message="must be a number of days, 0 or more, or off",
-    )
+seconds_or_off = _or_off(most=MAX_SECONDS, unit=" seconds (a week)", what="a number of seconds")
+"""Parse a number of seconds that may be 0, or ``off`` (None)."""
+percent_or_off = _or_off(most=MAX_PERCENT, unit="%", what="a percentage")
+"""Parse a percentage, 0 or more, or ``off`` (None)."""
+days_or_off = _or_off(most=MAX_DAYS, unit=" days", what="a number of days")
+"""Parse a number of days, 0 or more, or ``off`` (None)."""
 
 
 def byte_size(text: str) -> int:
