@@ -16,7 +16,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pytest_ctresources"
 #: The modules at the top of the package: the wiring, the public API, and what users import.
-TOP_LEVEL = {"__init__", "plugin", "exceptions", "testing", "units"}
+TOP_LEVEL = {"__init__", "plugin", "exceptions", "testing", "units", "reading"}
 #: What no module may import when it is imported (the plugin loads at every pytest start-up).
 HEAVY = ("torch", "matplotlib", "nbformat", "nbclient", "circuit_tracer", "transformers", "nnsight")
 #: Modules imported only once the feature that needs the library runs: the notebook runner is
@@ -37,7 +37,7 @@ ROOMS = sorted(path.name for path in PACKAGE.iterdir() if (path / "__init__.py")
 #: layers below its own, never from its own layer's other members nor from above. Every
 #: import counts, under ``if TYPE_CHECKING:`` and inside functions too (a type is a dependency).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("units", "exceptions"),
+    ("units", "exceptions", "reading"),
     ("bundled", "gpu"),
     ("xdist",),
     ("settings",),
@@ -49,7 +49,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 """What each layer may import, from the bottom:
 
-- ``units``, ``exceptions``: nothing of the package (units, quoting, warning classes);
+- ``units``, ``exceptions``, ``reading``: nothing of the package (units, quoting, warning
+  classes, reading a file that may be hostile);
 - ``bundled``, ``gpu``: the layer above; the outside world (the bundled models' shapes and
   builders; GPU detection, CUDA figures, cleanup, the allocator);
 - ``xdist``: GPUs (binding a worker, placing tests by VRAM, the scheduler and the plan);

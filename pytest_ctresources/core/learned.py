@@ -8,7 +8,6 @@ one. The controller reads and writes the cache; xdist workers get the controller
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -23,6 +22,7 @@ from typing import Any
 import pytest
 
 from pytest_ctresources.exceptions import CtResourcesWarning
+from pytest_ctresources.reading import Unreadable, read_regular
 from pytest_ctresources.settings.config import AUTO, MAX_GIB, CircuitTracerConfig, shown
 from pytest_ctresources.settings.sources import Source, printable
 
@@ -212,37 +212,27 @@ def read_cache(cache: pytest.Cache, key: str = CACHE_KEY, what: str = WHAT) -> o
             raise UnreadableCache(f"the {what} in pytest's cache are nested too deep") from None
     shown_path = printable(str(path))
     try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return {}
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
+        data = read_regular(path, MAX_CACHE_BYTES, follow_links=False)
+    except Unreadable as exc:
+        if exc.missing:
+            return {}
+        if exc.link:
             raise UnreadableCache(
                 f"{shown_path} is a symbolic link, not {what}; ignored and left alone (remove it)",
                 left_alone=True,
             ) from None
+        if exc.too_large:
+            raise UnreadableCache(f"the {what} at {shown_path} are {exc}") from None
+        if exc.code is None:  # a directory, a FIFO, a device
+            raise UnreadableCache(
+                f"{shown_path} is not a regular file, not {what}; ignored and left alone "
+                "(remove it)",
+                left_alone=True,
+            ) from None
         raise UnreadableCache(
-            f"cannot read the {what} at {shown_path}: {exc.strerror}; ignored and left alone",
+            f"cannot read the {what} at {shown_path}: {exc}; ignored and left alone",
             left_alone=True,
         ) from None
-    # fstat before fdopen: fdopen of a directory raises IsADirectoryError.
-    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-        os.close(descriptor)
-        raise UnreadableCache(
-            f"{shown_path} is not a regular file, not {what}; ignored and left alone (remove it)",
-            left_alone=True,
-        )
-    with os.fdopen(descriptor, "rb") as handle:
-        try:
-            data = handle.read(MAX_CACHE_BYTES + 1)
-        except OSError as exc:
-            raise UnreadableCache(
-                f"cannot read the {what} at {shown_path}: {exc.strerror}"
-            ) from None
-    if len(data) > MAX_CACHE_BYTES:
-        raise UnreadableCache(
-            f"the {what} at {shown_path} are larger than {MAX_CACHE_BYTES >> 20} MiB"
-        )
     try:
         return json.loads(data)
     except RecursionError:  # json's decoder stops at Python's recursion limit

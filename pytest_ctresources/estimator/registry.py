@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +26,7 @@ from pytest_ctresources.estimator.estimate import (
     Workload,
     estimate,
 )
+from pytest_ctresources.reading import Unreadable, read_regular
 from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig, shown
 from pytest_ctresources.settings.sources import printable
 
@@ -642,25 +641,10 @@ def _read_config_json(file: Path, where: str) -> object:
     reading waits for a writer forever, ``/dev/zero`` never ends), at most
     :data:`MAX_CONFIG_JSON_BYTES`; nesting is bounded by json's decoder (a RecursionError)."""
     try:
-        # O_NONBLOCK: a FIFO opens at once instead of waiting for a writer.
-        descriptor = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
-    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
-        reason = exc.strerror if isinstance(exc, OSError) else "not a valid path"
-        raise UnknownShape(f"cannot read model config {where}: {reason}") from None
-    # fstat before fdopen: fdopen of a directory raises IsADirectoryError.
-    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-        os.close(descriptor)
-        raise UnknownShape(f"cannot read model config {where}: not a regular file")
-    with os.fdopen(descriptor, "rb") as handle:
-        try:
-            data = handle.read(MAX_CONFIG_JSON_BYTES + 1)
-        except OSError as exc:
-            raise UnknownShape(f"cannot read model config {where}: {exc.strerror}") from None
-    if len(data) > MAX_CONFIG_JSON_BYTES:
-        raise UnknownShape(
-            f"cannot read model config {where}: larger than {MAX_CONFIG_JSON_BYTES >> 20} MiB "
-            "(the limit for a config.json)"
-        )
+        data = read_regular(file, MAX_CONFIG_JSON_BYTES)
+    except Unreadable as exc:
+        limit = " (the limit for a config.json)" if exc.too_large else ""
+        raise UnknownShape(f"cannot read model config {where}: {exc}{limit}") from None
     try:
         return json.loads(data, parse_constant=_no_constant)
     except UnicodeDecodeError:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pytest_ctresources.reading import Unreadable, read_regular
 from pytest_ctresources.settings.config import ConfigError
 
 if TYPE_CHECKING:
@@ -156,18 +157,9 @@ def read_notebook(path: Path, where: str) -> NotebookNode:
     import nbformat
 
     try:
-        # O_NONBLOCK: a FIFO at the path would wait for a writer forever.
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as exc:
-        raise NotebookUnreadable(f"{where}: cannot read the notebook: {exc.strerror}") from None
-    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-        os.close(descriptor)
-        raise NotebookUnreadable(f"{where}: cannot read the notebook: not a regular file")
-    with os.fdopen(descriptor, "rb") as handle:
-        try:
-            raw = handle.read()
-        except OSError as exc:
-            raise NotebookUnreadable(f"{where}: cannot read the notebook: {exc.strerror}") from None
+        raw = read_regular(path)
+    except Unreadable as exc:
+        raise NotebookUnreadable(f"{where}: cannot read the notebook: {exc}") from None
     try:
         data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:

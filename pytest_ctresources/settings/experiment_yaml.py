@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import functools
 import os
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType, ModuleType
 from typing import Any
 
+from pytest_ctresources.reading import Unreadable, read_regular
 from pytest_ctresources.settings.config import (
     FIELDS,
     NOTEBOOK_KEY,
@@ -227,26 +227,11 @@ def _unacceptable(text: str, exc: Any) -> str:
 def _read(shown_path: str, path: str) -> str:
     """The file's text, if it is a regular file of at most :data:`MAX_BYTES`."""
     try:
-        # O_NONBLOCK: opening a FIFO for reading would wait for a writer forever.
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as exc:
-        raise ConfigError(f"{shown_path}: cannot read experiment config: {exc.strerror}") from None
-    mode = os.fstat(descriptor).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(descriptor)
-        what = "Is a directory" if stat.S_ISDIR(mode) else "not a regular file"
-        raise ConfigError(f"{shown_path}: cannot read experiment config: {what}")
-    with os.fdopen(descriptor, "rb") as handle:
-        try:
-            data = handle.read(MAX_BYTES + 1)
-        except OSError as exc:
-            raise ConfigError(
-                f"{shown_path}: cannot read experiment config: {exc.strerror}"
-            ) from None
-    if len(data) > MAX_BYTES:
-        raise ConfigError(
-            f"{shown_path}: larger than {MAX_BYTES >> 20} MiB (the limit for an experiment config)"
-        )
+        data = read_regular(path, MAX_BYTES)
+    except Unreadable as exc:
+        if exc.too_large:
+            raise ConfigError(f"{shown_path}: {exc} (the limit for an experiment config)") from None
+        raise ConfigError(f"{shown_path}: cannot read experiment config: {exc}") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
