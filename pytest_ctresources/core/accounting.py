@@ -361,10 +361,12 @@ def oom_section(
     return "\n".join(lines)
 
 
-class StrictChecks:
-    """``--ct-strict``: registered only then. Fails, after the test ran, what passed by luck."""
+class _FailsPassedPhases:
+    """A check registered only under its option: it fails a phase (setup, call, teardown)
+    that passed, with one line naming the option, where :meth:`problems` finds any."""
 
-    name = "ctresources-strict"
+    name: str
+    option: str
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
@@ -378,8 +380,18 @@ class StrictChecks:
             problems = self.problems(item, call.when)
             if problems:
                 report.outcome = "failed"
-                report.longrepr = "ctresources --ct-strict: " + "; ".join(problems)
+                report.longrepr = f"ctresources {self.option}: " + "; ".join(problems)
         return report
+
+    def problems(self, item: pytest.Item, when: str) -> list[str]:
+        raise NotImplementedError
+
+
+class StrictChecks(_FailsPassedPhases):
+    """``--ct-strict``: registered only then. Fails, after the test ran, what passed by luck."""
+
+    name = "ctresources-strict"
+    option = "--ct-strict"
 
     def problems(self, item: pytest.Item, when: str) -> list[str]:
         if when == "call":
@@ -412,27 +424,19 @@ class StrictChecks:
         return problems
 
 
-class IncreaseGate:
+class IncreaseGate(_FailsPassedPhases):
     """``--ct-fail-on-increase``: registered only then. Fails a passed call whose peak grew
     over its last passing peak by more than the percentage given."""
 
     name = "ctresources-fail-on-increase"
+    option = "--ct-fail-on-increase"
 
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(
-        self, item: pytest.Item, call: pytest.CallInfo[None]
-    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-        report = yield
-        if report.passed and call.when == "call":
-            figures = own_figures(item, self.runtime, finished=False)
-            found = peak_increase(item, self.runtime, figures) if figures is not None else None
-            if found is not None:
-                report.outcome = "failed"
-                report.longrepr = f"ctresources --ct-fail-on-increase: {found.line()}"
-        return report
+    def problems(self, item: pytest.Item, when: str) -> list[str]:
+        if when != "call":
+            return []
+        figures = own_figures(item, self.runtime, finished=False)
+        found = peak_increase(item, self.runtime, figures) if figures is not None else None
+        return [found.line()] if found is not None else []
 
 
 def halving_summary(session: CtSession) -> str:
