@@ -16,7 +16,7 @@ lines that call the room doing the work (docs/architecture.md draws the map):
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import pytest
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from pytest_ctresources.core.learned import LearnedNeeds
     from pytest_ctresources.core.runtime import Runtime
     from pytest_ctresources.xdist.binding import Binding
-    from pytest_ctresources.xdist.exchange import PlacementWorker
 
 # Only what every pytest start-up needs is imported above: the options, and whether the project
 # asks for the plugin (settings/activation.py). Everything the plugin does once it acts is
@@ -41,10 +40,8 @@ if TYPE_CHECKING:
 __all__ = ["ct_config", "ct_session"]
 
 _BINDING_KEY: pytest.StashKey[Binding] = pytest.StashKey()
-#: The user properties the plugin wrote for the item's last attempt (a rerun replaces them).
-_WRITTEN_KEY = pytest.StashKey[list[tuple[str, object]]]()
-#: In an xdist worker of a run placed by VRAM: its side of the placement channel.
-_PLACEMENT_KEY: pytest.StashKey[PlacementWorker] = pytest.StashKey()
+#: Set once the per-test hooks are registered (per_test.py), so they are registered once.
+_ACTING_KEY = pytest.StashKey[bool]()
 #: The run's runtime once started (core/runtime.py's own key is not imported before then).
 _RUNTIME_KEY: pytest.StashKey[Runtime] = pytest.StashKey()
 
@@ -267,7 +264,6 @@ def _report_to_placement(config: pytest.Config, runtime: Runtime) -> None:
     capacity = runtime.settings.vram_capacity_gib
     worker.report_gpu(worker_gpu(gpu, facts, capacity.value if capacity is not None else None))
     config.pluginmanager.register(worker, PlacementWorker.name)
-    config.stash[_PLACEMENT_KEY] = worker
 
 
 def _need_of(runtime: Runtime) -> Callable[[pytest.Item], float | None]:
@@ -347,7 +343,10 @@ def _act_per_test(config: pytest.Config, runtime: Runtime) -> None:
     if runtime.settings.cleanup.value != "never":
         runtime.cleaner = BetweenTests(runtime.settings.cleanup.value)
         config.pluginmanager.register(runtime.cleaner, BetweenTests.name)
+    from pytest_ctresources.per_test import PerTestHooks
+
     config.pluginmanager.register(PerTestHooks(), PerTestHooks.name)
+    config.stash[_ACTING_KEY] = True
     settings = runtime.settings
     if settings.snapshot.value != "off":  # with off, no recording call at all
         from pytest_ctresources.report import snapshots
@@ -363,7 +362,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # initialised (torch reads the variable when CUDA initialises).
     config = session.config
     activation = activation_of(config)
-    if activation.project_wide or config.pluginmanager.has_plugin(PerTestHooks.name):
+    if activation.project_wide or _ACTING_KEY in config.stash:
         return
     if not any(activation.acts_for(item) for item in session.items):
         return
@@ -416,106 +415,3 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     from pytest_ctresources.settings.parametrize_tests import parametrize_from_params
 
     parametrize_from_params(metafunc, _start(metafunc.config).settings.experiment)
-
-
-class PerTestHooks:
-    """Around each test the plugin acts for (settings/activation.py): its need, lease and
-    accounting at setup, the OOM explanation at call, the cleanup and its record at teardown.
-    Registered only in a run the plugin acts in."""
-
-    name = "ctresources-per-test"
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        if not activation_of(item.config).acts_for(item):
-            return
-        from pytest_ctresources.core import accounting
-        from pytest_ctresources.core.runtime import runtime_of
-        from pytest_ctresources.core.state import state_of
-
-        runtime = runtime_of(item.config)
-        if runtime.capacity_cap is not None:
-            runtime.capacity_cap.arm()
-        # A rerun (pytest-rerunfailures) runs the same item again: its earlier attempt's findings
-        # must not travel with this one's reports. Only the properties the plugin wrote go: a
-        # project's own ``ct_*`` properties stay.
-        written = item.stash.get(_WRITTEN_KEY, None)
-        if written:
-            item.user_properties[:] = [p for p in item.user_properties if p not in written]
-        state = state_of(item)
-        state.new_attempt()
-        if runtime.cleaner is not None:
-            state.cleanup_start = runtime.cleaner.begin(runtime.resident_bytes())
-        try:
-            reason = accounting.begin(item, runtime)
-        except markers.MarkerError as exc:
-            failure = str(exc)
-        else:
-            placement = item.config.stash.get(_PLACEMENT_KEY, None)
-            if reason is not None:
-                if placement is not None and state.need is not None:
-                    reason = placement.explain_skip(reason, state.need.gib)
-                state.record.vram_skip = reason
-                # A skip mark, evaluated by pytest's skipping plugin right after this hook, reports
-                # the test's own location rather than this file's.
-                item.add_marker(pytest.mark.skip(reason=reason))
-            if runtime.binding is not None:  # a bound xdist worker: its worker and GPU
-                state.record.place(runtime.binding.worker, runtime.binding.gpu)
-            if placement is not None:
-                state.record.placed_because = placement.why(item.nodeid)
-            return
-        pytest.fail(failure, pytrace=False)
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, None, None]:
-        __tracebackhide__ = True  # a failing fixture's traceback is the project's, not ours
-        if not activation_of(item.config).acts_for(item):
-            return (yield)
-        try:
-            return (yield)
-        finally:
-            from pytest_ctresources.core import accounting
-            from pytest_ctresources.core.runtime import runtime_of
-            from pytest_ctresources.core.state import state_of
-            from pytest_ctresources.gpu.cleanup_between_tests import unraisable_as_warnings
-            from pytest_ctresources.leases import leases
-
-            runtime = runtime_of(item.config)
-            state = state_of(item)
-            try:
-                # What the cleanup frees may run ``__del__`` methods that raise: their warnings
-                # belong to this test's teardown, not to the next test's setup.
-                with unraisable_as_warnings():
-                    if runtime.cleaner is not None:
-                        # Reported through the teardown report: output written here is captured.
-                        state.record.figures_closed = runtime.cleaner.finish(
-                            state.cleanup_start,
-                            accounting.allocated_beyond_baseline(item),
-                            runtime.resident_bytes(),
-                        )
-                accounting.end(item, runtime)
-            finally:
-                try:
-                    leases.give_back(item)  # whatever raised (-W error::CtLeakWarning, ...)
-                finally:
-                    from pytest_ctresources.report import snapshots
-
-                    snapshots.finish(item, runtime.settings.leak_threshold_bytes.value)
-                    # The one place the test's record is written: its teardown report carries it
-                    # to the controller, the summary and junit XML (core/record.py).
-                    written = state.record.to_properties()
-                    item.stash[_WRITTEN_KEY] = written
-                    item.user_properties.extend(written)
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
-        __tracebackhide__ = True  # the test's failure is the project's, not ours
-        try:
-            return (yield)
-        except BaseException as exc:
-            if activation_of(item.config).acts_for(item):
-                from pytest_ctresources.core import accounting
-                from pytest_ctresources.core.runtime import runtime_of
-
-                accounting.explain_oom(item, runtime_of(item.config), exc)
-            raise

@@ -16,7 +16,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "pytest_ctresources"
 #: The modules at the top of the package: the wiring, the public API, and what users import.
-TOP_LEVEL = {"__init__", "plugin", "exceptions", "testing", "units", "reading"}
+TOP_LEVEL = {"__init__", "plugin", "per_test", "exceptions", "testing", "units", "reading"}
 #: What no module may import when it is imported (the plugin loads at every pytest start-up).
 HEAVY = ("torch", "matplotlib", "nbformat", "nbclient", "circuit_tracer", "transformers", "nnsight")
 #: Modules imported only once the feature that needs the library runs: the notebook runner is
@@ -45,6 +45,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("session",),
     ("core",),
     ("leases", "notebooks", "report"),
+    ("per_test",),
     ("plugin", "testing", "__init__"),
 )
 """What each layer may import, from the bottom:
@@ -61,6 +62,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 - ``core``: everything below; the run's state, each test's state and record, learned needs,
   the accounting, the fixtures;
 - ``leases``, ``notebooks``, ``report``: the features, on core; never each other;
+- ``per_test``: the hooks around each test the plugin acts for, on the features;
 - ``plugin``, ``testing``, ``__init__``: the wiring and the public modules, on anything.
 """
 

@@ -1,0 +1,115 @@
+"""What the plugin does around each test it acts for (settings/activation.py): the test's
+need, lease and accounting at setup, the out-of-memory explanation at call, the cleanup, the
+snapshot and the one write of its record at teardown.
+
+Registered by ``plugin.py`` only in a run the plugin acts in, and imported only then: a
+project that does not ask has none of these hooks on any test's stack, and pays for none of
+these imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import pytest
+
+from pytest_ctresources.core import accounting
+from pytest_ctresources.core.runtime import runtime_of
+from pytest_ctresources.core.state import state_of
+from pytest_ctresources.gpu.cleanup_between_tests import unraisable_as_warnings
+from pytest_ctresources.leases import leases
+from pytest_ctresources.report import snapshots
+from pytest_ctresources.settings import markers
+from pytest_ctresources.settings.activation import activation_of
+from pytest_ctresources.xdist.exchange import PlacementWorker
+
+#: The user properties the plugin wrote for the item's last attempt (a rerun replaces them).
+_WRITTEN_KEY = pytest.StashKey[list[tuple[str, object]]]()
+
+
+class PerTestHooks:
+    """Around each test the plugin acts for (settings/activation.py): its need, lease and
+    accounting at setup, the OOM explanation at call, the cleanup and its record at teardown.
+    Registered only in a run the plugin acts in."""
+
+    name = "ctresources-per-test"
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        if not activation_of(item.config).acts_for(item):
+            return
+        runtime = runtime_of(item.config)
+        if runtime.capacity_cap is not None:
+            runtime.capacity_cap.arm()
+        # A rerun (pytest-rerunfailures) runs the same item again: its earlier attempt's findings
+        # must not travel with this one's reports. Only the properties the plugin wrote go: a
+        # project's own ``ct_*`` properties stay.
+        written = item.stash.get(_WRITTEN_KEY, None)
+        if written:
+            item.user_properties[:] = [p for p in item.user_properties if p not in written]
+        state = state_of(item)
+        state.new_attempt()
+        if runtime.cleaner is not None:
+            state.cleanup_start = runtime.cleaner.begin(runtime.resident_bytes())
+        try:
+            reason = accounting.begin(item, runtime)
+        except markers.MarkerError as exc:
+            failure = str(exc)
+        else:
+            placement = item.config.pluginmanager.get_plugin(PlacementWorker.name)
+            if reason is not None:
+                if placement is not None and state.need is not None:
+                    reason = placement.explain_skip(reason, state.need.gib)
+                state.record.vram_skip = reason
+                # A skip mark, evaluated by pytest's skipping plugin right after this hook, reports
+                # the test's own location rather than this file's.
+                item.add_marker(pytest.mark.skip(reason=reason))
+            if runtime.binding is not None:  # a bound xdist worker: its worker and GPU
+                state.record.place(runtime.binding.worker, runtime.binding.gpu)
+            if placement is not None:
+                state.record.placed_because = placement.why(item.nodeid)
+            return
+        pytest.fail(failure, pytrace=False)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, None, None]:
+        __tracebackhide__ = True  # a failing fixture's traceback is the project's, not ours
+        if not activation_of(item.config).acts_for(item):
+            return (yield)
+        try:
+            return (yield)
+        finally:
+            runtime = runtime_of(item.config)
+            state = state_of(item)
+            try:
+                # What the cleanup frees may run ``__del__`` methods that raise: their warnings
+                # belong to this test's teardown, not to the next test's setup.
+                with unraisable_as_warnings():
+                    if runtime.cleaner is not None:
+                        # Reported through the teardown report: output written here is captured.
+                        state.record.figures_closed = runtime.cleaner.finish(
+                            state.cleanup_start,
+                            accounting.allocated_beyond_baseline(item),
+                            runtime.resident_bytes(),
+                        )
+                accounting.end(item, runtime)
+            finally:
+                try:
+                    leases.give_back(item)  # whatever raised (-W error::CtLeakWarning, ...)
+                finally:
+                    snapshots.finish(item, runtime.settings.leak_threshold_bytes.value)
+                    # The one place the test's record is written: its teardown report carries it
+                    # to the controller, the summary and junit XML (core/record.py).
+                    written = state.record.to_properties()
+                    item.stash[_WRITTEN_KEY] = written
+                    item.user_properties.extend(written)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
+        __tracebackhide__ = True  # the test's failure is the project's, not ours
+        try:
+            return (yield)
+        except BaseException as exc:
+            if activation_of(item.config).acts_for(item):
+                accounting.explain_oom(item, runtime_of(item.config), exc)
+            raise
