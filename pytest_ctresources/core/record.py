@@ -13,6 +13,7 @@ version reads with what it has, and an unknown property is ignored.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -120,13 +121,11 @@ class TestRecord:
     def to_properties(self) -> list[tuple[str, object]]:
         """The ``ct_*`` user properties of the fields that differ from their defaults: a test
         the plugin had nothing to say about carries none (its junit XML is as without it)."""
-        out: list[tuple[str, object]] = []
-        for spec in dataclasses.fields(self):
-            value = getattr(self, spec.name)
-            if value == _default(spec):
-                continue
-            out.append((PROPERTY_PREFIX + spec.name, value))
-        return out
+        return [
+            (PROPERTY_PREFIX + name, value)
+            for name, default in _defaults()
+            if (value := getattr(self, name)) != default
+        ]
 
     @classmethod
     def from_properties(cls, properties: Iterable[tuple[str, object]]) -> TestRecord:
@@ -158,3 +157,10 @@ def _default(spec: dataclasses.Field[Any]) -> object:
     if spec.default_factory is not dataclasses.MISSING:
         return spec.default_factory()
     return None
+
+
+@functools.cache
+def _defaults() -> tuple[tuple[str, object], ...]:
+    """Each field of :class:`TestRecord` and its default, made once: every test's teardown
+    compares its record with them (the defaults are compared with, never handed out)."""
+    return tuple((spec.name, _default(spec)) for spec in dataclasses.fields(TestRecord))
