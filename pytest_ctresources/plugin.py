@@ -341,7 +341,8 @@ def _act_per_test(config: pytest.Config, runtime: Runtime) -> None:
 
     config.pluginmanager.register(OneLineModelFailures(), OneLineModelFailures.name)
     if runtime.settings.cleanup.value != "never":
-        runtime.cleaner = BetweenTests(runtime.settings.cleanup.value)
+        cache = runtime.model_cache
+        runtime.cleaner = BetweenTests(runtime.settings.cleanup.value, lambda: cache.unfreezes)
         config.pluginmanager.register(runtime.cleaner, BetweenTests.name)
     from pytest_ctresources.per_test import PerTestHooks
 

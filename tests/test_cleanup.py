@@ -445,6 +445,32 @@ def test_a_slow_collection_freezes_the_long_lived_and_close_unfreezes(
     assert between.gc.get_freeze_count() == 0
 
 
+def test_a_watcher_eviction_that_leaves_gc_unfrozen_makes_the_cleaner_freeze_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The model cache, freeing an idle model from the lease watcher's thread, unfreezes the
+    collector and leaves it so; it counts that, and the between-test cleanup that froze
+    before reads the count and freezes again at its next collection."""
+    from pytest_ctresources.session.cache import ModelCache
+
+    gc = between.gc
+    if gc.get_freeze_count():
+        pytest.skip("something in this process froze objects already")
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    cache = ModelCache()
+    cleaner = between.BetweenTests("auto", lambda: cache.unfreezes)
+    try:
+        cleaner._freeze()
+        cache._model, cache._key = object(), ("a model",)  # resident, used by no test
+        cache.evict_if_idle()
+        assert (cache.unfreezes, gc.get_freeze_count()) == (1, 0)
+        cleaner._collect(between.POLICY, lambda: False, needs_full=False)
+        assert gc.get_freeze_count() > 0, "the cleaner froze again"
+    finally:
+        cleaner.close()
+        gc.unfreeze()
+
+
 def test_collect_everything_reaches_frozen_garbage() -> None:
     import gc
     import weakref

@@ -30,41 +30,35 @@ def cuda_initialised() -> bool:
     return bool(callable(is_initialized) and is_initialized())
 
 
-#: How many times :func:`collect_everything` unfroze and left it so: a freezer (the
-#: between-test cleanup) compares it with what it saw when it froze. (``gc.get_freeze_count()``
-#: walks the frozen objects: 28 ms over torch's heap, too slow to ask after every test.)
-unfrozen_and_left = 0
-
-
-def collect_everything(*, refreeze: bool = True) -> int:
+def collect_everything(*, refreeze: bool = True) -> bool:
     """A full garbage collection that also reaches objects ``gc.freeze()`` set aside (the
     between-test cleanup freezes long-lived objects; garbage among them is only found this
-    way), freezing the survivors again unless ``refreeze`` is false. Returns what
-    ``gc.collect()`` returns."""
-    global unfrozen_and_left
+    way), freezing the survivors again unless ``refreeze`` is false. Returns whether it
+    unfroze and left it so: the caller tells whoever froze (``gc.get_freeze_count()`` walks
+    the frozen objects, 28 ms over torch's heap: too slow to ask after every test)."""
     frozen = gc.get_freeze_count()
     if frozen:
         gc.unfreeze()
     try:
-        return gc.collect()
+        gc.collect()
     finally:
         if frozen and refreeze:
             gc.freeze()
-        elif frozen:
-            unfrozen_and_left += 1
+    return bool(frozen) and not refreeze
 
 
-def cleanup_python_cuda(*, refreeze: bool = True) -> None:
+def cleanup_python_cuda(*, refreeze: bool = True) -> bool:
     """A full ``gc.collect()`` and then ``torch.cuda.empty_cache()``, in that order.
 
     The collection comes first because the cache can only return blocks whose tensors are
     gone, and tensors caught in reference cycles are gone only after a collection. Safe to
-    call anywhere: without torch or without CUDA it only collects. (``refreeze``: see
-    :func:`collect_everything`.)
+    call anywhere: without torch or without CUDA it only collects. (``refreeze`` and what it
+    returns: see :func:`collect_everything`.)
     """
-    collect_everything(refreeze=refreeze)
+    left_unfrozen = collect_everything(refreeze=refreeze)
     if cuda_initialised():
         sys.modules["torch"].cuda.empty_cache()
+    return left_unfrozen
 
 
 def open_figure_numbers() -> frozenset[int]:

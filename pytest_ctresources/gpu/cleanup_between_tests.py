@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import pytest
 
-from pytest_ctresources.gpu import cleanup
 from pytest_ctresources.gpu.cleanup import (
     close_figures,
     collect_everything,
@@ -92,8 +91,11 @@ class BetweenTests:
 
     name = "ctresources-cleanup"
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, unfreezes: Callable[[], int] = lambda: 0) -> None:
+        """``unfreezes()``: how many times something else (the model cache, freeing an idle
+        model from the lease watcher's thread) unfroze the collector and left it so."""
         self.mode = mode
+        self._unfreezes = unfreezes
         self._wider_figures: set[int] = set()
         self._froze = False
         self._unfrozen_seen = 0
@@ -172,7 +174,7 @@ class BetweenTests:
     def _collect(
         self, policy: CleanupPolicy, still_held: Callable[[], bool], *, needs_full: bool
     ) -> None:
-        if self._froze and cleanup.unfrozen_and_left != self._unfrozen_seen:
+        if self._froze and self._unfreezes() != self._unfrozen_seen:
             self._froze = False  # unfrozen since (a watcher thread freeing an idle model)
         if policy.freeze and not self._froze and not needs_full:
             # The first collection of a run would walk everything torch, transformers and
@@ -194,10 +196,10 @@ class BetweenTests:
 
     def _freeze(self) -> None:
         """Set what is alive now aside from later collections (see :class:`CleanupPolicy`),
-        noting how many unfreezes the cleanup helpers had done by then."""
+        noting how many unfreezes others had done by then."""
         gc.freeze()
         self._froze = True
-        self._unfrozen_seen = cleanup.unfrozen_and_left
+        self._unfrozen_seen = self._unfreezes()
 
     def _empty_cache(self, policy: CleanupPolicy) -> None:
         cuda = sys.modules["torch"].cuda

@@ -107,6 +107,9 @@ class ModelCache:
         self._lock = threading.RLock()
         self._users = 0
         self.loads = 0
+        #: How many evictions left the garbage collector unfrozen (one from a watcher thread
+        #: does, see :meth:`evict_if_idle`): the between-test cleanup freezes again after one.
+        self.unfreezes = 0
         self.observers: list[CacheObserver] = []
         #: The node id reported as ``loaded_by`` of a model loaded now (set by the plugin).
         self.current_test: str | None = None
@@ -201,7 +204,8 @@ class ModelCache:
             self._model = None
             self._key = None
             self._resident = None
-            cleanup_python_cuda(refreeze=refreeze)
+            if cleanup_python_cuda(refreeze=refreeze):
+                self.unfreezes += 1
         if resident is not None:
             for observer in list(self.observers):
                 observer.model_freed(resident)
