@@ -1,14 +1,18 @@
 """The docs quote the estimator (its guidance table and sample output) and list every setting:
-both must be current."""
+both must be current. The README's walkthrough of a first project runs as printed."""
 
 from __future__ import annotations
 
+import html
 import itertools
+import json
 import re
 import shlex
 from pathlib import Path
 
+import nbformat
 import pytest
+from nbformat.v4 import new_code_cell, new_notebook
 
 from pytest_ctresources.estimator.cli import main
 
@@ -110,26 +114,161 @@ def test_the_set_up_commands_are_what_ci_runs() -> None:
     assert installs == ci_installs
 
 
+#: The README's walkthrough of a first project: its files, its runs and what they print.
+WALKTHROUGH = README[README.index("## Five minutes") : README.index("## Settings and where")]
+#: A file the walkthrough prints: a paragraph that ends with its path (`` `path`: ``), then
+#: the file in a fenced block.
+PRINTED_FILE = re.compile(r"`([\w./-]+)`:\n\n```\w+\n(.*?)```", re.S)
+#: The Jupyter kernel a notebook made in Jupyter names.
+PYTHON3_KERNEL = {"name": "python3", "display_name": "Python 3", "language": "python"}
+
+
+def notebook_of_percent_script(script: str) -> nbformat.NotebookNode:
+    """The notebook that a script in jupytext's percent format stands for: each ``# %%`` line
+    starts a code cell, with the tags it gives (``# %% tags=["parameters"]``)."""
+    nb = new_notebook(metadata={"kernelspec": PYTHON3_KERNEL})
+    for cell in re.split(r"^(?=# %%)", script, flags=re.M)[1:]:
+        marker, _, source = cell.partition("\n")
+        tags = re.fullmatch(r"# %%(?: tags=(\[.*\]))?", marker)
+        assert tags is not None, marker
+        metadata = {"tags": json.loads(tags[1])} if tags[1] else {}
+        nb.cells.append(new_code_cell(source.strip("\n"), metadata=metadata))
+    return nb
+
+
+def build_the_walkthrough_project(pytester: pytest.Pytester) -> None:
+    """The files the walkthrough prints, as printed, in the pytester project; the notebook
+    made from its cells."""
+    files = dict(PRINTED_FILE.findall(WALKTHROUGH))
+    assert sorted(files) == [
+        "experiments/tiny.yaml",
+        "notebooks/capital.ipynb",
+        "pyproject.toml",
+        "tests/test_circuits.py",
+    ]
+    for name, text in files.items():
+        path = pytester.path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix == ".ipynb":
+            nbformat.write(notebook_of_percent_script(text), path)
+        else:
+            path.write_text(text)
+
+
+def _words(text: str) -> str:
+    """``text`` with each run of white space one space: lines folded at any width compare."""
+    return " ".join(text.split())
+
+
 def test_the_five_minute_example_runs_as_shown(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The README's first experiment suite, its files as printed: two tests pass, the one
-    that needs 20 GiB is skipped with the reason shown, on a machine without a GPU."""
-    section = README[README.index("## Five minutes") : README.index("## Settings and where")]
-    blocks = dict(re.findall(r"```(yaml|python|toml)\n(.*?)```", section, re.S))
-    pytester.makefile(".yaml", **{"experiments/tiny": blocks["yaml"]})
-    pytester.makefile(".py", **{"tests/test_circuits": blocks["python"]})
-    pytester.makepyprojecttoml(blocks["toml"])
+    """The walkthrough's project, its files as printed, under ``pytest -v`` on a machine
+    without a GPU: two tests pass, the one that needs 20 GiB is skipped, and the output
+    shown is what it prints, in order (``...``: lines left out; the project's path for
+    ``/tmp/myproj``)."""
+    build_the_walkthrough_project(pytester)
     monkeypatch.setenv("CT_FAKE_GPUS", "")  # no GPU, whatever the machine has
+    monkeypatch.setenv("COLUMNS", "80")  # as shown: pytest's own lines are cut to the width
     result = pytester.runpytest("-v")
     result.assert_outcomes(passed=2, skipped=1)
+    shown = re.search(r"```text\n(.*?)```", WALKTHROUGH, re.S)
+    assert shown is not None
+    printed = _words(result.stdout.str())
+    position = 0
+    for part in re.split(r"^\.\.\.$", shown[1], flags=re.M):
+        expected = _words(part.replace("/tmp/myproj", str(pytester.path)))
+        found = printed.find(expected, position)
+        assert found >= 0, f"not printed (after what came before it): {expected}"
+        position = found + len(expected)
+
+
+#: The keys of the plugin's four columns in pytest-html's results table (report/html.py).
+VRAM_COLUMNS = ("ctPeakAllocated", "ctPeakReserved", "ctDeclaredNeed", "ctLeaked")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_walkthroughs_ci_command_runs_it_all_and_writes_the_reports(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The walkthrough's CI command, as printed (its environment assignment set here), in a
+    subprocess, since ``-n 2`` starts workers, on a machine without a GPU: the two tests and
+    the notebook pass with the config's values, the big test is skipped, and each report
+    file is what the README says it is."""
+    notebook = "notebooks/capital.ipynb::capital.ipynb"
+    assert f"`{notebook}`" in WALKTHROUGH  # the README names the notebook's item
+    tests = [
+        f"tests/test_circuits.py::{name}" for name in ("test_capital_circuit", "test_smaller_graph")
+    ]
+    big = "tests/test_circuits.py::test_needs_a_big_gpu"
+    build_the_walkthrough_project(pytester)
+    notebook_file = (pytester.path / "notebooks" / "capital.ipynb").read_bytes()
+    (command,) = re.findall(r"```bash\n(.*?)\n```", WALKTHROUGH, re.S)
+    argv = shlex.split(command)
+    while re.fullmatch(r"[A-Z_]+=.*", argv[0]):
+        name, _, value = argv.pop(0).partition("=")
+        monkeypatch.setenv(name, value)
+    assert argv[0] == "pytest" and {"--nbmake", "-n"} <= set(argv), argv
+    # No GPU, whatever the machine has: the plugin sees none, and nor do torch in the
+    # workers and the notebook's kernel (this process's torch is left alone).
+    monkeypatch.setenv("CT_FAKE_GPUS", "")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    # The report files the command names, each described in the README's list of them.
+    json_path, plot_path, html_path = (
+        argv[argv.index(option) + 1]
+        for option in ("--ct-report-json", "--ct-report-plot", "--html")
+    )
+    for path in (json_path, plot_path, html_path):
+        assert f"- `{path}`: " in WALKTHROUGH, path
+    result = pytester.runpytest_subprocess(*argv[1:], timeout=300)
+    result.assert_outcomes(passed=3, skipped=1)
     result.stdout.fnmatch_lines(
         [
-            "skipped for VRAM: 1 test(s)",
-            "  tests/test_circuits.py::test_needs_a_big_gpu: needs 20.0 GiB VRAM; no CUDA GPU*",
-            "attributions: 2 in 2 test(s), batch size(s) 32",
+            "2 workers [[]4 items[]]",
+            f"wrote the JSON report: {json_path}",
+            f"wrote the VRAM plot: {plot_path}",
         ]
     )
+    # The values were injected in memory: the notebook on disk is as it was written.
+    assert (pytester.path / "notebooks" / "capital.ipynb").read_bytes() == notebook_file
+
+    report = json.loads((pytester.path / json_path).read_text())
+    assert report["schema"] == "pytest-ctresources-report" and report["exitstatus"] == 0
+    assert report["settings"]["config"]["batch_size"] == {
+        "value": 32,
+        "source": f"BATCH_SIZE in {pytester.path / 'experiments' / 'tiny.yaml'}",
+    }
+    assert report["tests"] == []  # the VRAM figures: no test used CUDA
+    assert sorted(report["attributions"]) == sorted(tests)
+    assert sorted(report["attribution_timings"]) == sorted(tests)
+    assert report["vram_skips"] == {big: "needs 20.0 GiB VRAM; no CUDA GPU detected"}
+    injected = {value["name"]: value for value in report["notebook_values"][notebook]}
+    assert {name: value["value"] for name, value in injected.items()} == {
+        "MODEL_NAME": "'ctresources/tiny-gemma-2'",
+        "TRANSCODER_SET": "'ctresources/random-jumprelu'",
+        "BATCH_SIZE": "32",
+        "MAX_FEATURE_NODES": "48",
+        "PROMPT": "'the capital of france is'",
+    }
+    assert {value["injected"] for value in injected.values()} == {"after_parameters"}
+
+    assert (pytester.path / plot_path).read_bytes().startswith(PNG_SIGNATURE)
+
+    page = (pytester.path / html_path).read_text()
+    blob = re.search(r'data-jsonblob="([^"]*)"', page)
+    assert blob is not None
+    rows = {test_id: row for test_id, (row,) in json.loads(html.unescape(blob[1]))["tests"].items()}
+    assert {test_id: row["result"] for test_id, row in rows.items()} == {
+        **dict.fromkeys([*tests, notebook], "Passed"),
+        big: "Skipped",
+    }
+    assert all(row[key] == "" for row in rows.values() for key in VRAM_COLUMNS)  # no CUDA
+    headings = re.findall(r'<th class="sortable" data-column-type="(ct\w+)">VRAM ', page)
+    assert headings == list(VRAM_COLUMNS)
+    # The plot, in the report's summary, above the results table.
+    plot = page.index('<details class="ctresources-vram" open>')
+    assert 'src="data:image/png;base64,' in page[plot:]
+    assert plot < page.index('<table id="results-table">')
 
 
 def _section(result: pytest.RunResult, title: str) -> list[str]:
