@@ -301,3 +301,9 @@ def test_the_readme_example_run_prints_a_short_summary_and_v_keeps_the_details(
     details = "\n".join(_section(verbose, "ctresources summary"))
     assert "notebook items ran with" in details and "slowest attributions" in details
     assert len(details.splitlines()) > len(summary)
+
+
+def test_the_readme_is_a_front_page() -> None:
+    """What it does, install, a first suite, the settings table, links: the rest is the
+    documentation site's. Past 250 lines, move details to a page of docs/ and link it."""
+    assert len(README.splitlines()) <= 250
