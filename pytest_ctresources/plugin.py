@@ -410,8 +410,13 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    # @pytest.mark.ct_parametrize: one test per element of a PARAMS list.
-    if metafunc.definition.get_closest_marker("ct_parametrize") is None:
+    # @pytest.mark.ct_parametrize: one test per element of a PARAMS list. This runs for every
+    # test function of every project: the keywords (a few dict look-ups up the node chain)
+    # rule out almost all of them before the markers are walked.
+    definition = metafunc.definition
+    if "ct_parametrize" not in definition.keywords:
+        return
+    if definition.get_closest_marker("ct_parametrize") is None:
         return
     from pytest_ctresources.settings.parametrize_tests import parametrize_from_params
 
