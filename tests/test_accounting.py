@@ -477,28 +477,28 @@ def test_the_resident_model_is_no_leak_and_strict_still_fails_a_real_one(
 
 
 def test_no_need_is_learned_from_a_test_that_passed_only_after_halving() -> None:
-    from pytest_ctresources.report.summary import RunSummary, VramRecord
+    from pytest_ctresources.core.record import TestRecord
+    from pytest_ctresources.report.summary import RunSummary, TestResult
 
-    def record(nodeid: str, halvings: str | None) -> VramRecord:
-        return VramRecord(
-            nodeid,
-            "passed",
-            0,
-            "Card",
-            "2026-12-01",
-            nodeid,
-            0,
-            4 << 30,
-            5 << 30,
-            0,
-            0,
+    def result(nodeid: str, halvings: str | None) -> TestResult:
+        record = TestRecord(
+            device=0,
+            gpu="Card",
+            date="2026-12-01",
+            memory_key=nodeid,
+            baseline_bytes=0,
+            peak_allocated_bytes=4 << 30,
+            peak_reserved_bytes=5 << 30,
+            after_bytes=0,
+            leaked_bytes=0,
             oom_halvings=halvings,
         )
+        return TestResult(nodeid, record)
 
     summary = RunSummary()
-    summary.records = {
-        "t::plain": record("t::plain", None),
-        "t::halved": record("t::halved", "OOM at batch 256, passed at 128"),
+    summary.results = {
+        "t::plain": result("t::plain", None),
+        "t::halved": result("t::halved", "OOM at batch 256, passed at 128"),
     }
     assert set(summary.learned()) == {"t::plain"}
 

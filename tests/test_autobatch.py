@@ -611,12 +611,11 @@ def test_auto_needs_are_never_learned() -> None:
 
 
 def test_estimate_low_compares_with_the_most_the_estimate_allows() -> None:
-    from pytest_ctresources.report.summary import RunSummary, VramRecord
+    from pytest_ctresources.core.record import TestRecord
+    from pytest_ctresources.report.summary import TestResult
 
-    def record(peak_gib: float) -> VramRecord:
-        return VramRecord(
-            nodeid="t.py::x",
-            outcome="passed",
+    def result(peak_gib: float) -> TestResult:
+        record = TestRecord(
             device=0,
             gpu="G",
             date="2026-11-30",
@@ -631,12 +630,10 @@ def test_estimate_low_compares_with_the_most_the_estimate_allows() -> None:
             need_kind="estimate",
             need_most_gib=20.0,
         )
+        return TestResult("t.py::x", record)
 
-    summary = RunSummary()
-    summary.records = {"within": record(12.0), "over": record(25.0)}
-    summary.flag(leak_threshold=1 << 30)
-    assert summary.records["within"].flags == []
-    (flag,) = summary.records["over"].flags
+    assert result(12.0).flags(leak_threshold=1 << 30) == []
+    (flag,) = result(25.0).flags(leak_threshold=1 << 30)
     assert flag.startswith(
         "ESTIMATE LOW: peak 25.00 GiB reserved > 20.0 GiB, the most it may take (estimated"
     )

@@ -15,7 +15,8 @@ import pytest
 from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 
-# summary as a module: pytest would try to collect a class named Test* imported here.
+# record and summary as modules: pytest would try to collect a class named Test* imported here.
+from pytest_ctresources.core import record as record_module
 from pytest_ctresources.report import plot
 from pytest_ctresources.report import summary as summary_module
 from pytest_ctresources.settings.report_paths import PNG_MAGIC
@@ -29,10 +30,8 @@ RTX = "GPU 0 (NVIDIA GeForce RTX 4090) 23.6 GiB"
 
 def _record(
     nodeid: str, reserved_gib: float, need_gib: float | None = None
-) -> summary_module.VramRecord:
-    return summary_module.VramRecord(
-        nodeid=nodeid,
-        outcome="passed",
+) -> summary_module.TestResult:
+    record = record_module.TestRecord(
         device=0,
         gpu="NVIDIA GeForce RTX 4090",
         date="2026-12-01",
@@ -45,10 +44,11 @@ def _record(
         need_gib=need_gib,
         need_kind="marker" if need_gib is not None else None,
     )
+    return summary_module.TestResult(nodeid, record)
 
 
-def _summary(*records: summary_module.VramRecord) -> summary_module.RunSummary:
-    return summary_module.RunSummary(records={record.nodeid: record for record in records})
+def _summary(*results: summary_module.TestResult) -> summary_module.RunSummary:
+    return summary_module.RunSummary(results={result.nodeid: result for result in results})
 
 
 def _png_size(image: bytes) -> tuple[int, int]:
@@ -137,7 +137,8 @@ def test_a_capacity_far_above_every_peak_is_named_rather_than_squeezing_the_bars
 
 
 def test_no_cuda_data_says_so_on_the_image() -> None:
-    summary = summary_module.RunSummary(vram_skips={"t.py::test_big": "needs 40.0 GiB VRAM; ..."})
+    skipped = record_module.TestRecord(vram_skip="needs 40.0 GiB VRAM; ...")
+    summary = _summary(summary_module.TestResult("t.py::test_big", skipped))
     drawn = plot.figure(summary, None, "no CUDA GPU detected")
     assert not drawn.axes  # no empty chart
     assert [text.get_text() for text in drawn.texts] == [

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_ctresources.core import record as record_module
 from pytest_ctresources.report import files as report_files
 from pytest_ctresources.report import summary as summary_module
 from pytest_ctresources.report.files import SigtermReport
@@ -263,10 +264,8 @@ def test_a_full_disk_keeps_the_old_report_and_leaves_no_png(pytester: pytest.Pyt
     assert "1 passed, 2 warnings" in process.stdout
 
 
-def _record(index: int) -> summary_module.VramRecord:
-    return summary_module.VramRecord(
-        nodeid=f"test_many.py::test_{index}",
-        outcome="passed",
+def _result(index: int) -> summary_module.TestResult:
+    record = record_module.TestRecord(
         device=0,
         gpu="H200",
         date="2026-12-01",
@@ -277,11 +276,12 @@ def _record(index: int) -> summary_module.VramRecord:
         after_bytes=0,
         leaked_bytes=0,
     )
+    return summary_module.TestResult(f"test_many.py::test_{index}", record)
 
 
 def test_a_plot_of_thousands_of_tests_draws_the_highest_peaks(tmp_path: Path) -> None:
     # 0.3 inch a bar at 100 dpi: 2400 bars would pass matplotlib's 2**16-pixel limit.
-    summary = summary_module.RunSummary(records={str(i): _record(i) for i in range(2400)})
+    summary = summary_module.RunSummary(results={str(i): _result(i) for i in range(2400)})
     report_files.write_plot(tmp_path / "p.png", summary, 139.8, "H200")
     assert (tmp_path / "p.png").read_bytes().startswith(PNG_MAGIC)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_ctresources.core import record as record_module
 from pytest_ctresources.gpu.detect import detect_gpus
 from pytest_ctresources.leases.ledger import (
     LeaseTimeout,
@@ -25,7 +26,7 @@ from pytest_ctresources.leases.ledger import (
     ledger_path,
     units_for,
 )
-from pytest_ctresources.report.placement import Placement, placement_lines
+from pytest_ctresources.report.placement import placement_lines
 from pytest_ctresources.xdist.binding import (
     bind_worker,
     choose_gpu,
@@ -192,8 +193,19 @@ def test_a_lease_larger_than_the_budget_is_refused_at_once(tmp_path: Path) -> No
 
 
 def test_placement_lines() -> None:
-    def placed(worker: str, gpu: int, wait: float) -> Placement:
-        return Placement("t", "passed", worker, "H200", gpu, f"GPU-{gpu}", 18.0, wait)
+    def placed(
+        worker: str, gpu: int, wait: float, lease_gib: float = 18.0, **lease: float
+    ) -> record_module.TestRecord:
+        return record_module.TestRecord(
+            worker=worker,
+            gpu_name="H200",
+            gpu_physical_index=gpu,
+            gpu_uuid=f"GPU-{gpu}",
+            lease_gib=lease_gib,
+            lease_wait_s=wait,
+            lease_gave_up_after_s=lease.get("gave_up_after_s"),
+            lease_reused_gib=lease.get("reused_gib"),
+        )
 
     lines = placement_lines([placed("gw0", 0, 0), placed("gw2", 0, 2.5), placed("gw1", 1, -1)])
     assert lines[0] == "GPU placement (pytest-xdist): 3 test(s) on 2 GPU(s)"
@@ -202,17 +214,14 @@ def test_placement_lines() -> None:
     )
     assert lines[2].endswith("1 lease timeout(s)")
     # A wait that ended in a timeout is counted in the time waited.
-    gave_up = Placement(
-        "t", "failed", "gw1", "H200", 1, "GPU-1", 18.0, -1, lease_gave_up_after_s=5.0
-    )
-    (_, line) = placement_lines([gave_up])
+    (_, line) = placement_lines([placed("gw1", 1, -1, gave_up_after_s=5.0)])
     assert line == (
         "  GPU 1 (H200): gw1; 1 test(s), 1 with a lease, waited 5.0 s in all (longest 5.0 s), "
         "1 lease timeout(s)"
     )
     # A plain run: a line only when its leases made a test wait (another run held the GPU).
     assert placement_lines([placed("main", 0, 0)]) == []
-    reused = Placement("t", "passed", "main", "H200", 0, "GPU-0", 16.0, 1.5, lease_reused_gib=9.0)
+    reused = placed("main", 0, 1.5, lease_gib=16.0, reused_gib=9.0)
     assert placement_lines([placed("main", 0, 0), reused]) == [
         "VRAM leases: 2 test(s) on 1 GPU(s)",
         "  GPU 0 (H200): 2 test(s), 2 with a lease, waited 1.5 s in all (longest 1.5 s), "

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import datetime
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -26,6 +27,9 @@ from pytest_ctresources.core.learned import (
     read_cache,
     write_cache,
 )
+
+if TYPE_CHECKING:
+    from pytest_ctresources.report.summary import TestResult
 
 CACHE_KEY = "ctresources/gpu-runs"
 WHAT = "last GPU runs of GPU tests"
@@ -124,13 +128,20 @@ def last_run(nodeid: object, entry: object) -> LastRun | None:
 
 def update(
     cache: pytest.Cache | None,
-    ran: Mapping[str, str],
-    skipped: Mapping[str, str],
+    results: Collection[TestResult],
     within_days: float | None,
     now: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.timezone.utc),
-) -> GpuCoverage:
-    """Record the GPU tests that really ran (node id -> GPU) and return the coverage of the
-    ones skipped (node id -> reason) against what the cache held."""
+) -> GpuCoverage | None:
+    """Record the GPU tests that really ran and return the coverage of the ones skipped for
+    VRAM against what the cache held (None, the cache untouched: no GPU test did either)."""
+    skipped = {r.nodeid: r.record.vram_skip for r in results if r.record.vram_skip is not None}
+    ran = {
+        r.nodeid: r.record.gpu_ran
+        for r in results
+        if r.record.gpu_ran is not None and r.record.vram_skip is None and r.outcome != "skipped"
+    }
+    if not (ran or skipped):
+        return None
     moment = now().replace(microsecond=0)
     raw: object = {}
     writable = cache is not None

@@ -28,6 +28,7 @@ from typing import IO, TYPE_CHECKING, Any
 import pytest
 
 from pytest_ctresources.exceptions import ReportFileWarning
+from pytest_ctresources.report.placement import placement_row
 from pytest_ctresources.settings.report_paths import (
     JSON_FLAG,
     PLOT_FLAG,
@@ -43,7 +44,7 @@ from pytest_ctresources.settings.report_paths import (
 
 if TYPE_CHECKING:
     from pytest_ctresources.core.runtime import Runtime
-    from pytest_ctresources.report.summary import RunSummary, SummaryReporter
+    from pytest_ctresources.report.summary import RunSummary, SummaryReporter, TestResult
 
 SCHEMA_VERSION = 2
 
@@ -93,6 +94,7 @@ def build_report(
     from the signal handler, before the run has finished)."""
     settings = runtime.settings
     capacity = settings.vram_capacity_gib
+    leak_threshold = settings.leak_threshold_bytes.value
     return {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
@@ -127,24 +129,60 @@ def build_report(
             "strict": settings.strict,
             "snapshot": {"value": settings.snapshot.value, "source": str(settings.snapshot.source)},
         },
-        "tests": [record.to_dict() for record in summary.records.values()],
-        "placements": [placement.to_dict() for placement in summary.placements.values()],
-        "attributions": summary.attributions,
-        "auto_batch_sizes": summary.auto_choices,
-        "vram_skips": summary.vram_skips,
+        "tests": [vram_row(result, leak_threshold) for result in summary.used_cuda],
+        "placements": [placement_row(result) for result in summary.placed],
+        "attributions": summary.by_test(lambda r: r.attribution_batch_sizes),
+        "auto_batch_sizes": summary.by_test(lambda r: r.auto_batch_sizes),
+        "vram_skips": summary.by_test(lambda r: r.vram_skip),
         "resident_models": summary.resident_models,
-        "attribution_timings": summary.timings,
-        "reruns": summary.reruns,
+        "attribution_timings": summary.by_test(lambda r: r.attribution_timings),
+        "reruns": {nodeid: r.reruns for nodeid, r in summary.results.items() if r.reruns},
         "notebook_values": {
             nodeid: [
                 {"name": name, "value": value, "source": where, "injected": injected}
                 for name, value, where, injected in entries
             ]
-            for nodeid, entries in summary.notebook_values.items()
+            for nodeid, entries in summary.by_test(lambda r: r.notebook_values).items()
         },
-        "snapshots": [{"nodeid": nodeid, **entry} for nodeid, entry in summary.snapshots.items()],
-        "peak_increases": list(summary.increases.values()),
+        "snapshots": [
+            {
+                "nodeid": nodeid,
+                "file": record.snapshot_file,
+                "why": record.snapshot_why,
+                "moment": record.snapshot_moment,
+                "sites": record.snapshot_sites,
+            }
+            for nodeid, record in summary.snapshots.items()
+        ],
+        "peak_increases": list(summary.by_test(lambda r: r.peak_increase).values()),
         "gpu_coverage": summary.coverage.to_dict() if summary.coverage is not None else None,
+    }
+
+
+def vram_row(result: TestResult, leak_threshold: int) -> dict[str, Any]:
+    """A test that used CUDA, as the report's ``tests`` list has it."""
+    record = result.record
+    return {
+        "nodeid": result.nodeid,
+        "outcome": result.outcome,
+        "device": record.device or 0,
+        "gpu": result.gpu,
+        "date": result.date,
+        "memory_key": result.memory_key,
+        "baseline_bytes": record.baseline_bytes or 0,
+        "peak_allocated_bytes": result.peak_allocated,
+        "peak_reserved_bytes": result.peak_reserved,
+        "after_bytes": record.after_bytes or 0,
+        "leaked_bytes": result.leaked,
+        "need_gib": record.need_gib,
+        "need_source": record.need_source,
+        "need_kind": record.need_kind,
+        "need_most_gib": record.need_most_gib,
+        "oom_halvings": record.oom_halvings,
+        "resident_bytes": record.resident_bytes,
+        "others_resident_bytes": record.others_resident_bytes,
+        "reruns": result.reruns,
+        "flags": result.flags(leak_threshold),
     }
 
 

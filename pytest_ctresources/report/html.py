@@ -4,7 +4,7 @@ in the report's summary.
 :class:`HtmlReport` is registered (plugin.py) only where pytest-html is loaded and ``--html``
 is given, on the process that writes the HTML file: the controller under pytest-xdist, which
 is where the summary's records are. The figures are those of the terminal summary and the
-JSON report (``RunSummary.records``, keyed by node id); the plot is report/plot.py's, drawn
+JSON report (``RunSummary.results``, keyed by node id); the plot is report/plot.py's, drawn
 in memory and embedded as an inline PNG (``--ct-report-plot`` is not needed).
 """
 
@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from pytest_ctresources.report.summary import RERUN_OUTCOME
 from pytest_ctresources.units import GIB
 
 if TYPE_CHECKING:
-    from pytest_ctresources.report.summary import SummaryReporter, VramRecord
+    from pytest_ctresources.report.summary import SummaryReporter, TestResult
 
 #: (column key, heading): a key is what pytest-html sorts the column by (``col-<key>``).
 COLUMNS = (
@@ -34,9 +35,6 @@ COLUMNS = (
 #: points line up.
 FIGURE_WIDTH = 8
 FIGURE_SPACE = "&#8199;"
-#: pytest-html's outcome of a failed attempt that pytest-rerunfailures runs again: the
-#: record is the last attempt's, not this one's.
-RERUN_OUTCOME = "rerun"
 
 
 def padded(value: float, decimals: int = 2) -> str:
@@ -45,21 +43,17 @@ def padded(value: float, decimals: int = 2) -> str:
     return FIGURE_SPACE * max(0, FIGURE_WIDTH - len(text)) + text
 
 
-def row_cells(record: VramRecord | None) -> list[str]:
+def row_cells(result: TestResult | None) -> list[str]:
     """The cells of :data:`COLUMNS` for one row; empty for a test that did not use CUDA."""
-    if record is None:
+    if result is None or not result.record.used_cuda:
         texts = ["", "", "", ""]
     else:
-        need = (
-            f"{padded(record.need_gib, 1)} GiB ({record.need_kind_name})"
-            if record.need_gib is not None
-            else ""
-        )
+        need = result.record.need_gib
         texts = [
-            f"{padded(record.peak_allocated_bytes / GIB)} GiB",
-            f"{padded(record.peak_reserved_bytes / GIB)} GiB",
-            need,
-            f"{padded(record.leaked_bytes / GIB)} GiB",
+            f"{padded(result.peak_allocated / GIB)} GiB",
+            f"{padded(result.peak_reserved / GIB)} GiB",
+            f"{padded(need, 1)} GiB ({result.need_kind_name})" if need is not None else "",
+            f"{padded(result.leaked / GIB)} GiB",
         ]
     return [
         f'<td class="col-{key}">{text}</td>' for (key, _), text in zip(COLUMNS, texts, strict=True)
@@ -71,7 +65,7 @@ def summary_html(reporter: SummaryReporter) -> str:
     from pytest_ctresources.settings.report_paths import check_plot_support
 
     capacity, note = reporter.capacity()
-    count = len(reporter.summary.records)
+    count = len(reporter.summary.used_cuda)
     heading = html.escape(f"VRAM per test (pytest-ctresources): {count} test(s) used CUDA; {note}")
     unsupported = check_plot_support()
     if unsupported is not None:
@@ -120,10 +114,10 @@ class HtmlReport:
         # recorded it (pytest-html's logreport hook runs last).
         if not cells:
             return
-        record = None
-        if report.outcome != RERUN_OUTCOME:
-            record = self._reporter.summary.records.get(report.nodeid)
-        cells.extend(row_cells(record))
+        result = None
+        if report.outcome != RERUN_OUTCOME:  # an attempt run again: the record is the last's
+            result = self._reporter.summary.results.get(report.nodeid)
+        cells.extend(row_cells(result))
 
     @pytest.hookimpl(trylast=True)
     def pytest_html_results_summary(self, postfix: list[str]) -> None:
@@ -132,5 +126,5 @@ class HtmlReport:
         # picture only where some test used CUDA, or --ct-report / --ct-report-plot asks.
         settings = self._reporter.runtime.settings
         asked = settings.report_forced or settings.report_plot is not None
-        if self._reporter.summary.records or asked:
+        if self._reporter.summary.used_cuda or asked:
             postfix.append(summary_html(self._reporter))

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from pytest_ctresources.report.summary import RunSummary, VramRecord
+    from pytest_ctresources.report.summary import RunSummary, TestResult
 
 #: The most tests the plot draws (the top ones by peak): matplotlib refuses images over
 #: 2**16 pixels a side, which :data:`BAR_INCHES` per bar at :data:`DPI` reaches at about
@@ -84,36 +84,36 @@ def bar_labels(nodeids: list[str]) -> tuple[list[str], str]:
 
 
 def figure(summary: RunSummary, capacity_gib: float | None, capacity_note: str) -> Figure:
-    """The plot of ``summary``'s records, highest peak at the top; at most
-    :data:`MOST_PLOTTED` of them. Without records, a figure that says so."""
+    """The plot of ``summary``'s tests that used CUDA, highest peak at the top; at most
+    :data:`MOST_PLOTTED` of them. Without any, a figure that says so."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.transforms import offset_copy
 
-    ranked = sorted(summary.records.values(), key=lambda r: r.peak_reserved_bytes)
+    ranked = sorted(summary.used_cuda, key=lambda r: r.peak_reserved)
     if not ranked:
         drawn = Figure(figsize=(8, 2.4), dpi=DPI)
         FigureCanvasAgg(drawn)
         _say_no_data(drawn, summary, capacity_note)
         return drawn
-    records = ranked[-MOST_PLOTTED:]
-    labels, prefix = bar_labels([record.nodeid for record in records])
+    drawn_tests = ranked[-MOST_PLOTTED:]
+    labels, prefix = bar_labels([result.nodeid for result in drawn_tests])
     title = f"{TITLE}: {len(ranked)} test(s) used CUDA"
-    if len(ranked) > len(records):
-        title += f", the {len(records)} highest peaks drawn"
+    if len(ranked) > len(drawn_tests):
+        title += f", the {len(drawn_tests)} highest peaks drawn"
     if prefix.endswith("::"):
         title += f"\nin {prefix[:-2]}"
     elif prefix:
         title += f"\nunder {prefix}"
-    top_axis = len(records) >= TOP_AXIS_FROM
+    top_axis = len(drawn_tests) >= TOP_AXIS_FROM
     # The bars, and above them the title, the legend and (top_axis) the x axis's labels.
     header = 0.25 * (title.count("\n") + 1) + 0.35 + (0.25 if top_axis else 0.0)
-    height = max(3.0, BAR_INCHES * len(records) + 0.6 + header)
+    height = max(3.0, BAR_INCHES * len(drawn_tests) + 0.6 + header)
     # Constrained layout makes room for the labels, the title and the legend outside the axes.
     drawn = Figure(figsize=(11, height), dpi=DPI, layout="constrained")
     FigureCanvasAgg(drawn)
     axes = drawn.add_subplot()
-    handles = _draw_bars(axes, records, labels, capacity_gib)
+    handles = _draw_bars(axes, drawn_tests, labels, capacity_gib)
     if top_axis:
         axes.tick_params(axis="x", top=True, labeltop=True)
     axes.set_xlabel(f"GiB ({capacity_note})", fontsize=9)
@@ -133,18 +133,18 @@ def figure(summary: RunSummary, capacity_gib: float | None, capacity_note: str) 
 
 
 def _draw_bars(
-    axes: Axes, records: list[VramRecord], labels: list[str], capacity_gib: float | None
+    axes: Axes, tests: list[TestResult], labels: list[str], capacity_gib: float | None
 ) -> list[Artist]:
     """The bars, the needs and the capacity; returns the legend's entries."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    positions = list(range(len(records)))
-    reserved = [record.peak_reserved_bytes / GIB for record in records]
+    positions = list(range(len(tests)))
+    reserved = [result.peak_reserved / GIB for result in tests]
     axes.barh(positions, reserved, height=0.8, color=RESERVED_COLOUR)
     axes.barh(
         positions,
-        [record.peak_allocated_bytes / GIB for record in records],
+        [result.peak_allocated / GIB for result in tests],
         height=0.4,
         color=ALLOCATED_COLOUR,
     )
@@ -153,7 +153,7 @@ def _draw_bars(
         Patch(color=RESERVED_COLOUR, label="peak reserved"),
         Patch(color=ALLOCATED_COLOUR, label="peak allocated"),
     ]
-    declared = [(p, r.need_gib) for p, r in zip(positions, records, strict=True) if r.need_gib]
+    declared = [(p, need) for p, r in enumerate(tests) if (need := r.record.need_gib)]
     if declared:
         axes.vlines(
             [need for _, need in declared],
@@ -176,7 +176,7 @@ def _draw_bars(
             Line2D([], [], color=CAPACITY_COLOUR, linestyle="--", linewidth=1.5, label=label)
         )
     axes.set_xlim(0, right)
-    axes.set_ylim(-0.6, len(records) - 0.4)
+    axes.set_ylim(-0.6, len(tests) - 0.4)
     axes.set_yticks(positions, labels, fontsize=8)
     axes.grid(axis="x", alpha=0.3)
     axes.set_axisbelow(True)
@@ -185,8 +185,8 @@ def _draw_bars(
 
 def _say_no_data(drawn: Figure, summary: RunSummary, capacity_note: str) -> None:
     details = [capacity_note]
-    if summary.vram_skips:
-        details.append(f"{len(summary.vram_skips)} test(s) skipped for VRAM")
+    if skips := summary.by_test(lambda r: r.vram_skip):
+        details.append(f"{len(skips)} test(s) skipped for VRAM")
     drawn.text(0.5, 0.86, TITLE, ha="center", va="top", fontsize=11)
     drawn.text(0.5, 0.55, NO_DATA, ha="center", va="center", fontsize=13, weight="bold")
     drawn.text(0.5, 0.3, "; ".join(details), ha="center", va="center", fontsize=9)

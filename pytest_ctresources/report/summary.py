@@ -1,17 +1,19 @@
 """The end-of-run report: the ``ctresources summary`` terminal section and its VRAM table.
 
-It is built only from test reports (``ct_*`` ``user_properties`` and skip reasons), which
+It is built only from test reports (``ct_*`` ``user_properties`` and outcomes), which
 pytest-xdist ships from workers to the controller, so a distributed run gets one complete
-report. The JSON file and the plot are written from the same records (``report/files.py``).
+report: a :class:`TestResult` per test, which the JSON file and the plot (report/files.py),
+pytest-html's columns, the placements, the GPU coverage and the learned needs read too.
 """
 
 from __future__ import annotations
 
 import datetime
 import textwrap
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 
@@ -19,7 +21,7 @@ from pytest_ctresources.core.accounting import UNMARKED_BYTES, suggested_marker
 from pytest_ctresources.core.learned import LearnedNeed
 from pytest_ctresources.core.record import AT_TOP, TestRecord
 from pytest_ctresources.core.regression import Increase
-from pytest_ctresources.report.placement import Placement, placement_from, placement_lines
+from pytest_ctresources.report.placement import made_wait, placement_lines
 from pytest_ctresources.report.snapshot_sites import Site
 from pytest_ctresources.settings.activation import activation_of
 from pytest_ctresources.units import GIB, bytes_text
@@ -35,72 +37,93 @@ _OUTCOME_RANK = {"passed": 0, "skipped": 1, "failed": 2}
 #: pytest-rerunfailures' outcome of a failed attempt that it runs again: not final.
 RERUN_OUTCOME = "rerun"
 _NEED_KIND_NAMES = {"marker": "marker", "learned": "learned", "estimate": "estimate"}
+T = TypeVar("T")
 
 
 @dataclass
-class VramRecord:
-    """One test that used CUDA, as the summary and the JSON report show it: its figures, its
-    declared need, and what the report flags."""
+class TestResult:
+    """One test as the controller (or the only process) saw it: its last attempt's record,
+    and beside it what only the controller knows. The record is written in the test's process
+    at the end of its teardown, before its outcome is final (another plugin may report it, or
+    run the test again), and is what the teardown report carried (junit XML's properties).
+
+    Its properties read the CUDA figures as the report shows them, with a default (0, the node
+    id, today, "unknown GPU") where a record from a worker of another version lacks one."""
 
     nodeid: str
-    outcome: str
-    device: int
-    gpu: str
-    date: str
-    memory_key: str
-    baseline_bytes: int
-    peak_allocated_bytes: int
-    peak_reserved_bytes: int
-    after_bytes: int
-    leaked_bytes: int
-    need_gib: float | None = None
-    need_source: str | None = None
-    need_kind: str | None = None
-    need_most_gib: float | None = None
-    oom_halvings: str | None = None
-    resident_bytes: int = 0
-    """What the models kept loaded between tests grew by during the test (not a leak)."""
-    others_resident_bytes: int = 0
-    """Another test's resident model, left out of this test's peaks."""
+    record: TestRecord = field(default_factory=TestRecord)
+    """The last attempt's record; empty where its teardown report carried none."""
+    outcome: str = "passed"
+    """The worst of the last attempt's setup, call and teardown outcomes."""
     reruns: int = 0
     """How many failed attempts another plugin (pytest-rerunfailures) ran again."""
-    flags: list[str] = field(default_factory=list)
+    acted: bool = False
+    """Some attempt's report carried a record: the plugin had something to say of the test."""
+    rerun_attempt: bool = False
+    """The attempt under way will be run again: its record is superseded by the next one's."""
+
+    @property
+    def peak_allocated(self) -> int:
+        return self.record.peak_allocated_bytes or 0
+
+    @property
+    def peak_reserved(self) -> int:
+        return self.record.peak_reserved_bytes or 0
+
+    @property
+    def leaked(self) -> int:
+        return self.record.leaked_bytes or 0
+
+    @property
+    def gpu(self) -> str:
+        return self.record.gpu or "unknown GPU"
+
+    @property
+    def date(self) -> str:
+        return self.record.date or datetime.date.today().isoformat()
+
+    @property
+    def memory_key(self) -> str:
+        """The learned-need key (the node id where the record has none)."""
+        return self.record.memory_key or self.nodeid
 
     @property
     def need_kind_name(self) -> str:
         """marker, config, estimate or learned."""
-        if self.need_kind is None:
+        if self.record.need_kind is None:
             return "none"
-        return _NEED_KIND_NAMES.get(self.need_kind, "config")
+        return _NEED_KIND_NAMES.get(self.record.need_kind, "config")
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def vram_record(nodeid: str, outcome: str, record: TestRecord) -> VramRecord | None:
-    """The VRAM row of a test's record (None: the test used no CUDA)."""
-    if record.peak_allocated_bytes is None:
-        return None
-    return VramRecord(
-        nodeid=nodeid,
-        outcome=outcome,
-        device=int(record.device or 0),
-        gpu=record.gpu or "unknown GPU",
-        date=record.date or datetime.date.today().isoformat(),
-        memory_key=record.memory_key or nodeid,
-        baseline_bytes=int(record.baseline_bytes or 0),
-        peak_allocated_bytes=int(record.peak_allocated_bytes),
-        peak_reserved_bytes=int(record.peak_reserved_bytes or 0),
-        after_bytes=int(record.after_bytes or 0),
-        leaked_bytes=int(record.leaked_bytes or 0),
-        need_gib=record.need_gib,
-        need_source=record.need_source,
-        need_kind=record.need_kind,
-        need_most_gib=record.need_most_gib,
-        oom_halvings=record.oom_halvings,
-        resident_bytes=int(record.resident_bytes),
-        others_resident_bytes=int(record.others_resident_bytes),
-    )
+    def flags(self, leak_threshold: int) -> list[str]:
+        """What the report flags of a test that used CUDA: ESTIMATE LOW, UNDER-DECLARED,
+        UNMARKED, LEAK and OOM RECOVERED."""
+        record, peak = self.record, self.peak_reserved
+        out: list[str] = []
+        write = f"write {suggested_marker(peak, self.nodeid)}"
+        most = record.need_most_gib if record.need_most_gib is not None else record.need_gib
+        if record.need_kind == "estimate":
+            # Against the most the estimate allows (batch_size_max for auto), not the least.
+            if most is not None and peak > most * GIB:
+                out.append(
+                    f"ESTIMATE LOW: peak {peak / GIB:.2f} GiB reserved > {most:.1f} GiB, the "
+                    f"most it may take ({record.need_source}); {write}"
+                )
+        elif most is not None and peak > most * GIB:
+            out.append(
+                f"UNDER-DECLARED: peak {peak / GIB:.2f} GiB reserved > declared "
+                f"{most:.1f} GiB ({record.need_source}); {write}"
+            )
+        if record.need_gib is None and peak > UNMARKED_BYTES:
+            out.append(
+                f"UNMARKED: peak {peak / GIB:.2f} GiB reserved and no declared need; {write}"
+            )
+        if self.leaked > leak_threshold:
+            out.append(
+                f"LEAK: {self.leaked / GIB:.2f} GiB still allocated after teardown and cleanup"
+            )
+        if record.oom_halvings:
+            out.append(f"OOM RECOVERED: {record.oom_halvings}")
+        return out
 
 
 def wrapped(line: str, width: int) -> list[str]:
@@ -145,58 +168,45 @@ def _worse(current: str, outcome: str) -> str:
 
 @dataclass
 class RunSummary:
-    """What the run did: attributions, VRAM skips, and a record per test that used CUDA.
+    """What the run did: one :class:`TestResult` per test, and what spans tests.
 
     Built from reports alone, whatever plugin made them: an outcome it does not know ranks as
     a skip, and a failed attempt that pytest-rerunfailures runs again (outcome ``rerun``) is
     counted as a rerun and superseded by the next attempt: each test is recorded by its last.
     """
 
-    attributions: dict[str, list[int]] = field(default_factory=dict)
-    vram_skips: dict[str, str] = field(default_factory=dict)
-    """Tests the plugin skipped for VRAM (the need did not fit) -> the reason, from their
-    records (report/coverage.py reads them too)."""
-    records: dict[str, VramRecord] = field(default_factory=dict)
-    halvings: dict[str, str] = field(default_factory=dict)
-    auto_choices: dict[str, list[str]] = field(default_factory=dict)
-    placements: dict[str, Placement] = field(default_factory=dict)
+    results: dict[str, TestResult] = field(default_factory=dict)
+    """Node id -> the test, in the order the tests finished (their last teardown)."""
     resident_models: list[dict[str, Any]] = field(default_factory=list)
-    reruns: dict[str, int] = field(default_factory=dict)
-    timings: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     own_settings: dict[tuple[str, str, str], set[str]] = field(default_factory=dict)
     """(field, session-wide source, its value) -> the tests whose own marker overrode it."""
-    notebook_values: dict[str, list[list[str]]] = field(default_factory=dict)
-    """Notebook item -> the values injected into it (``[NAME, literal, where from]``)."""
-    snapshots: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Test -> its CUDA memory snapshot: file, why, moment and top sites (``--ct-snapshot``)."""
-    increases: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Tests whose peak grew over their last passing peak (core/regression.py)."""
-    gpu_runs: dict[str, str] = field(default_factory=dict)
-    """GPU tests that really ran -> the GPU."""
     coverage: GpuCoverage | None = None
     """The skipped GPU tests' last real runs, found at the end of the run."""
-    _outcomes: dict[str, str] = field(default_factory=dict)
-    _rerun_attempt: set[str] = field(default_factory=set)
-    _acted: set[str] = field(default_factory=set)
-    """The tests whose reports carried a record: the plugin had something to say of them."""
 
     def record(self, report: pytest.TestReport) -> list[list[str]]:
         """Take one report in; returns the session-wide settings it shows a test's own marker
         overriding for the first time (``[field, source, value, the test's value]``)."""
         nodeid = report.nodeid
+        result = self.results.get(nodeid)
+        if result is None:
+            result = self.results[nodeid] = TestResult(nodeid)
         first: list[list[str]] = []
         if report.when == "setup":  # a new attempt of the test
-            self._outcomes[nodeid] = "passed"
-            self._rerun_attempt.discard(nodeid)
+            result.outcome = "passed"
+            result.rerun_attempt = False
         if report.outcome == RERUN_OUTCOME:
-            if nodeid not in self._rerun_attempt:
-                self._rerun_attempt.add(nodeid)
-                self.reruns[nodeid] = self.reruns.get(nodeid, 0) + 1
+            if not result.rerun_attempt:
+                result.rerun_attempt = True
+                result.reruns += 1
         elif report.outcome != "passed":
-            self._outcomes[nodeid] = _worse(self._outcomes.get(nodeid, "passed"), report.outcome)
-        if report.when != "teardown" or not TestRecord.carries(report.user_properties):
+            result.outcome = _worse(result.outcome, report.outcome)
+        if report.when != "teardown":
+            return first
+        if not result.rerun_attempt:
+            self.results[nodeid] = self.results.pop(nodeid)  # finished: the order it did
+        if not TestRecord.carries(report.user_properties):
             return first  # the common case: a test the plugin had nothing to say about
-        self._acted.add(nodeid)
+        result.acted = True
         record = TestRecord.from_properties(report.user_properties)
         for name, source, value, own, own_source in record.own_settings:
             if (name, source, value) not in self.own_settings:
@@ -205,92 +215,49 @@ class RunSummary:
         if record.resident_model is not None:
             # Even from an attempt run again: the next one reuses the model it loaded.
             self.resident_models.append(dict(record.resident_model))
-        if nodeid in self._rerun_attempt:
-            return first  # superseded by the next attempt, which reports its own
-        if record.attribution_batch_sizes:
-            self.attributions[nodeid] = list(record.attribution_batch_sizes)
-        if record.attribution_timings:
-            self.timings[nodeid] = list(record.attribution_timings)
-        if record.oom_halvings is not None:
-            self.halvings[nodeid] = record.oom_halvings
-        if record.auto_batch_sizes:
-            self.auto_choices[nodeid] = list(map(str, record.auto_batch_sizes))
-        if record.notebook_values:
-            self.notebook_values[nodeid] = [
-                list(map(str, entry)) for entry in record.notebook_values
-            ]
-        if record.snapshot_file is not None:
-            self.snapshots[nodeid] = {
-                "file": record.snapshot_file,
-                "why": record.snapshot_why,
-                "moment": record.snapshot_moment,
-                "sites": list(record.snapshot_sites),
-            }
-        outcome = self._outcomes.get(nodeid, "passed")
-        if record.peak_increase is not None:
-            self.increases[nodeid] = record.peak_increase
-        if record.vram_skip is not None:
-            self.vram_skips[nodeid] = record.vram_skip
-        elif record.gpu_ran is not None and outcome != "skipped":
-            self.gpu_runs[nodeid] = record.gpu_ran
-        row = vram_record(nodeid, outcome, record)
-        if row is not None:
-            row.reruns = self.reruns.get(nodeid, 0)
-            self.records[nodeid] = row
-        placement = placement_from(nodeid, outcome, record)
-        if placement is not None:
-            self.placements[nodeid] = placement
+        if not result.rerun_attempt:  # an attempt run again is superseded by the next
+            result.record = record
         return first
 
-    def flag(self, leak_threshold: int) -> None:
-        """Attach UNDER-DECLARED, UNMARKED, LEAK and OOM RECOVERED flags to the records."""
-        for record in self.records.values():
-            flags = []
-            peak = record.peak_reserved_bytes
-            most = record.need_most_gib if record.need_most_gib is not None else record.need_gib
-            if record.need_kind == "estimate":
-                # Against the most the estimate allows (batch_size_max for auto), not the least.
-                if most is not None and peak > most * GIB:
-                    flags.append(
-                        f"ESTIMATE LOW: peak {peak / GIB:.2f} GiB reserved > {most:.1f} GiB, the "
-                        f"most it may take ({record.need_source}); write "
-                        f"{suggested_marker(peak, record.nodeid)}"
-                    )
-            elif most is not None and peak > most * GIB:
-                flags.append(
-                    f"UNDER-DECLARED: peak {peak / GIB:.2f} GiB reserved > declared "
-                    f"{most:.1f} GiB ({record.need_source}); write "
-                    f"{suggested_marker(peak, record.nodeid)}"
-                )
-            if record.need_gib is None and peak > UNMARKED_BYTES:
-                flags.append(
-                    f"UNMARKED: peak {peak / GIB:.2f} GiB reserved and no declared need; "
-                    f"write {suggested_marker(peak, record.nodeid)}"
-                )
-            if record.leaked_bytes > leak_threshold:
-                flags.append(
-                    f"LEAK: {record.leaked_bytes / GIB:.2f} GiB still allocated after "
-                    "teardown and cleanup"
-                )
-            if record.oom_halvings:
-                flags.append(f"OOM RECOVERED: {record.oom_halvings}")
-            record.flags = flags
+    @property
+    def used_cuda(self) -> list[TestResult]:
+        """The tests that used CUDA in their process."""
+        return [result for result in self.results.values() if result.record.used_cuda]
+
+    @property
+    def placed(self) -> list[TestResult]:
+        """The tests whose record says where they ran (report/placement.py)."""
+        return [result for result in self.results.values() if result.record.placed]
+
+    def by_test(self, value: Callable[[TestRecord], T | None]) -> dict[str, T]:
+        """Node id -> what ``value`` reads of the test's record, for the tests where it has
+        one (neither None nor empty)."""
+        return {nodeid: found for nodeid, r in self.results.items() if (found := value(r.record))}
+
+    @property
+    def snapshots(self) -> dict[str, TestRecord]:
+        """The tests whose CUDA memory snapshot was kept (``--ct-snapshot``): their records."""
+        return self.by_test(lambda r: r if r.snapshot_file is not None else None)
 
     def learned(self, versions: dict[str, str] | None = None) -> dict[str, LearnedNeed]:
         """Needs to remember: the peak reserved of every passed test that used CUDA, except
         a test that passed only after ct_session halved its batch size (its peak is that of a
         smaller batch than its key says); each with the libraries' ``versions``."""
         return {
-            record.memory_key: LearnedNeed(
-                record.peak_reserved_bytes / GIB, record.gpu, record.date, versions
+            result.memory_key: LearnedNeed(
+                result.peak_reserved / GIB, result.gpu, result.date, versions
             )
-            for record in self.records.values()
-            if record.outcome == "passed" and record.memory_key and not record.oom_halvings
+            for result in self.used_cuda
+            if result.outcome == "passed" and result.memory_key and not result.record.oom_halvings
         }
 
     def slowest_lines(self, top: int) -> list[str]:
         """The slowest attributions, ``--durations`` style, with their phases and batches."""
-        calls = [(timing, nodeid) for nodeid, timings in self.timings.items() for timing in timings]
+        calls = [
+            (timing, nodeid)
+            for nodeid, timings in self.by_test(lambda r: r.attribution_timings).items()
+            for timing in timings
+        ]
         if not calls:
             return []
         calls.sort(key=lambda entry: -float(entry[0].get("total_s", 0.0)))
@@ -311,18 +278,19 @@ class RunSummary:
         """One line of totals: the attributions, the tests that used CUDA and the highest
         peak (None when there is nothing to count; skips for VRAM are among the actions)."""
         parts = []
-        calls = sum(len(sizes) for sizes in self.attributions.values())
+        attributions = self.by_test(lambda r: r.attribution_batch_sizes)
+        calls = sum(len(sizes) for sizes in attributions.values())
         if calls:
-            sizes = sorted({size for values in self.attributions.values() for size in values})
+            sizes = sorted({size for values in attributions.values() for size in values})
             parts.append(
-                f"attributions: {calls} in {len(self.attributions)} test(s)"
+                f"attributions: {calls} in {len(attributions)} test(s)"
                 + (f", batch size(s) {', '.join(map(str, sizes))}" if sizes else "")
             )
-        if self.records:
-            top = max(self.records.values(), key=lambda r: r.peak_reserved_bytes)
+        if used := self.used_cuda:
+            top = max(used, key=lambda r: r.peak_reserved)
             parts.append(
-                f"{len(self.records)} test(s) used CUDA, highest peak "
-                f"{bytes_text(top.peak_reserved_bytes)} reserved ({top.nodeid})"
+                f"{len(used)} test(s) used CUDA, highest peak "
+                f"{bytes_text(top.peak_reserved)} reserved ({top.nodeid})"
             )
         return "; ".join(parts) if parts else None
 
@@ -331,7 +299,10 @@ class RunSummary:
         capped at ``top``; under ``-q`` the counts alone."""
         out: list[str] = []
         # Attributions that ran out of memory and passed at a smaller batch.
-        halvings = [f"  {nodeid}: {text}" for nodeid, text in sorted(self.halvings.items())]
+        halvings = [
+            f"  {nodeid}: {text}"
+            for nodeid, text in sorted(self.by_test(lambda r: r.oom_halvings).items())
+        ]
         if halvings:
             out += [f"out of memory, recovered: {len(halvings)} test(s)"]
             out += [] if quiet else capped(halvings, top)
@@ -346,33 +317,34 @@ class RunSummary:
                 )
             else:
                 out += capped(flags, top)
-        increases = [f"  {Increase.from_dict(found).line()}" for found in self.increases.values()]
+        increases = [
+            f"  {Increase.from_dict(found).line()}"
+            for found in self.by_test(lambda r: r.peak_increase).values()
+        ]
         if increases:
             out.append(
                 f"VRAM peak increased: {len(increases)} test(s), over the last passing peak on "
                 "the same GPU and config"
             )
             out += [] if quiet else capped(sorted(increases), top)
-        if self.vram_skips:
-            out.append(f"skipped for VRAM: {len(self.vram_skips)} test(s)")
+        if skips := self.by_test(lambda r: r.vram_skip):
+            out.append(f"skipped for VRAM: {len(skips)} test(s)")
             if not quiet:
                 out += capped(
-                    [f"  {nodeid}: {reason}" for nodeid, reason in sorted(self.vram_skips.items())],
-                    top,
+                    [f"  {nodeid}: {reason}" for nodeid, reason in sorted(skips.items())], top
                 )
         out += self.coverage_lines(top, quiet=quiet)
-        placements = list(self.placements.values())
-        if any(p.waited_s > 0 or p.lease_wait_s < 0 for p in placements):
-            out += placement_lines(placements) if not quiet else placement_lines(placements)[:1]
+        placed = [result.record for result in self.placed]
+        if made_wait(placed):
+            out += placement_lines(placed) if not quiet else placement_lines(placed)[:1]
         out += self.snapshot_lines(top, quiet=quiet)
         return out
 
     def snapshot_lines(self, top: int, *, quiet: bool) -> list[str]:
         """The tests whose memory snapshot was kept for a finding, each with its file and the
         sites that held most; the count of the others (``--ct-snapshot always``)."""
-        found = {
-            nodeid: entry for nodeid, entry in self.snapshots.items() if entry["why"] != "always"
-        }
+        snapshots = self.snapshots
+        found = {n: record for n, record in snapshots.items() if record.snapshot_why != "always"}
         out = []
         if found:
             out.append(
@@ -380,13 +352,14 @@ class RunSummary:
             )
         if found and not quiet:
             lines = []
-            for nodeid, entry in sorted(found.items()):
-                lines.append(f"  {nodeid} ({entry['why']}): {entry['file']}")
+            for nodeid, record in sorted(found.items()):
+                lines.append(f"  {nodeid} ({record.snapshot_why}): {record.snapshot_file}")
                 lines += [
-                    f"      {Site(**site).text()} {entry['moment']}" for site in entry["sites"]
+                    f"      {Site(**site).text()} {record.snapshot_moment}"
+                    for site in record.snapshot_sites
                 ]
             out += capped(lines, top * 6)
-        others = len(self.snapshots) - len(found)
+        others = len(snapshots) - len(found)
         if others:
             out.append(f"memory snapshots of {others} other test(s) (--ct-snapshot always)")
         return out
@@ -395,23 +368,24 @@ class RunSummary:
         """``-v``: the settings tests kept of their own, notebook values, placements, resident
         models, reruns, the slowest attributions; ``-vv`` also each ``auto`` choice."""
         out: list[str] = []
+        auto_choices = self.by_test(lambda r: r.auto_batch_sizes)
         if verbosity >= 2:
-            for nodeid, choices in sorted(self.auto_choices.items()):
+            for nodeid, choices in sorted(auto_choices.items()):
                 out += [f"  {nodeid}: auto {text}" for text in choices]
-        elif self.auto_choices:
-            count = sum(len(choices) for choices in self.auto_choices.values())
+        elif auto_choices:
+            count = sum(len(choices) for choices in auto_choices.values())
             out.append(f"auto chose {count} batch size(s) (each with its reasons under -vv)")
         for (name, source, value), nodeids in sorted(self.own_settings.items()):
             out.append(
                 f"{len(nodeids)} test(s) keep their own {name} over {session_value(source, value)}"
             )
         out += capped(self.notebook_lines(), top + 1)
-        placements = list(self.placements.values())
-        if not any(p.waited_s > 0 or p.lease_wait_s < 0 for p in placements):
-            out += placement_lines(placements)  # with waits, it is among the actions
+        placed = [result.record for result in self.placed]
+        if not made_wait(placed):
+            out += placement_lines(placed)  # with waits, it is among the actions
         out += capped(self.resident_lines(), top + 1)
         # Reruns of tests the plugin said nothing of are another plugin's business.
-        reruns = [count for nodeid, count in self.reruns.items() if nodeid in self._acted]
+        reruns = [r.reruns for r in self.results.values() if r.reruns and r.acted]
         if reruns:
             out.append(
                 f"reruns (another plugin ran failed attempts again): {len(reruns)} test(s) "
@@ -438,15 +412,16 @@ class RunSummary:
     @property
     def acted(self) -> bool:
         """Whether some test's report carried a record: the plugin acted for it."""
-        return bool(self._acted)
+        return any(result.acted for result in self.results.values())
 
     def notebook_lines(self) -> list[str]:
         """The values each notebook item ran with (what the header's session-wide settings do
         not show: an item's own experiment config beats them)."""
-        if not self.notebook_values:
+        notebook_values = self.by_test(lambda r: r.notebook_values)
+        if not notebook_values:
             return []
         out = ["notebook items ran with (injected; the rest as each notebook sets it):"]
-        for nodeid, entries in sorted(self.notebook_values.items()):
+        for nodeid, entries in sorted(notebook_values.items()):
             groups: dict[str, list[str]] = {}  # by source, in the order they first appear
             for name, literal, where, _injected in entries:
                 shown = literal if len(literal) <= 40 else literal[:37] + "..."
@@ -471,10 +446,10 @@ class RunSummary:
         return out
 
     def vram_lines(
-        self, top: int, capacity_gib: float | None, capacity_note: str
+        self, top: int, capacity_gib: float | None, capacity_note: str, leak_threshold: int
     ) -> tuple[list[str], list[str]]:
         """The VRAM table (the top tests by peak), and the lines of every flag."""
-        ranked = sorted(self.records.values(), key=lambda r: -r.peak_reserved_bytes)
+        ranked = sorted(self.used_cuda, key=lambda r: -r.peak_reserved)
         out = [
             f"VRAM per test ({capacity_note}); {len(ranked)} test(s) used CUDA"
             + (f", top {min(top, len(ranked))} by peak reserved:" if ranked else "")
@@ -484,27 +459,19 @@ class RunSummary:
                 f"{'peak alloc':>11} {'peak resv':>10} {'declared (source)':>22} "
                 f"{'headroom':>9} {'leaked':>9}  test"
             )
-        for record in ranked[:top]:
-            declared = (
-                f"{record.need_gib:.1f} GiB ({record.need_kind_name})"
-                if record.need_gib is not None
-                else "-"
-            )
-            headroom = (
-                f"{capacity_gib - record.peak_reserved_bytes / GIB:.2f}"
-                if capacity_gib is not None
-                else "?"
-            )
-            allocated = record.peak_allocated_bytes / GIB
-            reserved = record.peak_reserved_bytes / GIB
+        for result in ranked[:top]:
+            need = result.record.need_gib
+            declared = f"{need:.1f} GiB ({result.need_kind_name})" if need is not None else "-"
+            reserved = result.peak_reserved / GIB
+            headroom = f"{capacity_gib - reserved:.2f}" if capacity_gib is not None else "?"
             out.append(
-                f"{allocated:>7.2f} GiB {reserved:>6.2f} GiB {declared:>22} {headroom:>5} GiB "
-                f"{record.leaked_bytes / GIB:>5.2f} GiB  {record.nodeid}"
+                f"{result.peak_allocated / GIB:>7.2f} GiB {reserved:>6.2f} GiB {declared:>22} "
+                f"{headroom:>5} GiB {result.leaked / GIB:>5.2f} GiB  {result.nodeid}"
             )
         flags = [
-            f"{flag.split(':', 1)[0]} {record.nodeid}:{flag.split(':', 1)[1]}"
-            for record in ranked
-            for flag in record.flags
+            f"{flag.split(':', 1)[0]} {result.nodeid}:{flag.split(':', 1)[1]}"
+            for result in ranked
+            for flag in result.flags(leak_threshold)
         ]
         return out, flags
 
@@ -570,7 +537,7 @@ class SummaryReporter:
         self.finish(None)
 
     def finish(self, exitstatus: int | None, signal_name: str | None = None) -> None:
-        """Flag the records, remember the measured needs, write the report files.
+        """Remember the measured needs and the GPU tests' runs, write the report files.
 
         ``signal_name``: the run is being terminated (``files.SigtermReport``); the
         session may still finish after that, and then writes the files again."""
@@ -578,9 +545,8 @@ class SummaryReporter:
             return
         self._finished = signal_name is None
         settings = self.runtime.settings
-        self.summary.flag(settings.leak_threshold_bytes.value)
         # The versions are read (from metadata, a few milliseconds) only when there is a peak.
-        versions = self.runtime.library_versions() if self.summary.records else None
+        versions = self.runtime.library_versions() if self.summary.used_cuda else None
         measured = self.summary.learned(versions)
         stale = self.stale_learned
         if measured or stale:
@@ -588,15 +554,13 @@ class SummaryReporter:
             learned.prune(stale)
             learned.update(measured)
             learned.save()
-        if self.summary.gpu_runs or self.summary.vram_skips:
-            from pytest_ctresources.report import coverage
+        from pytest_ctresources.report import coverage
 
-            self.summary.coverage = coverage.update(
-                getattr(self.config, "cache", None),
-                self.summary.gpu_runs,
-                self.summary.vram_skips,
-                settings.require_gpu_run_within.value,
-            )
+        self.summary.coverage = coverage.update(
+            getattr(self.config, "cache", None),
+            self.summary.results.values(),
+            settings.require_gpu_run_within.value,
+        )
         if settings.report_json is None and settings.report_plot is None:
             return
         from pytest_ctresources.report import files as report_files
@@ -615,13 +579,15 @@ class SummaryReporter:
             terminalreporter.write_line(
                 f"ctresources: --ct-forget cleared {self.forgotten} learned VRAM need(s)"
             )
-        self.summary.flag(settings.leak_threshold_bytes.value)
-        show_table = (bool(self.summary.records) and verbosity >= 1) or settings.report_forced
+        used_cuda = bool(self.summary.used_cuda)
+        show_table = (used_cuda and verbosity >= 1) or settings.report_forced
         table: list[str] = []
         flags: list[str] = []
-        if self.summary.records or settings.report_forced:
+        if used_cuda or settings.report_forced:
             capacity, note = self.capacity()
-            table, flags = self.summary.vram_lines(top, capacity, note)
+            table, flags = self.summary.vram_lines(
+                top, capacity, note, settings.leak_threshold_bytes.value
+            )
         actions = self.summary.action_lines(flags, top, quiet=verbosity < 0)
         details = self.summary.detail_lines(top, verbosity) if verbosity >= 1 else []
         totals = self.summary.totals_line() if verbosity >= 0 else None
