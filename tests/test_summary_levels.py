@@ -114,3 +114,17 @@ def test_a_wrong_attribute_keyword_shows_the_test_not_the_session(
     out = result.stdout.str()
     assert "unexpected keyword argument(s) batchsize" in out
     assert "pytest_ctresources/session/session.py" not in out  # its method, docstring and all
+
+
+def test_quiet_counts_each_flag_by_its_whole_kind() -> None:
+    """Kinds of two words are counted by both (``-q``): ``1 ESTIMATE LOW``, not ``1 ESTIMATE``."""
+    from pytest_ctresources.report.summary import RunSummary
+
+    flags = [
+        ("ESTIMATE LOW", "ESTIMATE LOW t.py::a: peak 3.00 GiB reserved > 2.0 GiB"),
+        ("OOM RECOVERED", "OOM RECOVERED t.py::b: OOM at batch 256, passed at 64"),
+        ("OOM RECOVERED", "OOM RECOVERED t.py::c: OOM at batch 64, passed at 32"),
+    ]
+    quiet = RunSummary().action_lines(flags, top=10, quiet=True)
+    assert quiet == ["flagged: 1 ESTIMATE LOW, 2 OOM RECOVERED"]
+    assert RunSummary().action_lines(flags, top=10, quiet=False) == [line for _, line in flags]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -146,9 +146,6 @@ class TestRecord:
         return any(
             isinstance(key, str) and key.startswith(PROPERTY_PREFIX) for key, _value in properties
         )
-
-    def to_dict(self) -> Mapping[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def _default(spec: dataclasses.Field[Any]) -> object:

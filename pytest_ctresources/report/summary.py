@@ -294,9 +294,9 @@ class RunSummary:
             )
         return "; ".join(parts) if parts else None
 
-    def action_lines(self, flags: list[str], top: int, *, quiet: bool) -> list[str]:
+    def action_lines(self, flags: list[tuple[str, str]], top: int, *, quiet: bool) -> list[str]:
         """What went wrong or needs action (flags, skips for VRAM, lease waits), each list
-        capped at ``top``; under ``-q`` the counts alone."""
+        capped at ``top``; under ``-q`` the counts alone (``flags``: each flag's kind and line)."""
         out: list[str] = []
         # Attributions that ran out of memory and passed at a smaller batch.
         halvings = [
@@ -309,14 +309,13 @@ class RunSummary:
         if flags:
             if quiet:
                 kinds: dict[str, int] = {}
-                for flag in flags:
-                    kind = flag.split(" ", 1)[0]
+                for kind, _line in flags:
                     kinds[kind] = kinds.get(kind, 0) + 1
                 out.append(
                     "flagged: " + ", ".join(f"{count} {kind}" for kind, count in kinds.items())
                 )
             else:
-                out += capped(flags, top)
+                out += capped([line for _kind, line in flags], top)
         increases = [
             f"  {Increase.from_dict(found).line()}"
             for found in self.by_test(lambda r: r.peak_increase).values()
@@ -447,8 +446,8 @@ class RunSummary:
 
     def vram_lines(
         self, top: int, capacity_gib: float | None, capacity_note: str, leak_threshold: int
-    ) -> tuple[list[str], list[str]]:
-        """The VRAM table (the top tests by peak), and the lines of every flag."""
+    ) -> tuple[list[str], list[tuple[str, str]]]:
+        """The VRAM table (the top tests by peak), and every flag: its kind and its line."""
         ranked = sorted(self.used_cuda, key=lambda r: -r.peak_reserved)
         out = [
             f"VRAM per test ({capacity_note}); {len(ranked)} test(s) used CUDA"
@@ -469,9 +468,9 @@ class RunSummary:
                 f"{headroom:>5} GiB {result.leaked / GIB:>5.2f} GiB  {result.nodeid}"
             )
         flags = [
-            f"{flag.split(':', 1)[0]} {result.nodeid}:{flag.split(':', 1)[1]}"
+            (kind, f"{kind} {result.nodeid}:{rest}")
             for result in ranked
-            for flag in result.flags(leak_threshold)
+            for kind, rest in (flag.split(":", 1) for flag in result.flags(leak_threshold))
         ]
         return out, flags
 
@@ -582,7 +581,7 @@ class SummaryReporter:
         used_cuda = bool(self.summary.used_cuda)
         show_table = (used_cuda and verbosity >= 1) or settings.report_forced
         table: list[str] = []
-        flags: list[str] = []
+        flags: list[tuple[str, str]] = []
         if used_cuda or settings.report_forced:
             capacity, note = self.capacity()
             table, flags = self.summary.vram_lines(
