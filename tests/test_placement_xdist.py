@@ -120,6 +120,7 @@ def test_workers_with_their_own_environment_report_their_own_gpu(
         "--dist",
         "load",
         "-rs",
+        "-v",  # the placement block is a detail where no test waited (timing decides)
         "--ct-report-json",
         "r.json",
     )
