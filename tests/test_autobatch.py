@@ -608,6 +608,14 @@ def test_auto_needs_are_never_learned() -> None:
     auto = cfg.layered({"batch_size": "auto"}, cfg.source_of("dtype"))
     assert memory_key("t.py::x", cfg).startswith("t.py::x|")
     assert memory_key("t.py::x", auto) == ""
+    # A passed test of such a config, with its peak, teaches the summary nothing either (its
+    # record's empty key is not the node id, a key of its own).
+    from pytest_ctresources.core.record import TestRecord
+    from pytest_ctresources.report.summary import RunSummary, TestResult
+
+    record = TestRecord(memory_key="", peak_allocated_bytes=1 << 30, peak_reserved_bytes=1 << 30)
+    summary = RunSummary(results={"t.py::x": TestResult("t.py::x", record)})
+    assert summary.learned() == {}
 
 
 def test_estimate_low_compares_with_the_most_the_estimate_allows() -> None:

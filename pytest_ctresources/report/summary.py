@@ -242,13 +242,16 @@ class RunSummary:
     def learned(self, versions: dict[str, str] | None = None) -> dict[str, LearnedNeed]:
         """Needs to remember: the peak reserved of every passed test that used CUDA, except
         a test that passed only after ct_session halved its batch size (its peak is that of a
-        smaller batch than its key says); each with the libraries' ``versions``."""
+        smaller batch than its key says) and one whose key is empty (``batch_size: auto``:
+        core/learned.py's ``memory_key``); each with the libraries' ``versions``."""
         return {
-            result.memory_key: LearnedNeed(
+            result.record.memory_key: LearnedNeed(
                 result.peak_reserved / GIB, result.gpu, result.date, versions
             )
             for result in self.used_cuda
-            if result.outcome == "passed" and result.memory_key and not result.record.oom_halvings
+            if result.outcome == "passed"
+            and result.record.memory_key
+            and not result.record.oom_halvings
         }
 
     def slowest_lines(self, top: int) -> list[str]:
