@@ -52,6 +52,11 @@ from pytest_ctresources.bundled.catalogue import (
     model_dims_of,
 )
 
+#: The prefix of the temporary directory :func:`build_replacement_model` writes a model's
+#: tokenizer to when it is given none. That directory is the model's tokenizer name, and its
+#: graphs' (``graph.cfg.tokenizer_name``); it is removed with the model.
+OWN_TOKENIZER_PREFIX = "ctresources-tokenizer-"
+
 
 def default_device() -> str:
     """Return ``"cuda"`` when a CUDA GPU is available, else ``"cpu"``."""
@@ -110,6 +115,30 @@ def write_local_tokenizer(
     os.makedirs(path, exist_ok=True)
     fast.save_pretrained(path)
     return path
+
+
+@contextmanager
+def rewritten_own_tokenizer(tokenizer_name: str, vocab_size: int) -> Iterator[str | None]:
+    """A tokenizer name that loads offline, for the block, in place of a builder's that is gone.
+
+    A graph attributed on a bundled model names the model's tokenizer by the temporary
+    directory the builder wrote it to, which is removed with the model: once the model is
+    gone (evicted from ct_session's cache, or the graph read back from a file), that name
+    loads nothing, and transformers takes the missing path for a Hub id and refuses it. This
+    writes the same tokenizer again (the same word list padded to ``vocab_size``: the same ids
+    and words) to a private temporary directory, yields its path and removes it after the
+    block. It yields None where nothing needs writing: the directory still exists, or the
+    name is not one a builder made (a Hub id, a directory of the user's).
+    """
+    path = os.path.normpath(tokenizer_name)
+    if os.path.isdir(path) or not os.path.basename(path).startswith(OWN_TOKENIZER_PREFIX):
+        yield None
+        return
+    directory = tempfile.mkdtemp(prefix=OWN_TOKENIZER_PREFIX)
+    try:
+        yield write_local_tokenizer(directory, vocab_size=vocab_size)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _transformers() -> Any:
@@ -432,7 +461,7 @@ def build_replacement_model(
 
     owned_tokenizer_dir: str | None = None
     if tokenizer_dir is None:
-        owned_tokenizer_dir = tempfile.mkdtemp(prefix="ctresources-tokenizer-")
+        owned_tokenizer_dir = tempfile.mkdtemp(prefix=OWN_TOKENIZER_PREFIX)
         try:
             tokenizer_dir = write_local_tokenizer(owned_tokenizer_dir, vocab_size=dims.vocab_size)
         except BaseException:

@@ -30,6 +30,7 @@ from pytest_ctresources.gpu import oom
 from pytest_ctresources.gpu.detect import GpuInfo
 from pytest_ctresources.gpu.measure import VramFigures, VramMeter
 from pytest_ctresources.session.cache import ResidentModel
+from pytest_ctresources.session.pruning import PruningOom
 from pytest_ctresources.session.session import CtSession
 from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig
@@ -301,6 +302,7 @@ def explain_oom(item: pytest.Item, runtime: Runtime, exc: BaseException) -> None
         return
     state = state_of(item)
     figures = state.meter.figures() if state.meter is not None else None
+    session = state.session
     item.add_report_section(
         "call",
         "ctresources: CUDA out of memory",
@@ -309,6 +311,7 @@ def explain_oom(item: pytest.Item, runtime: Runtime, exc: BaseException) -> None
             runtime.gpu_facts().gpu(figures.device if figures else 0),
             runtime.settings.vram_capacity_gib,
             figures,
+            pruning=session.pruning_oom_of(exc) if session is not None else None,
         ),
     )
 
@@ -329,8 +332,12 @@ def oom_section(
     gpu: GpuInfo | None,
     capacity: Sourced[float] | None,
     figures: VramFigures | None,
+    *,
+    pruning: PruningOom | None = None,
 ) -> str:
-    """The report section of a test that raised ``torch.cuda.OutOfMemoryError``."""
+    """The report section of a test that raised ``torch.cuda.OutOfMemoryError``: ``pruning``
+    when it came out of ``ct_session.graph_files`` or ``ct_session.prune`` (the batch size
+    changes nothing there), else the attribution's."""
     lines = []
     if gpu is not None:
         line = f"{gpu.describe()}: {gpu.total_gib:.1f} GiB"
@@ -342,9 +349,14 @@ def oom_section(
             f"peak before the failure: {figures.peak_allocated_bytes / GIB:.2f} GiB allocated, "
             f"{figures.peak_reserved_bytes / GIB:.2f} GiB reserved"
         )
+    if pruning is not None:
+        lines += pruning.explanation()
     if cfg is not None:
         lines.append("config in effect:")
         lines += [f"  {line}" for line in cfg.describe()]
+    if pruning is not None:
+        lines.append(pruning.next_step(cfg))
+    elif cfg is not None:
         if isinstance(cfg.batch_size, int):
             half = max(1, cfg.batch_size // 2)
             lines.append(f"next step: try {batch_size_advice(cfg, half)}")

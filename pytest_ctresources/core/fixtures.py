@@ -41,7 +41,9 @@ def ct_session(
     ``ct_session.cfg`` is the test's config; ``ct_session.load_model()`` builds its
     ReplacementModel once per session (a different model evicts the previous one);
     ``ct_session.attribute(prompt)`` runs ``circuit_tracer.attribute`` with the config's
-    arguments. After the test, the per-test cleanup (``ct_cleanup``) returns its memory.
+    arguments; ``ct_session.graph_files(graph, slug, output_path)`` and
+    ``ct_session.prune(graph)`` the pruning after it. After the test, the per-test cleanup
+    (``ct_cleanup``) returns its memory.
     """
     from pytest_ctresources.core.accounting import halving_summary
     from pytest_ctresources.core.runtime import runtime_of

@@ -1,4 +1,5 @@
-"""What a long attribution is doing: its phases timed, its backward batches counted.
+"""What a long attribution (or the pruning after it) is doing: its phases timed, its backward
+batches counted.
 
 circuit-tracer's ``attribute()`` runs a setup pass (``model.setup_attribution``), one forward
 pass over ``batch_size`` copies of the prompt (``model.run_forward_pass``), then backward
@@ -8,6 +9,8 @@ passes in batches (``ctx.compute_batch``: the logits' rows, then the feature row
 ``estimator.auto.reused_setup`` does), so that the time of each phase and the number of batches are
 known as they happen: to a live progress line (:mod:`pytest_ctresources.session.progress_line`) and,
 after the call, to the summary and the JSON report (:class:`AttributionTiming`).
+:class:`PruningTiming` is the same for ``ct_session.graph_files`` and ``ct_session.prune``
+(:mod:`pytest_ctresources.session.pruning`).
 
 Pure bookkeeping, usable outside pytest; nothing here imports torch.
 """
@@ -81,10 +84,71 @@ class AttributionTiming:
         }
 
 
-class ProgressListener(Protocol):
-    """Told as an attribution moves on, and when it is done (a live line erases itself)."""
+@dataclass
+class PruningTiming:
+    """One ``graph_files()`` or ``prune()`` call (``call``) on a graph of ``nodes`` nodes: the
+    pruning (the dense graph moved to ``device`` and circuit-tracer's ``prune_graph`` there),
+    then, for ``graph_files``, the files written from it (``phase`` ``"files"``)."""
 
-    def update(self, timing: AttributionTiming) -> None: ...
+    call: str
+    nodes: int
+    device: str
+    phase: str = "prune"
+    prune_s: float = 0.0
+    files_s: float = 0.0
+    total_s: float = 0.0
+    started: float = field(default_factory=time.monotonic, repr=False)
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+    def files_started(self) -> None:
+        """The pruning is over; the files are being written."""
+        self.prune_s = self.elapsed_s
+        self.phase = "files"
+
+    def finished(self) -> None:
+        self.total_s = self.elapsed_s
+        if self.phase == "files":
+            self.files_s = self.total_s - self.prune_s
+        else:
+            self.prune_s = self.total_s
+
+    def descriptions(self) -> tuple[str, str, str]:
+        """As :meth:`AttributionTiming.descriptions`: ``pruning 12,345 nodes on cuda:0,
+        3.2 s``, then ``writing the graph files, 5.1 s (pruning 3.2)``."""
+        clock = f"{self.elapsed_s:.1f} s"
+        if self.phase == "files":
+            short = f"writing the graph files, {clock}"
+            return (f"{short} (pruning {self.prune_s:.1f})", short, f"files {clock}")
+        short = f"pruning {self.nodes:,} nodes on {self.device}, {clock}"
+        return (short, short, f"prune {clock}")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        del out["started"], out["phase"]
+        return {
+            key: round(value, 3) if isinstance(value, float) else value
+            for key, value in out.items()
+        }
+
+
+class Progress(Protocol):
+    """What a live line shows of a call: its time so far, its description at three lengths
+    (:class:`AttributionTiming`, :class:`PruningTiming`)."""
+
+    @property
+    def elapsed_s(self) -> float: ...
+
+    def descriptions(self) -> tuple[str, str, str]: ...
+
+
+class ProgressListener(Protocol):
+    """Told as an attribution (or a pruning) moves on, and when it is done (a live line erases
+    itself)."""
+
+    def update(self, timing: Progress) -> None: ...
 
     def done(self) -> None: ...
 

@@ -6,6 +6,8 @@ seconds, the line shows its phase, backward batches and time after the test's ow
 (``test_x.py::test_y  ctresources: backward 7/17 batches of 64, 12.3 s (setup 0.4, forward
 2.1)``), shortened to the terminal's width, and is erased when the call ends, so pytest's own
 output (the test's outcome on that line, its ``[100%]`` at the right edge) reads as without it.
+A ``ct_session.graph_files`` or ``ct_session.prune`` call gets the same line (``pruning 12,345
+nodes on cuda:0, 3.2 s``, then ``writing the graph files, ...``).
 
 It is redrawn when circuit-tracer moves on (a phase starts, a backward batch ends) and, since
 one forward pass or one batch of a large model takes many seconds, by a ticker thread twice a
@@ -33,7 +35,7 @@ import time
 
 import pytest
 
-from pytest_ctresources.session.progress import AttributionTiming
+from pytest_ctresources.session.progress import Progress
 
 #: Redrawn at most this often, and at least this often while shown (the ticker).
 INTERVAL_S = 0.5
@@ -76,7 +78,7 @@ def terminal_width(fd: int) -> int:
     return width if width >= 40 else 80  # pytest's floor for a bogus size
 
 
-def fitted(timing: AttributionTiming, room: int) -> str:
+def fitted(timing: Progress, room: int) -> str:
     """The longest description of ``timing`` that fits ``room`` columns, with the prefix;
     the shortest cut to ``room`` when none does."""
     lines = [PREFIX + text for text in timing.descriptions()]
@@ -84,15 +86,15 @@ def fitted(timing: AttributionTiming, room: int) -> str:
 
 
 class LiveLine:
-    """The progress line of a test's attributions (the listener of their probes). Erased as
-    each call ends, before pytest reports the test's outcome on that line."""
+    """The progress line of a test's attributions and prunings (the listener of their
+    timings). Erased as each call ends, before pytest reports the test's outcome on that line."""
 
     def __init__(self, config: pytest.Config, after_s: float) -> None:
         self._config = config
         self._after_s = after_s
         # Draws come from the test's thread (the probe) and the ticker.
         self._lock = threading.Lock()
-        self._timing: AttributionTiming | None = None
+        self._timing: Progress | None = None
         self._fd: int | None = None
         self._ticker: threading.Thread | None = None
         self._stop = threading.Event()
@@ -100,7 +102,7 @@ class LiveLine:
         self._started = False  # this call's terminal and ticker were asked for
         self._last = 0.0
 
-    def update(self, timing: AttributionTiming) -> None:
+    def update(self, timing: Progress) -> None:
         """The call moved on (the probe, in the test's thread)."""
         self._timing = timing
         if self._ticker is None and not self._started:

@@ -1,8 +1,9 @@
 """CtSession: one test's handle on circuit-tracer: its config, its model (through the
 session-wide :class:`~pytest_ctresources.session.cache.ModelCache`), its attributions.
 
-Usable without pytest: ``CtSession(cfg, ModelCache())`` gives the same ``load_model`` and
-``attribute`` as the ``ct_session`` fixture.
+Usable without pytest: ``CtSession(cfg, ModelCache())`` gives the same ``load_model``,
+``attribute``, ``graph_files`` and ``prune`` as the ``ct_session`` fixture. The pruning after
+an attribution is :mod:`pytest_ctresources.session.pruning`'s; this class keeps its calls.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import inspect
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_ctresources.estimator.auto import DEFAULT_AUTO_MARGIN, AutoChoice, Budget
 from pytest_ctresources.gpu import oom
 from pytest_ctresources.gpu.cleanup import cleanup_python_cuda
 from pytest_ctresources.gpu.measure import VramFigures, VramMeter
+from pytest_ctresources.session import pruning
 from pytest_ctresources.session.cache import ModelCache
 from pytest_ctresources.session.progress import (
     AttributionProbe,
@@ -59,6 +62,10 @@ class CtSession:
         cfg: the resolved
             :class:`~pytest_ctresources.settings.config.CircuitTracerConfig` of the test.
         calls: every successful :meth:`attribute` call's keyword arguments, in order.
+        prunings: every successful :meth:`graph_files` and :meth:`prune` call, in order: its
+            thresholds, timing and peak.
+        pruning_oom: what the last :meth:`graph_files` or :meth:`prune` call was pruning when
+            it ran out of memory (None: it did not).
         halvings: every out-of-memory :meth:`attribute` recovered from, in order.
         auto_choices: the batch size ``batch_size="auto"`` chose for each call, and why.
         oom_retry: whether :meth:`attribute` halves the batch size and retries after OOM.
@@ -79,6 +86,8 @@ class CtSession:
     ) -> None:
         self.cfg = cfg
         self.calls: list[AttributionCall] = []
+        self.prunings: list[pruning.PruningCall] = []
+        self.pruning_oom: pruning.PruningOom | None = None
         self.halvings: list[oom.Halving] = []
         self.auto_choices: list[AutoChoice] = []
         self.auto_budget = auto_budget
@@ -229,9 +238,95 @@ class CtSession:
                 return graph
             cleanup_python_cuda()
 
+    def graph_files(
+        self,
+        graph: Any,
+        slug: str,
+        output_path: str | os.PathLike[str],
+        *,
+        node_threshold: float = pruning.NODE_THRESHOLD,
+        edge_threshold: float = pruning.EDGE_THRESHOLD,
+        **kwargs: Any,
+    ) -> Path:
+        """Write ``graph``'s files for circuit-tracer's graph viewer: ``create_graph_files(graph,
+        slug, output_path, node_threshold=..., edge_threshold=..., **kwargs)``
+        (``circuit_tracer.utils``), timed, measured and explained as :meth:`attribute` is.
+
+        ``graph`` is what :meth:`attribute` returned, or the path of a graph saved with
+        ``Graph.to_pt``. ``slug`` names the graph and its file, ``<slug>.json`` in
+        ``output_path`` (created if missing; a relative path is the current directory's),
+        beside circuit-tracer's ``graph-metadata.json``. The thresholds are the fractions of
+        the total influence the kept nodes and edges carry, from 0 to 1; ``kwargs`` are
+        ``create_graph_files``'s others (``scan``). Returns the JSON file's path.
+
+        ``create_graph_files`` prunes the dense graph on the GPU when there is one
+        (``prune_graph``, the pipeline's second memory peak; see :meth:`prune`). The call is
+        timed (the pruning, then the files; the live progress line shows it) and recorded in
+        :attr:`prunings` with its peak. An out-of-memory error inside it is recorded in
+        :attr:`pruning_oom` and explained in the test's report as the pruning's. ``graph``
+        itself is not moved. A graph of a bundled model writes its files offline, even once
+        its model is gone.
+        """
+        # A wrong argument is the test's mistake: one line, the test's frame.
+        __tracebackhide__ = True
+        extras = pruning.graph_files_extras("graph_files", kwargs)
+        nodes = pruning.threshold("graph_files", "node_threshold", node_threshold)
+        edges = pruning.threshold("graph_files", "edge_threshold", edge_threshold)
+        name = pruning.slug_of(slug)
+        directory = pruning.output_directory(output_path)
+        loaded = pruning.graph_of("graph_files", graph)
+        device = pruning.device_of("graph_files", None)  # where create_graph_files prunes
+        run = pruning.PruningRun("graph_files", loaded, device, nodes, edges, self.progress)
+        try:
+            path = run.graph_files(name, directory, extras)
+        finally:
+            self.pruning_oom = run.oom
+        self.prunings.append(run.record(path))
+        return path
+
+    def prune(
+        self,
+        graph: Any,
+        node_threshold: float = pruning.NODE_THRESHOLD,
+        edge_threshold: float = pruning.EDGE_THRESHOLD,
+        *,
+        device: str | torch.device | None = None,
+    ) -> Any:
+        """``prune_graph(graph, node_threshold, edge_threshold)`` (``circuit_tracer.graph``) on
+        ``device``, timed, measured and explained as :meth:`graph_files` is.
+
+        ``device`` defaults to where ``create_graph_files`` prunes: the current CUDA device
+        when there is one, else the CPU; ``device="cpu"`` prunes in host memory, where a graph
+        too large for the card may still fit. ``graph`` itself is not moved (a graph or the
+        path of a saved one, as for :meth:`graph_files`). Returns ``prune_graph``'s
+        ``PruneResult`` (``node_mask``, ``edge_mask``, ``cumulative_scores``) on the CPU.
+        """
+        __tracebackhide__ = True
+        nodes = pruning.threshold("prune", "node_threshold", node_threshold)
+        edges = pruning.threshold("prune", "edge_threshold", edge_threshold)
+        where = pruning.device_of("prune", device)
+        loaded = pruning.graph_of("prune", graph)
+        run = pruning.PruningRun("prune", loaded, where, nodes, edges, self.progress)
+        try:
+            result = run.prune()
+        finally:
+            self.pruning_oom = run.oom
+        self.prunings.append(run.record())
+        return result
+
+    def pruning_oom_of(self, exc: BaseException) -> pruning.PruningOom | None:
+        """What ``exc`` was pruning, if it is the out-of-memory error of this session's last
+        :meth:`graph_files` or :meth:`prune` call (None for any other error)."""
+        found = self.pruning_oom
+        if found is None or not oom.is_oom(exc) or not pruning.raised_while_pruning(exc):
+            return None
+        return found
+
     def close(self) -> None:
         """Drop this session's references; the model stays cached for the next test."""
         self.calls.clear()
+        self.prunings.clear()
+        self.pruning_oom = None
 
 
 def _visible_gpu_budget() -> Budget:
