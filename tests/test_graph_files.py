@@ -4,6 +4,7 @@ line, and an out-of-memory error inside them explained as the pruning's."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -90,8 +91,19 @@ def test_graph_files_and_prune_after_a_real_attribution(pytester: pytest.Pyteste
     example = re.search(r"```python\n(.*?)```", usage_section(), re.S)
     assert example is not None
     pytester.makepyfile(test_files=GRAPH_FILES_TESTS, test_usage_page=example.group(1))
-    result = pytester.runpytest("--ct-config", "exp.yaml", "--ct-batch-size", "16")
+    result = pytester.runpytest(
+        "--ct-config", "exp.yaml", "--ct-batch-size", "16", "--ct-report-json", "r.json"
+    )
     result.assert_outcomes(passed=4)
+    # Each test's calls travel in its record to the JSON report.
+    calls = json.loads((pytester.path / "r.json").read_text())["pruning_calls"]
+    files = calls["test_files.py::test_files_of_the_attribution"]
+    assert [(c["call"], c["node_threshold"], c["device"]) for c in files] == [
+        ("graph_files", 0.8, "cpu")
+    ]
+    assert files[0]["path"].endswith("capital.json") and files[0]["total_s"] > 0
+    (pruned,) = calls["test_files.py::test_prune_is_prune_graphs"]
+    assert (pruned["call"], pruned["edge_threshold"], pruned["path"]) == ("prune", 0.9, None)
 
 
 BAD_ARGUMENTS = r"""

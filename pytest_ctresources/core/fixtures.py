@@ -82,6 +82,7 @@ def ct_session(
         record = state.record
         record.attribution_batch_sizes = [call.kwargs["batch_size"] for call in session.calls]
         record.attribution_timings = [c.timing.to_dict() for c in session.calls if c.timing]
+        record.pruning_calls = [call.to_dict() for call in session.prunings]
         record.auto_batch_sizes = [choice.describe() for choice in session.auto_choices]
         if session.halvings:
             record.oom_halvings = halving_summary(session)

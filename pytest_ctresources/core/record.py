@@ -59,6 +59,9 @@ class TestRecord:
     # -- what ct_session did -------------------------------------------------------------
     attribution_batch_sizes: list[int] = field(default_factory=list)
     attribution_timings: list[dict[str, Any]] = field(default_factory=list)
+    pruning_calls: list[dict[str, Any]] = field(default_factory=list)
+    """One entry per successful ``ct_session.graph_files`` or ``prune`` call
+    (session/pruning.py's ``PruningCall.to_dict``)."""
     auto_batch_sizes: list[str] = field(default_factory=list)
     """One line per call whose batch size ``auto`` chose: the choice and why."""
     oom_halvings: str | None = None

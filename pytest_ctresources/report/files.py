@@ -136,6 +136,7 @@ def build_report(
         "vram_skips": summary.by_test(lambda r: r.vram_skip),
         "resident_models": summary.resident_models,
         "attribution_timings": summary.by_test(lambda r: r.attribution_timings),
+        "pruning_calls": summary.by_test(lambda r: r.pruning_calls),
         "reruns": {nodeid: r.reruns for nodeid, r in summary.results.items() if r.reruns},
         "notebook_values": {
             nodeid: [

@@ -76,12 +76,7 @@ class AttributionTiming:
         return (short + (f" ({', '.join(done)})" if done else ""), short, terse)
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        del out["started"], out["phase"]
-        return {
-            key: round(value, 3) if isinstance(value, float) else value
-            for key, value in out.items()
-        }
+        return _report_dict(self)
 
 
 @dataclass
@@ -126,12 +121,16 @@ class PruningTiming:
         return (short, short, f"prune {clock}")
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        del out["started"], out["phase"]
-        return {
-            key: round(value, 3) if isinstance(value, float) else value
-            for key, value in out.items()
-        }
+        return _report_dict(self)
+
+
+def _report_dict(timing: AttributionTiming | PruningTiming) -> dict[str, Any]:
+    """A timing as the report writes it: its figures, seconds to the millisecond."""
+    out = asdict(timing)
+    del out["started"], out["phase"]
+    return {
+        key: round(value, 3) if isinstance(value, float) else value for key, value in out.items()
+    }
 
 
 class Progress(Protocol):
