@@ -169,6 +169,23 @@ def test_longest_prompt_is_the_longest_whose_every_phase_fits(
     )
 
 
+def test_a_gpu_name_is_its_size(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--gpu-gib H200`` is the card's GiB as ``--ct-plan`` knows it, named in the output;
+    a name it does not know is one line listing those it does."""
+    from pytest_ctresources.xdist.plan import GPU_NAMES
+
+    flags = ["estimate", "--model", "meta-llama/Llama-3.2-1B", "--longest-prompt", "--json"]
+    by_name = json.loads(run(capsys, *flags, "--gpu-gib", "h200"))
+    by_size = json.loads(run(capsys, *flags, "--gpu-gib", str(GPU_NAMES["H200"])))
+    assert by_name["longest_prompt_tokens"] == by_size["longest_prompt_tokens"]
+    assert by_name["gpu"] == "--gpu-gib H200 (139.8 GiB)"
+    error = fail(capsys, "estimate", "--model", "gemma-2-2b", "--gpu-gib", "B300")
+    assert error.strip().splitlines()[-1].endswith(
+        "argument --gpu-gib: must be a positive number of GiB or a GPU name (H200, H100, "
+        "H100-80GB, A100-80GB, A100-40GB, L40S, L4, A10G, RTX-4090, RTX-3090, T4), got 'B300'"
+    )
+
+
 def test_auto_batch_size_is_the_plugins_choice(capsys: pytest.CaptureFixture[str]) -> None:
     """The CLI's auto is ct_session's: the 5% margin, the ceiling, balanced batches."""
     common = ["estimate", "--model", "meta-llama/Llama-3.2-1B", "--transcoders", "llama"]

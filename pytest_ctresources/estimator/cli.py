@@ -87,6 +87,32 @@ def _gib(text: str) -> float:
     return _positive(text, float, "number of GiB", MAX_GIB)
 
 
+@dataclass(frozen=True)
+class Card:
+    """``--gpu-gib``: a card's size, given in GiB or by its name, and how outputs name it."""
+
+    gib: float
+    label: str
+
+
+def _card(text: str) -> Card:
+    """GiB (``24``), or a GPU name as ``--ct-plan`` knows it (``H200``: its GiB there)."""
+    from pytest_ctresources.xdist.plan import GPU_NAMES
+
+    name = text.strip().upper()
+    if name in GPU_NAMES:
+        return Card(GPU_NAMES[name], f"{name} ({GPU_NAMES[name]:g} GiB)")
+    try:
+        float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive number of GiB or a GPU name ({', '.join(GPU_NAMES)}), "
+            f"got {shown(text)}"
+        ) from None
+    gib = _gib(text)
+    return Card(gib, f"{gib:g}")
+
+
 def _positive(text: str, convert: Any, kind: str, most: float) -> float:
     try:
         value = convert(text)  # int() of over 4300 digits raises ValueError too
@@ -150,7 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument("--max-feature-nodes", type=_positive_int, metavar="N")
     estimate.add_argument(
-        "--gpu-gib", type=_gib, metavar="G", help="card size (default: detected GPU 0)"
+        "--gpu-gib",
+        type=_card,
+        metavar="G",
+        help="card size in GiB, or a GPU name (H200, H100, A100-80GB, L4, RTX-4090, ...) "
+        "(default: detected GPU 0)",
     )
     estimate.add_argument(
         "--ceiling",
@@ -319,7 +349,7 @@ def _active_per_layer_token(given: float | None, cfg: CircuitTracerConfig) -> tu
 
 def _gpu_budget(args: argparse.Namespace) -> tuple[float | None, str]:
     if args.gpu_gib is not None:
-        return args.gpu_gib, f"--gpu-gib {args.gpu_gib:g}"
+        return args.gpu_gib.gib, f"--gpu-gib {args.gpu_gib.label}"
     from pytest_ctresources.gpu.detect import detect_gpus
 
     facts = detect_gpus()
