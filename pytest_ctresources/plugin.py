@@ -16,8 +16,8 @@ lines that call the room doing the work (docs/architecture.md draws the map):
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -407,6 +407,34 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     from pytest_ctresources.report.header import header_lines
 
     return [activation.header_line(), *header_lines(config, _start(config))]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_report_to_serializable(
+    config: pytest.Config, report: pytest.TestReport | pytest.CollectReport
+) -> Generator[None, dict[str, Any] | None, dict[str, Any] | None]:
+    # An xdist worker sends its reports through execnet, which cannot send every int the
+    # test's record holds (core/record.py's ``shipped``).
+    data = yield
+    if data is not None and _ACTING_KEY in config.stash and data.get("user_properties"):
+        from pytest_ctresources.core.record import shipped
+
+        sendable = shipped(data["user_properties"])
+        if sendable is not None:
+            data["user_properties"] = sendable  # a new list: the report keeps its own
+    return data
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_report_from_serializable(config: pytest.Config, data: dict[str, Any]) -> None:
+    # The controller's side of the above, before pytest makes the report of ``data``.
+    properties = data.get("user_properties")
+    if properties and any(isinstance(value, dict) for _name, value in properties):
+        from pytest_ctresources.core.record import unshipped
+
+        received = unshipped(properties)
+        if received is not None:
+            data["user_properties"] = received
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -615,3 +615,35 @@ def test_the_summary_a_reader_can_scan(
     lines = summary.splitlines()[1:]
     folded = [line for line in lines if not line.startswith(("=", " peak", "   "))]
     assert all(len(line) <= 80 for line in folded)
+
+
+def test_a_record_int_execnet_cannot_send_travels_from_a_worker() -> None:
+    """execnet writes an int below -2**31 in four bytes and fails: the plugin's properties
+    travel with such ints as text and arrive as they were; others' are left alone."""
+    from execnet.gateway_base import dumps_internal, loads_internal
+
+    from pytest_ctresources.core.record import shipped, unshipped
+
+    evicted = -(3 << 30)  # resident_bytes of a test that evicted a 3 GiB model
+    properties = [("ct_resident_bytes", evicted), ("ct_worker", "gw0"), ("theirs", 1)]
+    with pytest.raises(Exception, match="format requires"):
+        dumps_internal(properties)
+    sendable = shipped(properties)
+    assert sendable is not None
+    arrived = loads_internal(dumps_internal(sendable))
+    assert unshipped(arrived) == properties
+    assert shipped([("ct_x", -5), ("theirs", evicted)]) is None  # nothing of ours to change
+    assert unshipped([("theirs", {"ct_int": "-1"})]) is None
+
+
+def test_a_workers_report_with_such_an_int_reaches_the_controller(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makeini("[pytest]\nct_cleanup = auto\n")
+    pytester.makepyfile(
+        "def test_a(record_property):\n    record_property('ct_mine', -(3 << 30))\n"
+    )
+    result = pytester.runpytest("-n", "1", "--junitxml", "j.xml", "-p", "no:randomly")
+    result.assert_outcomes(passed=1)
+    properties = ET.parse(pytester.path / "j.xml").getroot().iter("property")
+    assert {p.get("name"): p.get("value") for p in properties}["ct_mine"] == str(-(3 << 30))

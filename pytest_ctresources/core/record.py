@@ -151,6 +151,52 @@ class TestRecord:
         )
 
 
+#: The least int execnet (pytest-xdist's transport) can send: it writes any int up to
+#: 2**31 - 1 in four bytes and fails below -2**31 (``_save_integral`` checks the upper bound
+#: only). A record's byte counts can be that negative: ``resident_bytes`` of a test that
+#: evicted a model of several GiB.
+_LEAST_SENDABLE_INT = -(2**31)
+#: How such an int travels: ``{"ct_int": "-3221225472"}``.
+_SHIPPED_INT = "ct_int"
+
+
+def shipped(properties: list[tuple[str, object]]) -> list[tuple[str, object]] | None:
+    """``properties`` as pytest-xdist can send them, or None where they can go as they are:
+    the plugin's ints below what execnet sends, as text (:func:`unshipped` reads them)."""
+    if not any(_unsendable(name, value) for name, value in properties):
+        return None
+    return [
+        (name, {_SHIPPED_INT: str(value)}) if _unsendable(name, value) else (name, value)
+        for name, value in properties
+    ]
+
+
+def unshipped(properties: list[Any]) -> list[Any] | None:
+    """The properties :func:`shipped` sent, as they were (None: there was nothing to undo)."""
+    if not any(_shipped_int(name, value) is not None for name, value in properties):
+        return None
+    out: list[Any] = []
+    for name, value in properties:
+        number = _shipped_int(name, value)
+        out.append((name, value if number is None else number))
+    return out
+
+
+def _unsendable(name: str, value: object) -> bool:
+    return name.startswith(PROPERTY_PREFIX) and type(value) is int and value < _LEAST_SENDABLE_INT
+
+
+def _shipped_int(name: object, value: object) -> int | None:
+    if not (isinstance(name, str) and name.startswith(PROPERTY_PREFIX)):
+        return None  # another plugin's property, whatever it holds
+    if isinstance(value, dict) and len(value) == 1 and isinstance(value.get(_SHIPPED_INT), str):
+        try:
+            return int(value[_SHIPPED_INT])
+        except ValueError:
+            return None
+    return None
+
+
 def _default(spec: dataclasses.Field[Any]) -> object:
     if spec.default is not dataclasses.MISSING:
         return spec.default
