@@ -18,11 +18,20 @@ class Unreadable(Exception):
     """Why a file was not read: ``str()`` is a few words for the caller's message (an
     ``strerror``, ``not a regular file``, ``larger than 1 MiB``)."""
 
-    def __init__(self, reason: str, *, code: int | None = None, too_large: bool = False) -> None:
+    def __init__(
+        self,
+        reason: str,
+        *,
+        code: int | None = None,
+        too_large: bool = False,
+        in_read: bool = False,
+    ) -> None:
         super().__init__(reason)
         self.code = code
         """The ``errno`` of a failed open or read, None otherwise."""
         self.too_large = too_large
+        self.in_read = in_read
+        """The file opened as a regular file, and reading it failed."""
 
     @property
     def missing(self) -> bool:
@@ -59,7 +68,9 @@ def read_regular(
         try:
             data = handle.read() if limit is None else handle.read(limit + 1)
         except OSError as exc:
-            raise Unreadable(exc.strerror or type(exc).__name__, code=exc.errno) from None
+            raise Unreadable(
+                exc.strerror or type(exc).__name__, code=exc.errno, in_read=True
+            ) from None
     if limit is not None and len(data) > limit:
         raise Unreadable(f"larger than {limit >> 20} MiB", too_large=True)
     return data

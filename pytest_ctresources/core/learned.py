@@ -223,6 +223,8 @@ def read_cache(cache: pytest.Cache, key: str = CACHE_KEY, what: str = WHAT) -> o
             ) from None
         if exc.too_large:
             raise UnreadableCache(f"the {what} at {shown_path} are {exc}") from None
+        if exc.in_read:  # a regular file of ours that failed to read: discarded
+            raise UnreadableCache(f"cannot read the {what} at {shown_path}: {exc}") from None
         if exc.code is None:  # a directory, a FIFO, a device
             raise UnreadableCache(
                 f"{shown_path} is not a regular file, not {what}; ignored and left alone "
