@@ -17,7 +17,7 @@ import pytest
 from pytest_ctresources import testing
 from pytest_ctresources.estimator import auto as autobatch
 from pytest_ctresources.estimator import estimate as est
-from pytest_ctresources.estimator import registry
+from pytest_ctresources.estimator import registry, timing
 from pytest_ctresources.estimator.registry import estimate_config
 from pytest_ctresources.settings.config import CircuitTracerConfig
 from pytest_ctresources.units import GIB
@@ -191,9 +191,10 @@ def test_choice_on_a_gpu_uses_measured_memory_and_real_active_features(
     roomy = autobatch.choose(model, prompt, cfg, budget)
     assert roomy.active_features == active
     assert roomy.prompt_tokens == 6
-    # Everything fits: one backward pass over all the active features is enough.
+    # Everything fits: one backward pass over all the active features is the fastest (a
+    # larger batch only adds forward work).
     assert roomy.batch_size == active
-    assert f"the ceiling 4096; {active} needs the same 1 backward batch(es)" in roomy.reason
+    assert f"the ceiling 4096; {active} is predicted fastest (" in roomy.reason
 
     # Less room: leave space for about 60 batch rows, so several passes are needed.
     shape, transcoders = registry.shapes_of_loaded(model)
@@ -206,7 +207,8 @@ def test_choice_on_a_gpu_uses_measured_memory_and_real_active_features(
     tight = autobatch.choose(model, prompt, cfg, budget)
     assert 1 < tight.batch_size < active
     largest = int(tight.reason.split(" is the largest")[0])
-    assert tight.batch_size == est.balanced_batch(largest, active) <= largest
+    fastest = timing.fastest_batch(shape, work, largest)
+    assert tight.batch_size == fastest.batch_size <= largest
     assert tight.predicted_gib is not None and tight.predicted_gib <= 3.6
     assert tight.reason.endswith("budget 3.6 GiB = 4.0 GiB (fake) less 10% margin")
 

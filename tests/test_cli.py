@@ -13,7 +13,7 @@ import pytest
 
 from pytest_ctresources.estimator import auto as autobatch
 from pytest_ctresources.estimator import estimate as est
-from pytest_ctresources.estimator import registry
+from pytest_ctresources.estimator import registry, timing
 from pytest_ctresources.estimator.cli import main
 from pytest_ctresources.units import GIB
 
@@ -187,7 +187,7 @@ def test_a_gpu_name_is_its_size(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_auto_batch_size_is_the_plugins_choice(capsys: pytest.CaptureFixture[str]) -> None:
-    """The CLI's auto is ct_session's: the 5% margin, the ceiling, balanced batches."""
+    """The CLI's auto is ct_session's: the 5% margin, the ceiling, the time model."""
     common = ["estimate", "--model", "meta-llama/Llama-3.2-1B", "--transcoders", "llama"]
     common += ["--dtype", "bfloat16", "--gpu-gib", "16"]
     auto = json.loads(run(capsys, *common, "--batch-size", "auto", "--json"))
@@ -198,14 +198,16 @@ def test_auto_batch_size_is_the_plugins_choice(capsys: pytest.CaptureFixture[str
     budget = autobatch.Budget(16.0, "--gpu-gib 16", autobatch.DEFAULT_AUTO_MARGIN)
     fitted = autobatch.fit_batch(model, transcoders, work, budget, 512)
     assert fitted is not None
-    # Balanced: fewer than the largest that fits, for the same number of backward passes.
-    assert auto["batch_size"] == fitted[0] < fitted[1] == auto["largest_fitting_batch_size"]
-    rows = min(8192, work.active_features(model.n_layers))
-    assert auto["auto_reason"] == autobatch.reason(fitted[0], fitted[1], 512, rows, budget)
+    # The predicted fastest: fewer than the largest that fits.
+    assert auto["batch_size"] == fitted.batch < fitted.largest == auto["largest_fitting_batch_size"]
+    fastest = timing.fastest_batch(model, work, fitted.largest)
+    assert fitted.batch == fastest.batch_size
+    assert auto["auto_reason"] == f"{fitted.why}; {budget.describe()}"
+    assert f"; {fitted.batch} is predicted fastest (" in fitted.why
     assert auto["active_source"] == "assumed: the set's L0 is not known"
     capped = json.loads(run(capsys, *common, "--batch-size", "auto", "--ceiling", "8", "--json"))
     assert capped["batch_size"] == 8
-    assert capped["auto_reason"].startswith("the ceiling 8; budget 15.2 GiB = 16.0 GiB")
+    assert capped["auto_reason"].startswith("the ceiling 8, and predicted fastest; budget 15.2 GiB")
 
 
 def test_config_sets_the_ceiling_and_logits(

@@ -1,4 +1,4 @@
-"""``--ct-batch-size auto``: the largest batch size whose estimated peak fits what is free.
+"""``--ct-batch-size auto``: the fastest batch size whose estimated peak fits what is free.
 
 For each ``ct_session.attribute`` call with ``batch_size: auto``, the choice uses the loaded
 model's own dimensions (read from the object), the prompt's real length, and its real
@@ -31,6 +31,12 @@ error at its choice does too. A first call on a model, with nothing measured yet
 margin no smaller than its family's worst under-prediction on the held-out validation
 points (``estimate.WORST_UNDER_PREDICTION``).
 
+Of the batch sizes that fit, auto runs the one the time model predicts fastest
+(:mod:`pytest_ctresources.estimator.timing`, fitted on the H200): the largest that fits is
+not the fastest once a larger batch's forward work outweighs the backward passes it saves.
+Without CUDA no time model was measured; there auto keeps the smallest batch size that needs
+as few backward passes as the largest that fits.
+
 The choice's setup pass (one prompt through the model and the transcoders, 0.08-0.26 s on
 the H200 for models of real size) is the one ``attribute()`` starts with: ``ct_session``
 hands it over (:func:`reused_setup`) instead of running it twice. After it, and before the
@@ -45,9 +51,9 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
-from pytest_ctresources.estimator import cgroup, registry
+from pytest_ctresources.estimator import cgroup, registry, timing
 from pytest_ctresources.estimator import estimate as est
 from pytest_ctresources.settings.config import CircuitTracerConfig
 from pytest_ctresources.units import GIB, bytes_text
@@ -390,8 +396,9 @@ def _choice(
         bound = budget.describe() if room is None or limit == budget.budget_bytes else room.text
         why = f"not even batch size 1 is predicted to fit the {bound}; trying 1"
     else:
-        batch, largest, prediction = fitted
-        why = reason(batch, largest, ceiling, _feature_rows(workload, model_shape), budget)
+        batch, prediction = fitted.batch, fitted.prediction
+        why = f"{fitted.why}; {budget.describe()}"
+        largest = fitted.largest
         if room is not None and limit < budget.budget_bytes and largest < ceiling:
             why = why.removesuffix(budget.describe()) + room.text
     resident = prediction.resident_bytes if resident_bytes is None else resident_bytes
@@ -461,9 +468,8 @@ def _host_choice(
             1, tokens, active_features, None, why, n_layers=model_shape.n_layers, on_host=True
         )
     largest = found[0]
-    batch = est.balanced_batch(largest, _feature_rows(workload, model_shape))
+    batch, what = within_largest(model_shape, workload, largest, ceiling, timed=False)
     prediction = est.estimate(model_shape, transcoders, est.with_batch(workload, batch))
-    what = reason(batch, largest, ceiling, _feature_rows(workload, model_shape), None)
     return AutoChoice(
         batch,
         tokens,
@@ -503,13 +509,13 @@ def fit_batch(
     *,
     limit_bytes: int | None = None,
     extra: Callable[[int], int] | None = None,
-) -> tuple[int, int, est.Estimate] | None:
-    """auto's choice: (batch size, the largest that fits, its estimate), or None.
+) -> Fitted | None:
+    """auto's choice on a CUDA GPU, or None when not even batch size 1 fits.
 
     The largest batch size up to ``ceiling`` whose estimate fits ``budget`` (or the tighter
-    ``limit_bytes``), then the smallest that needs as few backward passes over the feature
-    rows. ``resident_bytes``: what is allocated now, measured (None: the estimate's weights
-    and transcoders). ``extra(batch)`` adds a correction to each prediction.
+    ``limit_bytes``), then of those up to it the one predicted fastest
+    (:func:`within_largest`). ``resident_bytes``: what is allocated now, measured (None:
+    the estimate's weights and transcoders). ``extra(batch)`` adds a correction to each prediction.
     """
 
     def need(prediction: est.Estimate) -> int:
@@ -530,24 +536,53 @@ def fit_batch(
     if found is None:
         return None
     largest = found[0]
-    batch = est.balanced_batch(largest, _feature_rows(workload, model_shape))
-    return batch, largest, est.estimate(model_shape, transcoders, est.with_batch(workload, batch))
+    batch, why = within_largest(model_shape, workload, largest, ceiling)
+    prediction = est.estimate(model_shape, transcoders, est.with_batch(workload, batch))
+    return Fitted(batch, largest, prediction, why)
 
 
-def _feature_rows(workload: est.Workload, model_shape: est.ModelShape) -> int:
-    nodes = workload.max_feature_nodes
-    active = workload.active_features(model_shape.n_layers)
-    return active if nodes is None else min(nodes, active)
+class Fitted(NamedTuple):
+    """:func:`fit_batch`'s answer: the batch size auto runs, the largest that fits, the
+    estimate at the first, and why (without the budget, which the caller says)."""
+
+    batch: int
+    largest: int
+    prediction: est.Estimate
+    why: str
 
 
-def reason(batch: int, largest: int, ceiling: int, rows: int, budget: Budget | None) -> str:
-    """Why auto chose ``batch`` (the smallest with as few backward passes over ``rows``
-    feature rows as ``largest``) under ``budget``, as the report says it."""
+def within_largest(
+    model_shape: est.ModelShape,
+    workload: est.Workload,
+    largest: int,
+    ceiling: int,
+    *,
+    timed: bool = True,
+) -> tuple[int, str]:
+    """The batch size to run of those up to ``largest`` (the largest that fits; ``ceiling``
+    when nothing smaller binds), and why: the one the time model predicts fastest
+    (``timed``, for a CUDA GPU), else the smallest that needs as few backward passes over the
+    feature rows as ``largest`` (the same passes on less memory)."""
     text = f"the ceiling {ceiling}" if largest == ceiling else f"{largest} is the largest that fits"
-    if batch != largest:
-        passes = math.ceil(rows / largest)
-        text += f"; {batch} needs the same {passes} backward batch(es) over {rows} feature rows"
-    return text if budget is None else f"{text}; {budget.describe()}"
+    if timed:
+        fastest = timing.fastest_batch(model_shape, workload, largest)
+        if fastest.batch_size == largest:
+            return largest, f"{text}, and predicted fastest"
+        slowest = timing.predict(model_shape, est.with_batch(workload, largest))
+        return fastest.batch_size, (
+            f"{text}; {fastest.batch_size} is predicted fastest ({fastest.total_s:.3g} s of "
+            f"the batch-dependent part against {slowest.total_s:.3g} s at {largest}: the "
+            "H200 time model)"
+        )
+    rows = timing.feature_rows(model_shape, workload)
+    batch = est.balanced_batch(largest, rows)
+    if batch == largest:
+        return largest, text
+    passes = math.ceil(rows / largest)
+    return (
+        batch,
+        f"{text}; {batch} needs the same {passes} backward batch(es) over {rows} feature rows",
+    )
 
 
 @dataclass

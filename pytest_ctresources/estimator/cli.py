@@ -29,7 +29,6 @@ from pytest_ctresources.estimator.auto import (
     counted_for_fit,
     fit_batch,
 )
-from pytest_ctresources.estimator.auto import reason as auto_reason_text
 from pytest_ctresources.settings.config import (
     AUTO,
     DTYPE_ALIASES,
@@ -435,7 +434,7 @@ def longest_prompt(request: Request, gpu_gib: float, gpu_text: str) -> dict[str,
             if fitted is None:
                 prediction = est.estimate(request.model, request.transcoders, work)
                 return batch, est.pipeline(prediction).phases[0]
-            batch = fitted[0]
+            batch = fitted.batch
         prediction = est.estimate(request.model, request.transcoders, est.with_batch(work, batch))
         for phase in est.pipeline(prediction).phases:
             need = phase.total_bytes
@@ -499,12 +498,9 @@ def run_estimate(args: argparse.Namespace, out: Any) -> int:
                 f"--batch-size auto: not even batch size 1 is predicted to fit the "
                 f"{budget.describe()}"
             )
-        workload = est.with_batch(workload, fitted[0])
-        largest = fitted[1]
-        nodes = workload.max_feature_nodes
-        feature_rows = workload.active_features(request.model.n_layers)
-        feature_rows = feature_rows if nodes is None else min(feature_rows, nodes)
-        auto_reason = auto_reason_text(fitted[0], largest, request.ceiling, feature_rows, budget)
+        workload = est.with_batch(workload, fitted.batch)
+        largest = fitted.largest
+        auto_reason = f"{fitted.why}; {budget.describe()}"
     elif gpu_gib is not None:
         rule = FitRule.fixed(gpu_gib)
         found = est.largest_fitting_batch(

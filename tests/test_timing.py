@@ -1,0 +1,114 @@
+"""The time model behind auto's choice: its counting against circuit-tracer's loop, and its
+fit and held-out check against the H200's timings in docs/calibration/times/."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from pytest_ctresources.estimator import estimate as est
+from pytest_ctresources.estimator import registry, timing
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMES = sorted((ROOT / "docs" / "calibration" / "times").glob("*.jsonl"))
+
+
+def _fit_module():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import fit_times
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return fit_times
+
+
+def _points() -> list[dict]:
+    return [
+        record
+        for path in TIMES
+        for line in path.read_text().splitlines()
+        if line.startswith("{")
+        for record in [json.loads(line)]
+        if not record.get("oom")
+    ]
+
+
+def _ranking_loop(rows: int, batch: int, n_logits: int) -> tuple[int, int]:
+    """circuit-tracer 0.5.0's feature loop (``_run_attribution``), counting what it does:
+    (calls of ``compute_partial_influences``, edge-matrix rows they read in all)."""
+    st, visited, calls, read = n_logits, 0, 0, 0
+    while visited < rows:
+        calls, read = calls + 1, read + st
+        queue = min(timing.UPDATE_INTERVAL * batch, rows - visited)
+        for start in range(0, queue, batch):
+            done = min(batch, queue - start)
+            visited, st = visited + done, st + done
+    return calls, read
+
+
+@pytest.mark.parametrize(
+    ("rows", "batch"), [(2048, 16), (2048, 205), (2048, 512), (2048, 4096), (100, 7), (1, 1)]
+)
+def test_influence_cells_follow_circuit_tracers_loop(rows: int, batch: int) -> None:
+    calls, read = _ranking_loop(rows, batch, 10)
+    assert timing.influence_cells(rows, batch, 10) == read
+    assert math.ceil(rows / (timing.UPDATE_INTERVAL * batch)) == calls
+
+
+def test_passes_and_ranking_follow_the_feature_rows() -> None:
+    model = registry.model_shape("google/gemma-2-2b")
+    limited = est.Workload("bfloat16", 64, 100, 16.0, 2048)
+    timed = timing.predict(model, limited)
+    assert limited.active_features(model.n_layers) > 2048
+    assert timed.backward_passes == 1 + 2048 // 64
+    assert timed.influence_s > 0
+    # All the active features kept: circuit-tracer ranks nothing.
+    every = dataclasses.replace(limited, max_feature_nodes=None)
+    assert timing.predict(model, every).influence_s == 0
+    assert timing.feature_rows(model, every) == every.active_features(model.n_layers)
+
+
+def test_fastest_batch_is_the_least_predicted_time_up_to_the_largest() -> None:
+    model = registry.model_shape("meta-llama/Llama-3.2-3B")
+    work = est.Workload("bfloat16", 1, 70, 16.0, 2048)
+    times = {b: timing.predict(model, est.with_batch(work, b)).total_s for b in range(1, 206)}
+    fastest = timing.fastest_batch(model, work, 205)
+    assert fastest.batch_size == min(times, key=times.__getitem__)
+    assert fastest.batch_size < 205  # the forward work of 205 copies outweighs the passes saved
+    assert timing.fastest_batch(model, work, 8).batch_size == 8  # passes dominate down there
+    # Of equal times, the smaller batch size (less memory): every coefficient zero.
+    zero = timing.TimeCoefficients(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    assert timing.fastest_batch(model, work, 50, zero).batch_size == 1
+
+
+def test_refitting_gives_the_shipped_coefficients() -> None:
+    """H200_TIMES is what bench/fit_times.py fits from docs/calibration/times (to the four
+    significant digits it prints)."""
+    fitted = _fit_module().fit(_points())
+    for name, shipped in vars(timing.H200_TIMES).items():
+        assert getattr(fitted, name) == pytest.approx(shipped, rel=1e-3), name
+
+
+def test_the_predicted_fastest_measured_batch_is_within_ten_percent_of_the_fastest() -> None:
+    """auto's target on the H200's timings: per model, prompt length and cap, among the batch
+    sizes measured up to the cap, the one the model predicts fastest ran within 10% of the
+    fastest; also with each model left out of the fit."""
+    fit = _fit_module()
+    points = _points()
+    assert {p["model"] for p in points} >= {
+        "ctresources/random-gemma-2-2b",
+        "ctresources/random-llama-3.2-1b",
+        "ctresources/random-qwen3-1.7b",
+    }
+    lines: list[str] = []
+    assert fit.choice_checks(points, timing.H200_TIMES, lines.append) <= 1.10
+    assert len(lines) >= 12
+    for model in {p["model"] for p in points if p["tokens"] == 300}:
+        kept = [p for p in points if p["model"] != model]
+        alone = [p for p in points if p["model"] == model]
+        assert fit.choice_checks(alone, fit.fit(kept), lines.append) <= 1.10, model
