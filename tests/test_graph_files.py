@@ -8,6 +8,7 @@ import json
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from transformers import AutoTokenizer
@@ -21,6 +22,7 @@ pytest_plugins = ["pytester"]
 GRAPH_FILES_TESTS = r"""
 import json, os, shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from circuit_tracer.graph import prune_graph
@@ -257,3 +259,29 @@ def test_pruning_timing_describes_its_phase() -> None:
     long, short, terse = timing.descriptions()
     assert re.fullmatch(r"writing the graph files, [\d.]+ s \(pruning 3.2\)", long)
     assert long.startswith(short) and terse.startswith("files ")
+
+
+def test_a_graph_past_cudas_sort_limit_is_refused_before_it_moves() -> None:
+    """prune_graph sorts nodes^2 edge scores in one torch.sort, which on CUDA takes at most
+    INT_MAX elements: past 46,340 nodes a GPU cannot prune at any memory (measured on the
+    H200, docs/estimator.md), and the call says so before the dense graph moves there."""
+    import torch
+
+    from pytest_ctresources.session import pruning
+
+    def graph(nodes: int) -> SimpleNamespace:
+        return SimpleNamespace(adjacency_matrix=SimpleNamespace(shape=(nodes, nodes)))
+
+    with pytest.raises(ValueError) as refused:
+        pruning.PruningRun("graph_files", graph(46_341), torch.device("cuda", 0), 0.8, 0.98)
+    assert str(refused.value) == (
+        "graph_files(): a graph of 46,341 nodes cannot be pruned on cuda:0: prune_graph sorts "
+        "its 2,147,488,281 edge scores (nodes^2) in one torch.sort, which on CUDA takes at "
+        "most 2,147,483,647: at most 46,340 nodes on a GPU; create_graph_files prunes on the "
+        'GPU whenever there is one; prune in host memory with ct_session.prune(graph, '
+        'device="cpu"), or make the graph smaller (max_feature_nodes, a shorter prompt)'
+    )
+    with pytest.raises(ValueError, match=r"^prune\(\): a graph of 46,341 nodes .* GPU; prune in"):
+        pruning.PruningRun("prune", graph(46_341), torch.device("cuda", 0), 0.8, 0.98)
+    pruning.PruningRun("prune", graph(46_340), torch.device("cuda", 0), 0.8, 0.98)
+    pruning.PruningRun("prune", graph(46_341), torch.device("cpu"), 0.8, 0.98)  # CPU sorts it

@@ -119,6 +119,12 @@ ATTENTION_TRANSIENTS: Final[Mapping[tuple[str, str], AttentionTransient]] = Mapp
 #: on the H200 (docs/estimator.md: fitted on 800 and 1200 tokens, 300 held out), the one more
 #: being the sort's other scratch.
 PRUNE_ADJACENCY_COPIES: Final = 11.0
+#: The most elements torch's CUDA sort takes along the dimension it sorts (INT_MAX: "The
+#: dimension being sorted can not have more than INT_MAX elements", torch 2.11 on the H200).
+#: ``prune_graph``'s ``find_threshold`` sorts every edge score, nodes^2 of them, in one call:
+#: on a GPU a graph of more than 46,340 nodes cannot be pruned at any memory (on the CPU,
+#: ``ct_session.prune(graph, device="cpu")``, it can).
+CUDA_SORT_LIMIT: Final = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -627,6 +633,17 @@ def graph_nodes(model: ModelShape, workload: Workload) -> int:
     return features + (model.n_layers + 1) * workload.prompt_tokens + workload.n_logits
 
 
+def prune_blocker(nodes: int) -> str:
+    """Why a graph of ``nodes`` nodes cannot be pruned on a GPU at any memory, or ``""``."""
+    if nodes * nodes <= CUDA_SORT_LIMIT:
+        return ""
+    return (
+        f"prune_graph sorts its {nodes * nodes:,} edge scores (nodes^2) in one torch.sort, which "
+        f"on CUDA takes at most {CUDA_SORT_LIMIT:,}: at most {math.isqrt(CUDA_SORT_LIMIT):,} "
+        "nodes on a GPU"
+    )
+
+
 def prune_peak_bytes(resident_bytes: int, nodes: int) -> int:
     """``prune_graph``'s allocated peak on the GPU: what is resident (the model and its
     transcoders, still loaded) and :data:`PRUNE_ADJACENCY_COPIES` dense float32 adjacencies
@@ -637,13 +654,15 @@ def prune_peak_bytes(resident_bytes: int, nodes: int) -> int:
 @dataclass(frozen=True)
 class Phase:
     """One phase of the pipeline: its allocated peak and what it takes from the card (with
-    the allocator's margin and the CUDA context), and the host memory it holds."""
+    the allocator's margin and the CUDA context), and the host memory it holds;
+    ``cannot_run``: why it cannot run on a GPU at any memory (``""`` when it can)."""
 
     name: str
     peak_allocated_bytes: int
     total_bytes: int
     host_bytes: int
     note: str
+    cannot_run: str = ""
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -651,6 +670,7 @@ class Phase:
             "total_gib": round(self.total_bytes / GIB, 3),
             "host_gib": round(self.host_bytes / GIB, 3),
             "note": self.note,
+            "cannot_run_on_a_gpu": self.cannot_run or None,
         }
 
 
@@ -703,6 +723,7 @@ def pipeline(prediction: Estimate) -> Pipeline:
                 prune_total + cal.context_bytes,
                 adjacency + nodes * nodes,
                 f"{nodes} nodes, dense adjacency {adjacency / GIB:.2f} GiB",
+                prune_blocker(nodes),
             ),
         )
     )

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pytest_ctresources.bundled.builders import rewritten_own_tokenizer
-from pytest_ctresources.estimator.estimate import PRUNE_ADJACENCY_COPIES
+from pytest_ctresources.estimator.estimate import PRUNE_ADJACENCY_COPIES, prune_blocker
 from pytest_ctresources.gpu import oom
 from pytest_ctresources.session.progress import ProgressListener, PruningTiming
 from pytest_ctresources.units import bytes_text, shown
@@ -293,6 +293,20 @@ class PruningRun:
         self.edge_threshold = edge_threshold
         self.listener = listener
         nodes = int(graph.adjacency_matrix.shape[0])
+        blocker = prune_blocker(nodes) if device.type == "cuda" else ""
+        if blocker:
+            # Before the dense graph moves to the card: circuit-tracer would fail in the sort,
+            # after the copy and most of the pruning's memory.
+            instead = (
+                "create_graph_files prunes on the GPU whenever there is one; "
+                if call == "graph_files"
+                else ""
+            )
+            raise ValueError(
+                f"{call}(): a graph of {nodes:,} nodes cannot be pruned on {device}: {blocker}; "
+                f'{instead}prune in host memory with ct_session.prune(graph, device="cpu"), or '
+                "make the graph smaller (max_feature_nodes, a shorter prompt)"
+            )
         self.timing = PruningTiming(call, nodes, str(device))
         self.peak_allocated_bytes: int | None = None
         self.oom: PruningOom | None = None
