@@ -159,14 +159,38 @@ def test_longest_prompt_is_the_longest_whose_every_phase_fits(
         work = est.Workload("float32", 16, tokens, 16, max_feature_nodes=2048)  # the default
         return est.pipeline(est.estimate(model, transcoders, work))
 
+    # What must fit for a call to run: the allocated peak and the CUDA context.
+    context = est.CALIBRATION.context_bytes
     tokens = fixed["longest_prompt_tokens"]
-    assert all(p.total_bytes <= 80 * GIB for p in phases(tokens).phases)
-    assert phases(tokens + 1).phases[0].total_bytes > 80 * GIB
+    assert all(p.peak_allocated_bytes + context <= 80 * GIB for p in phases(tokens).phases)
+    assert phases(tokens + 1).phases[0].peak_allocated_bytes + context > 80 * GIB
     text = run(capsys, *flags, "--batch-size", "16")
     assert text == (
         f"longest prompt whose whole pipeline fits --gpu-gib 80: {tokens} tokens (batch size "
         "16); one more token and the attribute phase does not fit\n"
     )
+
+
+def test_past_cudas_sort_limit_the_pruning_cannot_run_at_any_memory(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """On a card with room to spare, the longest prompt is where the graph passes 46,340
+    nodes: prune_graph's one torch.sort of nodes^2 scores is past INT_MAX there."""
+    flags = ["estimate", "--model", "meta-llama/Llama-3.2-1B", "--gpu-gib", "1000"]
+    flags += ["--max-feature-nodes", "2048", "--active-features", "4", "--batch-size", "1"]
+    longest = json.loads(run(capsys, *flags, "--longest-prompt", "--json"))
+    tokens = longest["longest_prompt_tokens"]
+    # 2048 feature nodes + 17 nodes per token (16 layers' errors and the token) + 10 logits.
+    assert 2048 + 17 * tokens + 10 <= 46_340 < 2048 + 17 * (tokens + 1) + 10
+    assert longest["stopped_by_phase"] == "prune"
+    assert longest["stopped_because"].startswith("prune_graph sorts its ")
+    text = run(capsys, *flags, "--longest-prompt")
+    assert f"{tokens} tokens (batch size 1); one more token and the prune phase cannot run" in text
+    longer = [*flags, "--prompt-tokens", str(tokens + 1), "--pipeline"]
+    over = json.loads(run(capsys, *longer, "--json"))
+    assert over["pipeline"]["prune"]["cannot_run_on_a_gpu"].endswith("46,340 nodes on a GPU")
+    table = run(capsys, *longer)
+    assert "cannot run on a GPU: prune_graph sorts" in table
 
 
 def test_a_gpu_name_is_its_size(capsys: pytest.CaptureFixture[str]) -> None:

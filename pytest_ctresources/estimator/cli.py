@@ -417,10 +417,12 @@ MOST_PROMPT_TOKENS: Final = 1 << 17
 
 
 def longest_prompt(request: Request, gpu_gib: float, gpu_text: str) -> dict[str, Any]:
-    """The longest prompt whose every phase fits: at a fixed batch size, each phase's total on
-    the card within it (:class:`FitRule`'s fixed rule); under auto, auto's choice fits its
-    budget and pruning fits it too. With the batch size at that length and the phase that
-    stops one token more."""
+    """The longest prompt whose every phase can run on the card: each phase's allocated peak
+    plus the CUDA context within the card (what must fit for a call to run: PyTorch's
+    allocator gives its cache back before it fails, so the reserved envelope is not needed),
+    under auto within auto's budget (the card less its margin) at auto's choice; and no phase
+    that cannot run on a GPU at all (:func:`est.prune_blocker`). With the batch size at that
+    length and the phase that stops one token more."""
     auto_budget = Budget(gpu_gib, gpu_text, DEFAULT_AUTO_MARGIN)
     limit = auto_budget.budget_bytes if request.auto_batch else int(gpu_gib * GIB)
 
@@ -437,10 +439,8 @@ def longest_prompt(request: Request, gpu_gib: float, gpu_text: str) -> dict[str,
             batch = fitted.batch
         prediction = est.estimate(request.model, request.transcoders, est.with_batch(work, batch))
         for phase in est.pipeline(prediction).phases:
-            need = phase.total_bytes
-            if request.auto_batch:
-                need = phase.peak_allocated_bytes + prediction.calibration.context_bytes
-            if need > limit:
+            need = phase.peak_allocated_bytes + prediction.calibration.context_bytes
+            if need > limit or phase.cannot_run:
                 return batch, phase
         return batch, None
 
@@ -454,6 +454,7 @@ def longest_prompt(request: Request, gpu_gib: float, gpu_text: str) -> dict[str,
         "gpu_gib": gpu_gib,
         "gpu": gpu_text,
         "stopped_by_phase": None if stops is None else stops.name,
+        "stopped_because": None if stops is None else (stops.cannot_run or "does not fit"),
     }
 
 
@@ -476,7 +477,12 @@ def run_estimate(args: argparse.Namespace, out: Any) -> int:
             f"longest prompt whose whole pipeline fits {gpu_text}: "
             f"{longest['longest_prompt_tokens']} tokens ({how} {longest['batch_size']})"
             + (
-                f"; one more token and the {longest['stopped_by_phase']} phase does not fit\n"
+                f"; one more token and the {longest['stopped_by_phase']} phase "
+                + (
+                    "does not fit\n"
+                    if longest["stopped_because"] == "does not fit"
+                    else f"cannot run on a GPU ({longest['stopped_because']})\n"
+                )
                 if longest["stopped_by_phase"]
                 else "\n"
             )
@@ -632,7 +638,9 @@ def _print_pipeline(out: Any, pipeline: est.Pipeline, gpu_gib: float | None) -> 
     for phase in pipeline.phases:
         mark = "  <- the run's peak" if phase is pipeline.peak else ""
         fits = ""
-        if gpu_gib is not None:
+        if phase.cannot_run:
+            fits = f"  cannot run on a GPU: {phase.cannot_run}"
+        elif gpu_gib is not None:
             fits = "  fits" if phase.total_bytes <= gpu_gib * GIB else "  does not fit"
         out.write(
             f"{phase.name:<10} {phase.peak_allocated_bytes / GIB:>10.2f} "
