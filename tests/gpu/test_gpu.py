@@ -367,6 +367,27 @@ def test_auto_batch_size_fits_where_256_does_not(pytester: pytest.Pytester) -> N
     keep_artifacts(pytester.path / "auto_batch.json")
 
 
+def test_long_prompts_under_auto_refused_or_fitting(pytester: pytest.Pytester) -> None:
+    """A prompt the pipeline cannot fit is refused before the forward pass, naming the phase;
+    one it fits runs, and prunes on the GPU, inside the emulated card."""
+    result = run_scenario(
+        pytester,
+        "scenario_long_prompt.py",
+        "-s",
+        "-p",
+        "no:randomly",
+        "--ct-batch-size",
+        "auto",
+        "--ct-vram-capacity",
+        "24",
+        "--ct-report-json",
+        "long_prompt.json",
+    )
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*REFUSED --ct-batch-size auto: 1600 prompt tokens *", "*AUTO *"])
+    keep_artifacts(pytester.path / "long_prompt.json")
+
+
 def _gpu_notebook(path: Path, source: str, vram_gib: float) -> None:
     nbformat = pytest.importorskip("nbformat")
     from nbformat.v4 import new_code_cell, new_notebook
