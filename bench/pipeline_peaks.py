@@ -1,22 +1,27 @@
 """Measure the whole pipeline on a GPU: attribute()'s peak and the pruning peak after it.
 
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/pipeline_peaks.py \
-        --out $OUT/pipeline.json [--quick] [--deadline 460]
+        --out $OUT/pipeline.json [--shapes TinyLlama-1.1B,Llama-3.2-1B] \
+        [--tokens 300,800,1200,2000,4000] [--batch-sizes 16,64] [--max-feature-nodes 2048] \
+        [--deadline 460]
 
-For TinyLlama-1.1B's published shape (22 layers, d_model 2048, d_mlp 5632, 32k vocabulary,
-32 heads of 64, 4 KV heads; 32768-wide per-layer transcoders with a skip connection) and
-Llama-3.2-1B's (``testing.LLAMA_3_2_1B_DIMS``), random weights built offline, bf16,
-``max_feature_nodes=2048``: for each prompt length (300, 800, 1200, 2000, 4000 tokens; 300 and
-1200 with ``--quick``) and batch size (16, 64), one ``attribute()`` (allocated peak, per phase
-as ``bench/attribution_peaks.py`` marks them, wall time), then ``prune_graph`` on the graph
-moved to the GPU as ``create_graph_files`` does it (allocated peak above what is resident,
-wall time), each point next to the estimator's prediction (``estimate.pipeline``). An
-out-of-memory error is recorded for its point and the script goes on; the pruning of a
-prompt length runs once (it does not depend on the batch size). A point starts only before
-``--deadline`` seconds, so the script ends within about 8 minutes on an H200. Prints a table
-and writes every record as a JSON list to ``--out`` (after each point, so a run cut short keeps
-what it measured). Without CUDA it runs one short point on
-the tiny model (a smoke test) and records no memory.
+For each shape of ``--shapes`` (TinyLlama-1.1B's published shape: 22 layers, d_model 2048,
+d_mlp 5632, 32k vocabulary, 32 heads of 64, 4 KV heads, 32768-wide per-layer transcoders with
+a skip connection; Llama-3.2-1B's, ``testing.LLAMA_3_2_1B_DIMS``; the cross-layer sets
+Qwen3-1.7B-CLT and gemma-2-2b-CLT), random weights built offline, bf16: for each prompt length
+and batch size, one ``attribute()`` (allocated peak, per phase as ``bench/attribution_peaks.py``
+marks them, wall time), then ``prune_graph`` on the graph moved to the GPU as
+``create_graph_files`` does it (allocated peak, wall time), each point next to the estimator's
+prediction (``estimate.pipeline``). An out-of-memory error is recorded for its point and the
+script goes on; the pruning of a prompt length runs once (it does not depend on the batch
+size). A point whose predicted host memory (the dense graph) is over half of the host's
+available memory is not run (a host out-of-memory kill would end the run), nor one predicted
+over 1.3 times the card (the pruning: over 1.2 times). A pruning that torch's CUDA sort
+refuses (more than INT_MAX edge scores, ``estimate.prune_blocker``) is recorded as
+``"sort limit"``. A point starts only before
+``--deadline`` seconds. Prints a table and writes every record as a JSON list to ``--out``
+(after each point, so a run cut short keeps what it measured). Without CUDA it runs one short
+point on the tiny model (a smoke test) and records no memory.
 """
 
 from __future__ import annotations
@@ -34,11 +39,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 GIB = 1 << 30
 
 
-def shapes(quick: bool, cuda: bool) -> list[tuple[str, Any, list[int]]]:
+def shapes(names: list[str], cuda: bool) -> list[tuple[str, Any]]:
     from pytest_ctresources import testing
 
     if not cuda:
-        return [("tiny-gemma-2", testing.TINY_GEMMA2_DIMS, [20])]
+        return [("tiny-gemma-2", testing.TINY_GEMMA2_DIMS)]
     tinyllama = dataclasses.replace(
         testing.LLAMA_3_2_1B_DIMS,
         n_layers=22,
@@ -48,21 +53,38 @@ def shapes(quick: bool, cuda: bool) -> list[tuple[str, Any, list[int]]]:
         d_transcoder=32768,
         tied_embeddings=False,
     )
-    tokens = [300, 1200] if quick else [300, 800, 1200, 2000, 4000]
-    return [
-        ("TinyLlama-1.1B", tinyllama, tokens),
-        ("Llama-3.2-1B", testing.LLAMA_3_2_1B_DIMS, tokens),
-    ]
+    known = {
+        "TinyLlama-1.1B": tinyllama,
+        "Llama-3.2-1B": testing.LLAMA_3_2_1B_DIMS,
+        "Qwen3-1.7B-CLT": testing.QWEN3_1_7B_CLT_DIMS,
+        "gemma-2-2b-CLT": testing.GEMMA_2_2B_CLT_DIMS,
+    }
+    return [(name, known[name]) for name in names]
 
 
-def predicted(model: Any, tokens: int, batch: int, active: int) -> dict[str, float]:
-    """The estimator's phases for a point, from the loaded model's shapes."""
+def host_available() -> int:
+    """MemAvailable of /proc/meminfo, in bytes (0 where it cannot be read)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def predicted(model: Any, tokens: int, batch: int, active: int | None, nodes: int) -> Any:
+    """The estimator's pipeline for a point, from the loaded model's shapes (``active``: the
+    counted active features, else the default per layer and token)."""
     from pytest_ctresources.estimator import estimate as est
     from pytest_ctresources.estimator import registry
 
     shape, transcoders = registry.shapes_of_loaded(model)
-    work = est.Workload("bfloat16", batch, tokens, 0.0, 2048, counted_features=active)
-    pipeline = est.pipeline(est.estimate(shape, transcoders, work))
+    work = est.Workload("bfloat16", batch, tokens, 0.0, nodes, counted_features=active)
+    return est.pipeline(est.estimate(shape, transcoders, work))
+
+
+def gib_of(pipeline: Any) -> dict[str, float]:
     return {phase.name: round(phase.peak_allocated_bytes / GIB, 3) for phase in pipeline.phases}
 
 
@@ -81,8 +103,11 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     device = "cuda" if cuda else "cpu"
     start = time.perf_counter()
     records: list[dict[str, Any]] = []
-    batches = [16, 64] if cuda else [4]
-    for name, dims, lengths in shapes(args.quick, cuda):
+    batches = [int(b) for b in args.batch_sizes.split(",")] if cuda else [4]
+    lengths = [int(t) for t in args.tokens.split(",")] if cuda else [20]
+    card = torch.cuda.get_device_properties(0).total_memory if cuda else 0
+    nodes_kept = args.max_feature_nodes
+    for name, dims in shapes(args.shapes.split(","), cuda):
         if time.perf_counter() - start > args.deadline:
             break
         model = testing.build_replacement_model(
@@ -106,6 +131,21 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                     generator=torch.Generator().manual_seed(tokens),
                 )
                 record: dict[str, Any] = {"model": name, "tokens": tokens, "batch": batch}
+                before = predicted(model, tokens, batch, None, nodes_kept)
+                host = max(phase.host_bytes for phase in before.phases)
+                if host > 0.5 * host_available():
+                    # The dense graph on the host: a host OOM would end the whole run.
+                    records.append(record | {"attribute": f"host: {host / GIB:.0f} GiB predicted"})
+                    save(args, records)
+                    print(
+                        f"{name} {tokens} x {batch}: skipped, host {host / GIB:.0f} GiB", flush=True
+                    )
+                    continue
+                if cuda and before.phases[0].peak_allocated_bytes > 1.3 * card:
+                    records.append(record | {"attribute": "predicted over the card"})
+                    save(args, records)
+                    print(f"{name} {tokens} x {batch}: skipped, over the card", flush=True)
+                    continue
                 if cuda:
                     torch.cuda.empty_cache()
                 resident = torch.cuda.memory_allocated() if cuda else 0
@@ -114,7 +154,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 began = time.perf_counter()
                 try:
                     graph = attribute(
-                        [2, *ids.tolist()], model, batch_size=batch, max_feature_nodes=2048
+                        [2, *ids.tolist()], model, batch_size=batch, max_feature_nodes=nodes_kept
                     )
                 except torch.cuda.OutOfMemoryError as exc:
                     oom.release(exc, model)
@@ -127,11 +167,16 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 record["attribute_s"] = round(time.perf_counter() - began, 2)
                 record["active_features"] = int(graph.active_features.shape[0])
                 record["nodes"] = int(graph.adjacency_matrix.shape[0])
-                record["predicted_gib"] = predicted(model, tokens, batch, record["active_features"])
+                after = predicted(model, tokens, batch, record["active_features"], nodes_kept)
+                record["predicted_gib"] = gib_of(after)
+                record["predicted_peak_phase"] = after.phases[0].note
                 if cuda:
                     record["attribute_gib"] = round(max(m["peak"] for m in meter.marks) / GIB, 3)
                     record["phases_gib"] = [round(m["peak"] / GIB, 3) for m in meter.marks]
-                if not pruned:  # the pruning does not depend on the batch size
+                if not pruned and cuda and after.phases[1].peak_allocated_bytes > 1.2 * card:
+                    pruned = True
+                    record["prune"] = "predicted over the card"
+                elif not pruned:  # the pruning does not depend on the batch size
                     pruned = True
                     record |= prune(torch, graph, device, cuda, prune_graph, oom, model)
                 del graph
@@ -164,6 +209,12 @@ def prune(
     except torch.cuda.OutOfMemoryError as exc:
         oom.release(exc, model)
         return {"prune": "OOM"}
+    except RuntimeError as exc:
+        # torch's CUDA sort of more than INT_MAX elements: past 46,340 nodes
+        # (estimate.prune_blocker), at any memory.
+        if "INT_MAX" not in str(exc):
+            raise
+        return {"prune": "sort limit", "prune_error": str(exc).splitlines()[0]}
     finally:
         graph.to("cpu")
     del masks
@@ -190,7 +241,10 @@ def print_table(records: list[dict[str, Any]]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file of the records")
-    parser.add_argument("--quick", action="store_true", help="300 and 1200 tokens only")
+    parser.add_argument("--shapes", default="TinyLlama-1.1B,Llama-3.2-1B")
+    parser.add_argument("--tokens", default="300,800,1200,2000,4000")
+    parser.add_argument("--batch-sizes", default="16,64")
+    parser.add_argument("--max-feature-nodes", type=int, default=2048)
     parser.add_argument("--deadline", type=float, default=460.0, help="no point starts after")
     args = parser.parse_args()
     records = measure(args)

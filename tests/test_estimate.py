@@ -702,3 +702,25 @@ def test_longest_fitting_is_the_boundary_of_a_monotone_test() -> None:
     assert len(asked) <= 19  # a bisection, not a scan
     assert est.longest_fitting(lambda n: False, 100) == 0
     assert est.longest_fitting(lambda n: True, 100) == 100
+
+
+#: bench/pipeline_peaks.py's records from the H200 at 1,000 to 4,000 tokens (docs/estimator.md).
+LONG_PROMPTS = ROOT / "docs" / "calibration" / "pipeline" / "2026-12-03-h200-long-prompts.json"
+
+
+def test_pruning_held_out_at_long_prompts() -> None:
+    """Every pruning measured at 1,000-2,000 tokens (two per-layer sets and a CLT, none
+    used for the factor): resident + 11 dense adjacencies within +-3%, never under by more
+    than 2%; and a graph past CUDA's sort limit is what the estimate says cannot run."""
+    records = json.loads(LONG_PROMPTS.read_text())
+    pruned = [r for r in records if isinstance(r.get("prune_gib"), float)]
+    assert {r["model"] for r in pruned} == {"Llama-3.2-1B", "Qwen3-1.7B-CLT", "TinyLlama-1.1B"}
+    for record in pruned:
+        resident = int(record["resident_gib"] * GIB)
+        predicted = est.prune_peak_bytes(resident, record["nodes"]) / GIB
+        assert _within_target(predicted, record["prune_gib"]), record
+        assert not est.prune_blocker(record["nodes"])
+    refused = [r for r in records if r.get("prune") == "sort limit"]
+    assert len(refused) == 2
+    for record in refused:
+        assert "sort" in est.prune_blocker(record["nodes"])
