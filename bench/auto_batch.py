@@ -62,6 +62,15 @@ CONFIGS: list[tuple[str, str, int, bool]] = [
 ]
 
 
+def parse_configs(text: str) -> list[tuple[str, str, int, bool]]:
+    """``--configs``: ``model:dtype:tokens`` items, comma-separated, each compared."""
+    configs = []
+    for item in filter(None, text.split(",")):
+        model, dtype, tokens = item.split(":")
+        configs.append((model, dtype, int(tokens), True))
+    return configs
+
+
 def parse_ints(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
 
@@ -72,6 +81,11 @@ def main() -> int:
     parser.add_argument("--batch-sizes", default="16,32,64,128,256,512")
     parser.add_argument("--max-feature-nodes", type=int, default=4096)
     parser.add_argument("--only", default="", help="comma-separated config indices")
+    parser.add_argument(
+        "--configs",
+        default="",
+        help="model:dtype:tokens,... in place of CONFIGS (each compared against hand-picked sizes)",
+    )
     parser.add_argument(
         "--repeats", type=int, default=1, help="rounds per configuration; medians compared"
     )
@@ -87,7 +101,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.child is not None:
         return child(args)
-    wanted = [int(i) for i in args.only.split(",") if i] or list(range(len(CONFIGS)))
+    configs = parse_configs(args.configs) if args.configs else CONFIGS
+    wanted = [int(i) for i in args.only.split(",") if i] or list(range(len(configs)))
     status = 0
     with other_process(args.other_process_gib):
         for index in wanted:
@@ -95,9 +110,9 @@ def main() -> int:
             argv += ["--capacity", str(args.capacity), "--batch-sizes", args.batch_sizes]
             argv += ["--out", str(Path(args.out).resolve())]
             argv += ["--max-feature-nodes", str(args.max_feature_nodes)]
-            argv += ["--repeats", str(args.repeats)]
+            argv += ["--repeats", str(args.repeats), "--configs", args.configs]
             status |= subprocess.run(argv, check=False).returncode
-    print_summary(Path(args.out), [CONFIGS[index] for index in wanted])
+    print_summary(Path(args.out), [configs[index] for index in wanted])
     return status
 
 
@@ -163,7 +178,8 @@ def child(args: argparse.Namespace) -> int:
     if args.capacity > 0:
         CapacityCap(args.capacity).arm(import_torch=True)
     with Path(args.out).open("a") as out:
-        run_config(CONFIGS[args.child], args, out)
+        configs = parse_configs(args.configs) if args.configs else CONFIGS
+        run_config(configs[args.child], args, out)
     return 0
 
 
