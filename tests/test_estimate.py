@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+from bench_scripts import bench_module
 
 from pytest_ctresources import testing
 from pytest_ctresources.estimator import estimate as est
@@ -18,13 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CALIBRATION = sorted((ROOT / "docs" / "calibration").glob("*.jsonl"))
 
 
-def _fit_module():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import fit_estimator
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return fit_estimator
+def _fit_module() -> ModuleType:
+    return bench_module("fit_estimator")
 
 
 def workload(**changes: object) -> est.Workload:
@@ -211,13 +207,8 @@ def test_the_pipeline_s_peak_is_its_largest_phase() -> None:
 # --- the terms derived from the code, counted on the CPU ------------------------------------
 
 
-def _memory_terms():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import memory_terms
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return memory_terms
+def _memory_terms() -> ModuleType:
+    return bench_module("memory_terms")
 
 
 @pytest.mark.parametrize(

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import bench_module
 
 from pytest_ctresources.estimator.cli import main
 from pytest_ctresources.xdist.placement import (
@@ -162,11 +162,7 @@ def test_the_bench_compares_the_plan_with_a_run_of_the_same_suite(
     # prediction and an xdist run on fake GPUs, each test counted once with its outcome (the
     # five over 24 GiB skip, as planned). Its ratio is the H200 host's figure, not checked here.
     pytest.importorskip("xdist")
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import plan_vs_run
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    plan_vs_run = bench_module("plan_vs_run")
     args = ["--tests", "12", "--scale", "0.002", "--gpus", "2x24", "--workers-per-gpu", "1"]
     plan_vs_run.main([*args, "--out", str(tmp_path / "suite")])
     out = capsys.readouterr().out

@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+from bench_scripts import bench_module
 
 from pytest_ctresources.estimator import estimate as est
 from pytest_ctresources.estimator import registry, timing
@@ -18,13 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMES = sorted((ROOT / "docs" / "calibration" / "times").glob("*.jsonl"))
 
 
-def _fit_module():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import fit_times
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return fit_times
+def _fit_module() -> ModuleType:
+    return bench_module("fit_times")
 
 
 def _points() -> list[dict]:
