@@ -31,7 +31,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-GIB = 1 << 30
+from pytest_ctresources.units import GIB
 
 
 def estimated(args: argparse.Namespace, active_per_layer_token: float) -> tuple[int, str]:
@@ -72,6 +72,7 @@ def main() -> int:
     import torch
     from circuit_tracer import attribute
     from circuit_tracer.graph import prune_graph
+    from pipeline_peaks import prune  # this directory is on sys.path as the script's
 
     from pytest_ctresources import testing
     from pytest_ctresources.gpu import oom
@@ -96,8 +97,6 @@ def main() -> int:
         record: dict[str, Any] = {"model": args.model, "tokens": tokens}
         record["allocated_before_gib"] = round(torch.cuda.memory_allocated() / GIB, 3)
         start = time.perf_counter()
-        phase = "attribute"
-        graph: Any = None
         try:
             graph = attribute(
                 [2, *ids],
@@ -105,27 +104,19 @@ def main() -> int:
                 batch_size=args.batch_size,
                 max_feature_nodes=args.max_feature_nodes,
             )
-            active = int(graph.active_features.shape[0])
-            per_layer_token.append(active / (dims.n_layers * (tokens - 1)))
-            phase = "prune"
-            graph.to("cuda")
-            masks = [tensor.cpu() for tensor in prune_graph(graph, 0.8, 0.98)]
-            del masks
-            torch.cuda.synchronize()
-            record["outcome"] = "fits"
         except torch.cuda.OutOfMemoryError as exc:
             oom.release(exc, model)
-            record["outcome"] = f"OOM in {phase}"
-        except RuntimeError as exc:  # torch's CUDA sort past INT_MAX elements
-            if "INT_MAX" not in str(exc):
-                raise
-            record["outcome"] = f"sort limit in {phase}"
-        finally:
-            if graph is not None:
-                graph.to("cpu")
+            record["outcome"] = "OOM in attribute"
+        else:
+            active = int(graph.active_features.shape[0])
+            per_layer_token.append(active / (dims.n_layers * (tokens - 1)))
+            # pipeline_peaks.prune: as create_graph_files does it; "prune" says what stopped it
+            # (OOM, or the sort limit), absent when it ran.
+            failed = prune(torch, graph, "cuda", True, prune_graph, oom, model).get("prune")
+            record["outcome"] = "fits" if failed is None else f"{failed} in prune"
             del graph
-            gc.collect()
-            torch.cuda.empty_cache()
+        gc.collect()
+        torch.cuda.empty_cache()
         record["seconds"] = round(time.perf_counter() - start, 2)
         out.write(json.dumps(record) + "\n")
         out.flush()

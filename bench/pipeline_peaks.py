@@ -63,14 +63,12 @@ def shapes(names: list[str], cuda: bool) -> list[tuple[str, Any]]:
 
 
 def host_available() -> int:
-    """MemAvailable of /proc/meminfo, in bytes (0 where it cannot be read)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    """What auto takes as the host's available memory (the container's limit where that is
+    less), in bytes; 0 where nothing can say."""
+    from pytest_ctresources.estimator import auto
+
+    found = auto.host_available()
+    return found[0] if found else 0
 
 
 def predicted(model: Any, tokens: int, batch: int, active: int | None, nodes: int) -> Any:
