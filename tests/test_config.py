@@ -194,3 +194,26 @@ def test_alloc_conf_default_and_empty(tmp_path: Path) -> None:
     assert resolve(tmp_path).alloc_conf.value == "expandable_segments:True"
     empty = resolve(tmp_path, ini={"ct_alloc_conf": ""}).alloc_conf
     assert (empty.value, empty.source.kind) == ("", "ini")
+
+
+def test_off_on_the_command_line_beats_the_ini_key(tmp_path: Path) -> None:
+    """``--ct-fail-on-increase off`` (a value that parses to None) is the option given,
+    not an option missing that lets the ini key's 10% apply."""
+    settings = resolve(
+        tmp_path,
+        options={"ct_fail_on_increase": "off", "ct_require_gpu_run_within": "off"},
+        ini={"ct_fail_on_increase": "10", "ct_require_gpu_run_within": "7"},
+    )
+    assert settings.fail_on_increase.value is None
+    assert str(settings.fail_on_increase.source) == "--ct-fail-on-increase"
+    assert settings.require_gpu_run_within.value is None
+    settings = resolve(tmp_path, ini={"ct_fail_on_increase": "10"})
+    assert settings.fail_on_increase.value == 10.0
+
+
+def test_options_that_may_be_off_keep_their_checked_text(pytester: pytest.Pytester) -> None:
+    config = pytester.parseconfig("--ct-fail-on-increase", "off", "--ct-report-top", "3")
+    assert config.getoption("ct_fail_on_increase") == "off"
+    assert config.getoption("ct_report_top") == 3
+    with pytest.raises(pytest.UsageError, match="argument --ct-fail-on-increase: must be"):
+        pytester.parseconfig("--ct-fail-on-increase", "ten")

@@ -48,13 +48,15 @@ MAX_COUNT = 2**31 - 1
 # --- value checks shared by every layer --------------------------------------------------
 
 
-def _is_int(value: object) -> bool:
-    # bool is an int subclass; ``BATCH_SIZE: true`` must not mean batch size 1.
-    return isinstance(value, int) and not isinstance(value, bool)
+def _int_or_none(value: object) -> int | None:
+    """``value`` if it is an int, else None. bool is an int subclass; ``BATCH_SIZE: true``
+    must not mean batch size 1."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _is_number(value: object) -> bool:
-    return _is_int(value) or isinstance(value, float)
+def _number_or_none(value: object) -> float | None:
+    """``value`` if it is an int or a float (not a bool), else None."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def bound_text(most: float) -> str:
@@ -69,10 +71,11 @@ def _at_most(value: float, most: float, unit: str = "") -> None:
 
 
 def _positive_int(value: object) -> int:
-    if not _is_int(value) or value <= 0:  # type: ignore[operator]
+    number = _int_or_none(value)
+    if number is None or number <= 0:
         raise ConfigError(f"must be a positive integer, got {shown(value)}")
-    _at_most(value, MAX_COUNT)  # type: ignore[arg-type]
-    return value  # type: ignore[return-value]
+    _at_most(number, MAX_COUNT)
+    return number
 
 
 #: ``BATCH_SIZE: auto``: ct_session.attribute picks the batch size from the VRAM estimate.
@@ -82,10 +85,11 @@ AUTO = "auto"
 def _batch_size(value: object) -> int | str:
     if isinstance(value, str) and value.strip().lower() == AUTO:
         return AUTO
-    if not _is_int(value) or value <= 0:  # type: ignore[operator]
+    number = _int_or_none(value)
+    if number is None or number <= 0:
         raise ConfigError(f"must be a positive integer or 'auto', got {shown(value)}")
-    _at_most(value, MAX_COUNT)  # type: ignore[arg-type]
-    return value  # type: ignore[return-value]
+    _at_most(number, MAX_COUNT)
+    return number
 
 
 def _number_text_hint(value: object) -> str:
@@ -107,20 +111,22 @@ def _number_text_hint(value: object) -> str:
 
 def gib_amount(value: object) -> float:
     """A positive, finite number of GiB, at most :data:`MAX_GIB`; else :class:`ConfigError`."""
-    if not _is_number(value) or not value > 0 or value != value:  # type: ignore[operator]
+    number = _number_or_none(value)
+    if number is None or not number > 0 or number != number:
         raise ConfigError(
             f"must be a positive number of GiB, got {shown(value)}{_number_text_hint(value)}"
         )
-    _at_most(value, MAX_GIB, " GiB")  # type: ignore[arg-type]
-    return float(value)  # type: ignore[arg-type]
+    _at_most(number, MAX_GIB, " GiB")
+    return float(number)
 
 
 def _probability(value: object) -> float:
-    if not _is_number(value) or not 0 < value <= 1:  # type: ignore[operator]
+    number = _number_or_none(value)
+    if number is None or not 0 < number <= 1:
         raise ConfigError(
             f"must be a number in (0, 1], got {shown(value)}{_number_text_hint(value)}"
         )
-    return float(value)  # type: ignore[arg-type]
+    return float(number)
 
 
 def _text(value: object) -> str:
@@ -366,7 +372,7 @@ class CircuitTracerConfig:
 
     def layered(
         self,
-        values: Mapping[str, object],
+        values: Mapping[str, Any],
         source: Source | Callable[[str], Source],
         params: Mapping[str, Any] | None = None,
     ) -> CircuitTracerConfig:
@@ -384,7 +390,7 @@ class CircuitTracerConfig:
         merged_params.update(params or {})
         return dataclasses.replace(
             self,
-            **values,  # type: ignore[arg-type]
+            **values,
             params=MappingProxyType(merged_params),
             sources=MappingProxyType(sources),
         )

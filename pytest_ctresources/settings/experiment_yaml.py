@@ -64,22 +64,20 @@ def _bounded_loader(yaml: ModuleType) -> type:
 
     base: Any = yaml.SafeLoader
 
-    class BoundedSafeLoader(base):  # type: ignore[misc]
-        depth = 0
+    def compose_node(self: Any, parent: Any, index: Any) -> Any:
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                line = self.peek_event().start_mark.line + 1
+                raise _TooComplex(
+                    f"nested deeper than {MAX_DEPTH} levels at line {line} (the limit)"
+                )
+            return base.compose_node(self, parent, index)
+        finally:
+            self.depth -= 1
 
-        def compose_node(self, parent: Any, index: Any) -> Any:
-            self.depth += 1
-            try:
-                if self.depth > MAX_DEPTH:
-                    line = self.peek_event().start_mark.line + 1
-                    raise _TooComplex(
-                        f"nested deeper than {MAX_DEPTH} levels at line {line} (the limit)"
-                    )
-                return super().compose_node(parent, index)
-            finally:
-                self.depth -= 1
-
-    return BoundedSafeLoader
+    # Built with type(): the base class is yaml's, known only at run time.
+    return type("BoundedSafeLoader", (base,), {"depth": 0, "compose_node": compose_node})
 
 
 def _line(node: Any) -> int:

@@ -415,6 +415,19 @@ def argparse_type(parse: Callable[[str], object]) -> Callable[[str], object]:
     return convert
 
 
+def argparse_text(parse: Callable[[str], object]) -> Callable[[str], str]:
+    """As :func:`argparse_type`, but the option keeps its text, checked by ``parse`` now and
+    parsed where it is resolved: for a setting whose value can be None (``off``), which an
+    option not given is too."""
+    check = argparse_type(parse)
+
+    def convert(text: str) -> str:
+        check(text)
+        return text
+
+    return convert
+
+
 def add_options(parser: pytest.Parser) -> None:
     """Declare the ``ctresources`` option group and the ``ct_*`` ini keys."""
     # Every option defaults to None: a value other than None is the project asking the plugin
@@ -572,7 +585,7 @@ def _add_history_options(group: pytest.OptionGroup) -> None:
         nargs="?",
         const=f"{DEFAULT_INCREASE_PERCENT:g}",
         default=None,
-        type=argparse_type(percent_or_off),
+        type=argparse_text(percent_or_off),
         help="fail a test whose peak reserved grew by more than PCT percent (default "
         f"{DEFAULT_INCREASE_PERCENT:g}) over its last passing peak on the same GPU model and "
         "config; "
@@ -583,7 +596,7 @@ def _add_history_options(group: pytest.OptionGroup) -> None:
         dest="ct_require_gpu_run_within",
         metavar="DAYS",
         default=None,
-        type=argparse_type(days_or_off),
+        type=argparse_text(days_or_off),
         help="fail the run when a GPU test skipped in it has not really run on a GPU "
         "within DAYS days (or never did)",
     )

@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -72,6 +73,8 @@ REPORT_DESTS = (
     "ct_fail_on_increase",
     "ct_require_gpu_run_within",
 )
+
+T = TypeVar("T")
 
 #: A setting that is off unless asked for (its default).
 _OFF: Sourced[float | None] = Sourced(None, Source.default())
@@ -300,39 +303,56 @@ def resolve_settings(
         experiment_source=experiment_source,
         env_layer=env_layer,
         option_layer=option_layer,
-        vram_capacity_gib=Sourced(float(capacity.value), capacity.source)  # type: ignore[arg-type]
-        if capacity
-        else None,
-        cleanup=cleanup,  # type: ignore[arg-type]
-        alloc_conf=allocator,  # type: ignore[arg-type]
-        leak_threshold_bytes=leak,  # type: ignore[arg-type]
-        oom_retry=retry,  # type: ignore[arg-type]
-        oom_retry_floor=floor,  # type: ignore[arg-type]
-        gpu_binding=binding,  # type: ignore[arg-type]
-        leases=leases,  # type: ignore[arg-type]
-        default_vram_gib=default_gib,  # type: ignore[arg-type]
-        lease_timeout_s=timeout,  # type: ignore[arg-type]
-        auto_margin=margin,  # type: ignore[arg-type]
-        estimate_prompt_tokens=prompt_tokens,  # type: ignore[arg-type]
-        progress_after_s=progress,  # type: ignore[arg-type]
-        notebook_inject=_ini_or_default(  # type: ignore[arg-type]
+        vram_capacity_gib=_as(float, capacity) if capacity else None,
+        cleanup=cleanup,
+        alloc_conf=allocator,
+        leak_threshold_bytes=leak,
+        oom_retry=retry,
+        oom_retry_floor=floor,
+        gpu_binding=binding,
+        leases=leases,
+        default_vram_gib=default_gib,
+        lease_timeout_s=timeout,
+        auto_margin=margin,
+        estimate_prompt_tokens=prompt_tokens,
+        progress_after_s=progress,
+        notebook_inject=_ini_or_default(
             ini, "ct_notebook_inject", ini_source, notebook_inject_mode
         ),
         report_forced=bool(options.get("ct_report")),
-        report_top=int(options.get("ct_report_top") or 10),  # type: ignore[call-overload]
+        report_top=_option_value(options, "ct_report_top", int) or 10,
         report_json=report_json,
         report_plot=report_plot,
         strict=bool(options.get("ct_strict")),
         forget=bool(options.get("ct_forget")),
-        snapshot=snapshot,  # type: ignore[arg-type]
+        snapshot=_as(str, snapshot),
         snapshot_dir=checked_dir if snapshot_dir is not None else None,
         fail_on_increase=_option_or_ini(
             options, ini, "ct_fail_on_increase", ini_source, percent_or_off
-        ),  # type: ignore[arg-type]
+        ),
         require_gpu_run_within=_option_or_ini(
             options, ini, "ct_require_gpu_run_within", ini_source, days_or_off
-        ),  # type: ignore[arg-type]
+        ),
     )
+
+
+def _as(kind: type[T], sourced: Sourced[object]) -> Sourced[T]:
+    """A session setting's value, which its parser made a ``kind``: checked, so that the
+    frozen settings are what their types say."""
+    value = sourced.value
+    if isinstance(value, int) and not isinstance(value, bool) and kind is float:
+        value = float(value)
+    if not isinstance(value, kind):
+        raise TypeError(f"{sourced.source}: {shown(value)} is not a {kind.__name__}")
+    return Sourced(value, sourced.source)
+
+
+def _option_value(options: Mapping[str, object], dest: str, kind: type[T]) -> T | None:
+    """An option's value as its argparse type made it, None when not given."""
+    value = options.get(dest)
+    if value is None:
+        return None
+    return _as(kind, Sourced(value, Source.option(flag_of(dest)))).value
 
 
 def _option_or_ini(
@@ -340,11 +360,14 @@ def _option_or_ini(
     ini: Mapping[str, str | None],
     key: str,
     ini_source: Callable[[str], Source],
-    parse: Callable[[str], object],
-) -> Sourced[object]:
-    """An option whose ini key has the same name: the option if given, else the ini key."""
-    if options.get(key) is not None:
-        return Sourced(options[key], Source.option(flag_of(key)))
+    parse: Callable[[str], T],
+) -> Sourced[T]:
+    """An option whose ini key has the same name: the option if given, else the ini key.
+    The option keeps its text (``options.argparse_text``), checked when it was read: its
+    parsed value may be None (``off``), which a not-given option is too."""
+    text = options.get(key)
+    if isinstance(text, str):
+        return Sourced(parse(text), Source.option(flag_of(key)))
     return _ini_or_default(ini, key, ini_source, parse)
 
 
@@ -352,8 +375,8 @@ def _ini_or_default(
     ini: Mapping[str, str | None],
     key: str,
     ini_source: Callable[[str], Source],
-    parse: Callable[[str], object],
-) -> Sourced[object]:
+    parse: Callable[[str], T],
+) -> Sourced[T]:
     text = ini.get(key)
     if text is None:
         return Sourced(parse(_INI_DEFAULTS[key]), Source.default())

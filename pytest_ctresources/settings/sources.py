@@ -14,7 +14,8 @@ from pytest_ctresources.units import printable as printable
 
 SourceKind = Literal["default", "ini", "yaml", "marker", "env", "option", "learned", "estimate"]
 
-T = TypeVar("T")
+#: Covariant: a Sourced is frozen, so a Sourced[str] is a Sourced[object].
+T = TypeVar("T", covariant=True)
 
 
 @dataclass(frozen=True)
