@@ -8,7 +8,8 @@
 For each shape of ``--shapes`` (TinyLlama-1.1B's published shape: 22 layers, d_model 2048,
 d_mlp 5632, 32k vocabulary, 32 heads of 64, 4 KV heads, 32768-wide per-layer transcoders with
 a skip connection; Llama-3.2-1B's, ``testing.LLAMA_3_2_1B_DIMS``; the cross-layer sets
-Qwen3-1.7B-CLT and gemma-2-2b-CLT), random weights built offline, bf16: for each prompt length
+Qwen3-1.7B-CLT and gemma-2-2b-CLT; or a bundled model's name, ``ctresources/random-qwen3-1.7b``),
+random weights built offline, bf16: for each prompt length
 and batch size, one ``attribute()`` (allocated peak, per phase as ``bench/attribution_peaks.py``
 marks them, wall time), then ``prune_graph`` on the graph moved to the GPU as
 ``create_graph_files`` does it (allocated peak, wall time), each point next to the estimator's
@@ -59,7 +60,8 @@ def shapes(names: list[str], cuda: bool) -> list[tuple[str, Any]]:
         "Qwen3-1.7B-CLT": testing.QWEN3_1_7B_CLT_DIMS,
         "gemma-2-2b-CLT": testing.GEMMA_2_2B_CLT_DIMS,
     }
-    return [(name, known[name]) for name in names]
+    # Any other name is a bundled random model's (``ctresources/random-qwen3-1.7b``).
+    return [(name, known.get(name) or testing.model_dims_of(name)) for name in names]
 
 
 def host_available() -> int:
@@ -128,7 +130,12 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                     (tokens - 1,),
                     generator=torch.Generator().manual_seed(tokens),
                 )
-                record: dict[str, Any] = {"model": name, "tokens": tokens, "batch": batch}
+                record: dict[str, Any] = {
+                    "model": name,
+                    "tokens": tokens,
+                    "batch": batch,
+                    "max_feature_nodes": nodes_kept,
+                }
                 before = predicted(model, tokens, batch, None, nodes_kept)
                 host = max(phase.host_bytes for phase in before.phases)
                 if host > 0.5 * host_available():
