@@ -6,23 +6,23 @@
         [--deadline 460]
 
 For each shape of ``--shapes`` (TinyLlama-1.1B's published shape: 22 layers, d_model 2048,
-d_mlp 5632, 32k vocabulary, 32 heads of 64, 4 KV heads, 32768-wide per-layer transcoders with
-a skip connection; Llama-3.2-1B's, ``testing.LLAMA_3_2_1B_DIMS``; the cross-layer sets
+d_mlp 5632, 32k vocabulary, 32 heads of 64, 4 KV heads, 32768-wide per-layer transcoders
+with a skip connection; Llama-3.2-1B's, ``testing.LLAMA_3_2_1B_DIMS``; the cross-layer sets
 Qwen3-1.7B-CLT and gemma-2-2b-CLT; or a bundled model's name, ``ctresources/random-qwen3-1.7b``),
-random weights built offline, bf16: for each prompt length
-and batch size, one ``attribute()`` (allocated peak, per phase as ``bench/attribution_peaks.py``
-marks them, wall time), then ``prune_graph`` on the graph moved to the GPU as
-``create_graph_files`` does it (allocated peak, wall time), each point next to the estimator's
-prediction (``estimate.pipeline``). An out-of-memory error is recorded for its point and the
-script goes on; the pruning of a prompt length runs once (it does not depend on the batch
-size). A point whose predicted host memory (the dense graph) is over half of the host's
-available memory is not run (a host out-of-memory kill would end the run), nor one predicted
-over 1.3 times the card (the pruning: over 1.2 times). A pruning that torch's CUDA sort
-refuses (more than INT_MAX edge scores, ``estimate.prune_blocker``) is recorded as
-``"sort limit"``. A point starts only before
-``--deadline`` seconds. Prints a table and writes every record as a JSON list to ``--out``
-(after each point, so a run cut short keeps what it measured). Without CUDA it runs one short
-point on the tiny model (a smoke test) and records no memory.
+random weights built offline, bf16: for each prompt length and batch size,
+one ``attribute()`` (allocated peak, per phase as ``bench/attribution_peaks.py`` marks them,
+wall time, and how far the process's resident host memory rose: ``HostMeter``), then
+``prune_graph`` on the graph moved to the GPU as ``create_graph_files`` does it (allocated
+peak, host memory, wall time), each point next to the estimator's prediction
+(``estimate.pipeline``). An out-of-memory error is recorded for its point and the script
+goes on; the pruning of a prompt length runs once (it does not depend on the batch size). A
+point whose predicted host memory (the dense graph) is over half of the host's available
+memory is not run (a host out-of-memory kill would end the run), nor one predicted over 1.3
+times the card (the pruning: over 1.2 times). A pruning that torch's CUDA sort refuses (more
+than INT_MAX edge scores, ``estimate.prune_blocker``) is recorded as ``"sort limit"``. A
+point starts only before ``--deadline`` seconds. Prints a table and writes every record as a
+JSON list to ``--out`` (after each point, so a run cut short keeps what it measured).
+Without CUDA it runs one short point on the tiny model (a smoke test) and records no memory.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-GIB = 1 << 30
+from pytest_ctresources.units import GIB
 
 
 def shapes(names: list[str], cuda: bool) -> list[tuple[str, Any]]:
@@ -71,6 +71,39 @@ def host_available() -> int:
 
     found = auto.host_available()
     return found[0] if found else 0
+
+
+class HostMeter:
+    """This process's resident memory at its highest since :meth:`reset`, beyond what it was
+    then (Linux: ``VmHWM`` and ``VmRSS`` of ``/proc/self/status``; writing 5 to
+    ``/proc/self/clear_refs`` resets the high-water mark). None where that cannot be read."""
+
+    def __init__(self) -> None:
+        self.base: int | None = None
+
+    @staticmethod
+    def _kib(field: str) -> int | None:
+        try:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+
+    def reset(self) -> None:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            self.base = None
+            return
+        self.base = self._kib("VmRSS")
+
+    def grown_gib(self) -> float | None:
+        high = self._kib("VmHWM")
+        if self.base is None or high is None:
+            return None
+        return round((high - self.base) / GIB, 3)
 
 
 def predicted(model: Any, tokens: int, batch: int, active: int | None, nodes: int) -> Any:
@@ -114,6 +147,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             dims, dtype="bfloat16" if cuda else "float32", device=device
         )
         meter = PhaseMeter(torch, cuda)
+        host_meter = HostMeter()
         meter.wrap(model, "setup_attribution")
         meter.wrap(model, "run_forward_pass")
         for tokens in lengths:
@@ -156,6 +190,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 resident = torch.cuda.memory_allocated() if cuda else 0
                 record["resident_gib"] = round(resident / GIB, 3)
                 meter.reset()
+                host_meter.reset()
                 began = time.perf_counter()
                 try:
                     graph = attribute(
@@ -170,10 +205,14 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                     continue
                 meter.mark()
                 record["attribute_s"] = round(time.perf_counter() - began, 2)
+                record["attribute_host_gib"] = host_meter.grown_gib()
                 record["active_features"] = int(graph.active_features.shape[0])
                 record["nodes"] = int(graph.adjacency_matrix.shape[0])
                 after = predicted(model, tokens, batch, record["active_features"], nodes_kept)
                 record["predicted_gib"] = gib_of(after)
+                record["predicted_host_gib"] = {
+                    phase.name: round(phase.host_bytes / GIB, 3) for phase in after.phases
+                }
                 record["predicted_peak_phase"] = after.phases[0].note
                 if cuda:
                     record["attribute_gib"] = round(max(m["peak"] for m in meter.marks) / GIB, 3)
@@ -205,6 +244,8 @@ def prune(
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    host = HostMeter()
+    host.reset()
     began = time.perf_counter()
     try:
         graph.to(device)
@@ -223,7 +264,10 @@ def prune(
     finally:
         graph.to("cpu")
     del masks
-    found: dict[str, Any] = {"prune_s": round(time.perf_counter() - began, 2)}
+    found: dict[str, Any] = {
+        "prune_s": round(time.perf_counter() - began, 2),
+        "prune_host_gib": host.grown_gib(),
+    }
     if cuda:
         found["prune_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
     return found
