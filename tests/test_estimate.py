@@ -135,7 +135,8 @@ def test_the_rows_the_long_prompt_miss_was_seen_on() -> None:
     transcoders of that shape fire (counted on the H200 at 1,000 tokens, the long-prompt
     records): within +-3%, never under by more than 2%; the estimate then was not (but at
     300 tokens). Their measured peaks were not read for any number of the estimator."""
-    (tiny,) = [r for r in _attribute_records() if r["model"] == "TinyLlama-1.1B"]
+    records = json.loads(LONG_PROMPTS.read_text())
+    (tiny,) = [r for r in records if r["model"] == "TinyLlama-1.1B" and r["tokens"] == 1000]
     active = est.per_layer_token(tiny["active_features"], TINYLLAMA.n_layers, tiny["tokens"])
     tc = est.TranscoderShape("random", 32768, skip_connection=True)
     for (tokens, batch), (measured, then, _) in ISSUE_27_ROWS.items():
@@ -711,13 +712,17 @@ def _shapes_of_record(name: str) -> tuple[est.ModelShape, est.TranscoderShape]:
     return registry.model_shape(model), registry.transcoder_info(set_name, model).shape
 
 
-def _attribute_records() -> list[dict]:
+def _pipeline_records() -> list[dict]:
+    """Every record of bench/pipeline_peaks.py's runs in docs/calibration/pipeline/."""
     return [
         record
         for path in sorted(LONG_PROMPTS.parent.glob("*.json"))
         for record in json.loads(path.read_text())
-        if "phases_gib" in record
     ]
+
+
+def _attribute_records() -> list[dict]:
+    return [record for record in _pipeline_records() if "phases_gib" in record]
 
 
 def test_attribute_phases_at_long_prompts() -> None:
@@ -756,15 +761,40 @@ def test_pruning_held_out_at_long_prompts() -> None:
     """Every pruning measured at 1,000-2,000 tokens (two per-layer sets and a CLT, none
     used for the factor): resident + 11 dense adjacencies within +-3%, never under by more
     than 2%; and a graph past CUDA's sort limit is what the estimate says cannot run."""
-    records = json.loads(LONG_PROMPTS.read_text())
+    records = _pipeline_records()
     pruned = [r for r in records if isinstance(r.get("prune_gib"), float)]
-    assert {r["model"] for r in pruned} == {"Llama-3.2-1B", "Qwen3-1.7B-CLT", "TinyLlama-1.1B"}
+    assert {r["model"] for r in pruned} >= {"Llama-3.2-1B", "Qwen3-1.7B-CLT", "TinyLlama-1.1B"}
     for record in pruned:
         resident = int(record["resident_gib"] * GIB)
         predicted = est.prune_peak_bytes(resident, record["nodes"]) / GIB
         assert _within_target(predicted, record["prune_gib"]), record
         assert not est.prune_blocker(record["nodes"])
     refused = [r for r in records if r.get("prune") == "sort limit"]
-    assert len(refused) == 2
+    assert len(refused) >= 2
     for record in refused:
         assert "sort" in est.prune_blocker(record["nodes"])
+
+
+def test_host_memory_of_the_pipeline_as_measured() -> None:
+    """The host memory each phase raised the process's resident set by on the H200 (records
+    that have it): attribute()'s, the edge matrix and the dense graph, is the estimate's
+    within 3% or 0.2 GiB (the first call of a process also maps libraries); pruning keeps that
+    graph and adds its boolean edge mask, nodes^2 bytes of the phase's 5 per pair."""
+    records = [r for r in _pipeline_records() if r.get("attribute_host_gib") is not None]
+    assert len(records) >= 10
+    for record in records:
+        model, transcoders = _shapes_of_record(record["model"])
+        work = est.Workload(
+            "bfloat16",
+            record["batch"],
+            record["tokens"],
+            0.0,
+            record["max_feature_nodes"],
+            counted_features=record["active_features"],
+        )
+        attribute, prune = est.pipeline(est.estimate(model, transcoders, work)).phases
+        predicted = attribute.host_bytes / GIB
+        assert abs(predicted - record["attribute_host_gib"]) <= max(0.2, 0.03 * predicted), record
+        if record.get("prune_host_gib") is not None:
+            added = (prune.host_bytes - 4 * record["nodes"] ** 2) / GIB
+            assert abs(added - record["prune_host_gib"]) <= max(0.2, 0.03 * added), record

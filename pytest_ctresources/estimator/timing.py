@@ -60,16 +60,16 @@ class TimeCoefficients:
     influence_per_cell: float
 
 
-#: Fitted by ``bench/fit_times.py`` to ``docs/calibration/times/`` (the H200, 2026-12-02):
-#: gemma-2-2b, Llama-3.2-1B (131k skip transcoders) and Qwen3-1.7B at 30 and 300 tokens, batch
-#: 16-512, bf16, 2048 feature nodes.
+#: Fitted by ``bench/fit_times.py`` to ``docs/calibration/times/`` (the H200, 2026-12-02 and
+#: 2026-12-03): gemma-2-2b, Llama-3.2-1B (131k skip transcoders) and Qwen3-1.7B at 30 and 300
+#: tokens, Llama-3.2-3B and gemma-3-4b at 30 and 150, batch 16-512, bf16, 2048 feature nodes.
 H200_TIMES: Final = TimeCoefficients(
-    forward_per_layer=0.005183,
-    forward_per_copy_token_param=4.924e-15,
-    logit_per_copy_feature_dim=1.476e-11,
-    pass_per_layer=0.0005447,
-    pass_per_copy_feature_dim=2.821e-12,
-    influence_per_cell=5.753e-10,
+    forward_per_layer=0.005925,
+    forward_per_copy_token_param=4.892e-15,
+    logit_per_copy_feature_dim=1.406e-11,
+    pass_per_layer=0.0005662,
+    pass_per_copy_feature_dim=2.868e-12,
+    influence_per_cell=6.074e-10,
 )
 
 
