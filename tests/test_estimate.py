@@ -721,6 +721,21 @@ def _pipeline_records() -> list[dict]:
     ]
 
 
+def _estimate_of_record(record: dict) -> est.Estimate:
+    """The estimate of a record's point, given the active features it counted (the records
+    before max_feature_nodes was kept were all at 512)."""
+    model, transcoders = _shapes_of_record(record["model"])
+    work = est.Workload(
+        "bfloat16",
+        record["batch"],
+        record["tokens"],
+        0.0,
+        record.get("max_feature_nodes", 512),
+        counted_features=record["active_features"],
+    )
+    return est.estimate(model, transcoders, work)
+
+
 def _attribute_records() -> list[dict]:
     return [record for record in _pipeline_records() if "phases_gib" in record]
 
@@ -735,16 +750,8 @@ def test_attribute_phases_at_long_prompts() -> None:
     records = _attribute_records()
     assert len(records) >= 13
     for record in records:
-        model, transcoders = _shapes_of_record(record["model"])
-        work = est.Workload(
-            "bfloat16",
-            record["batch"],
-            record["tokens"],
-            0.0,
-            record.get("max_feature_nodes", 512),
-            counted_features=record["active_features"],
-        )
-        prediction = est.estimate(model, transcoders, work)
+        prediction = _estimate_of_record(record)
+        transcoders = prediction.transcoders
         assert _within_target(prediction.peak_allocated_bytes / GIB, record["attribute_gib"]), (
             record
         )
@@ -783,16 +790,7 @@ def test_host_memory_of_the_pipeline_as_measured() -> None:
     records = [r for r in _pipeline_records() if r.get("attribute_host_gib") is not None]
     assert len(records) >= 10
     for record in records:
-        model, transcoders = _shapes_of_record(record["model"])
-        work = est.Workload(
-            "bfloat16",
-            record["batch"],
-            record["tokens"],
-            0.0,
-            record["max_feature_nodes"],
-            counted_features=record["active_features"],
-        )
-        attribute, prune = est.pipeline(est.estimate(model, transcoders, work)).phases
+        attribute, prune = est.pipeline(_estimate_of_record(record)).phases
         predicted = attribute.host_bytes / GIB
         assert abs(predicted - record["attribute_host_gib"]) <= max(0.2, 0.03 * predicted), record
         if record.get("prune_host_gib") is not None:
