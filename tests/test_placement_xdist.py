@@ -32,6 +32,8 @@ def test_size(gib):
         json.dump({"worker": os.environ["PYTEST_XDIST_WORKER"],
                    "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
                    "fake": os.environ["CT_FAKE_GPUS"], "start": time.monotonic()}, handle)
+    # Holding the lease a moment, so that tests on one card overlap often enough for the
+    # check below to see an over-commit; no one waits for it, and no check needs an overlap.
     time.sleep(0.05)
     with open(f"ran-{gib}.json") as handle:
         data = json.load(handle)

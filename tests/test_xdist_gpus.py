@@ -234,15 +234,75 @@ def test_placement_lines() -> None:
 # of their own anyway. Plain runs that take leases keep a process (the ledger's record locks are
 # per process), and so do the resident-model projects (their conftest registers atexit hooks).
 
+# A project's conftest: the ledger calls ``before_waiting`` once when a lease is not granted
+# at once, so wrapping it says "this process waited for a lease" with a file (it changes
+# nothing else); patched only around tests, so that an in-process controller (which shares
+# the ledger module with this test run) is never patched. Tests needing more than half the
+# card get leases one at a time: the first of a run to get one holds it until another worker
+# (or the other run, RUN_LABEL) has waited for one, a condition rather than a pause, since
+# under load the other may ask late. Only the first holds: a later holder could be left with
+# no one to wait.
+WAITER_CONFTEST = """
+import glob, os, time
+import pytest
+from pytest_ctresources.leases import ledger
+
+RUN = os.environ.get("RUN_LABEL", "run")
+WHO = os.environ.get("RUN_LABEL") or os.environ.get("PYTEST_XDIST_WORKER", "main")
+
+def saying_so(acquire):
+    def acquire_saying_so(self, gib, timeout_s, before_waiting=None):
+        def waiting():
+            if before_waiting is not None:
+                before_waiting()
+            open(f"waited-{WHO}", "w").close()
+        return acquire(self, gib, timeout_s, before_waiting=waiting)
+    return acquire_saying_so
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    plain = ledger.VramLedger.acquire
+    ledger.VramLedger.acquire = saying_so(plain)
+    try:
+        return (yield)
+    finally:
+        ledger.VramLedger.acquire = plain
+
+def until(condition, what, seconds=120):
+    deadline = time.time() + seconds
+    while not condition():
+        assert time.time() < deadline, f"no {what} after {seconds} s"
+        time.sleep(0.05)
+
+def wait_for_file(name):
+    until(lambda: os.path.exists(name), name)
+
+def first_of_its_run():
+    try:
+        os.close(os.open(f"first-{RUN}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+def hold_until_another_waited(or_else=lambda: False):
+    # Keep the lease the test holds until another worker or run has waited for one.
+    until(
+        lambda: set(glob.glob("waited-*")) - {f"waited-{WHO}"} or or_else(),
+        "other worker or run waiting for a lease",
+    )
+"""
+
 RECORDING_TEST = """
 import json, os, time, pytest
+from conftest import first_of_its_run, hold_until_another_waited
 
 def record(name):
     with open(f"run-{name}.json", "w") as handle:
         json.dump({"worker": os.environ["PYTEST_XDIST_WORKER"],
                    "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
                    "start": time.time()}, handle)
-    time.sleep(SLEEP)
+    if HOLD and first_of_its_run():
+        hold_until_another_waited()
     with open(f"run-{name}.json") as handle:
         data = json.load(handle)
     data["end"] = time.time()
@@ -256,9 +316,11 @@ def test_x(i):
 """
 
 
-def recording_suite(pytester: pytest.Pytester, count: int, need: float, sleep: float) -> None:
+def recording_suite(pytester: pytest.Pytester, count: int, need: float, hold: bool) -> None:
+    """``hold``: the first test to get a lease keeps it until another worker has waited."""
+    pytester.makeconftest(WAITER_CONFTEST)
     pytester.makepyfile(
-        RECORDING_TEST.replace("SLEEP", str(sleep))
+        RECORDING_TEST.replace("HOLD", str(hold))
         .replace("COUNT", str(count))
         .replace("NEED", str(need))
     )
@@ -276,7 +338,7 @@ def test_each_worker_is_bound_to_a_gpu(
 ) -> None:
     monkeypatch.setenv("CT_FAKE_GPUS", "A=10;B=10;C=10")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")  # the user's choice: spread over these
-    recording_suite(pytester, count=6, need=1, sleep=0.2)
+    recording_suite(pytester, count=6, need=1, hold=False)
     result = pytester.runpytest("-n", "3", "-v", "--ct-report-json", "r.json")
     result.assert_outcomes(passed=6)
     result.stdout.fnmatch_lines(
@@ -298,7 +360,7 @@ def test_binding_off_and_nested_runs_leave_visible_devices_alone(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CT_FAKE_GPUS", "A=10;B=10")
-    recording_suite(pytester, count=2, need=1, sleep=0)
+    recording_suite(pytester, count=2, need=1, hold=False)
     pytester.makeini("[pytest]\nct_gpu_binding = off\n")
     pytester.runpytest("-n", "2").assert_outcomes(passed=2)
     assert {run["visible"] for run in runs(pytester).values()} == {None}
@@ -315,9 +377,10 @@ def test_binding_off_and_nested_runs_leave_visible_devices_alone(
 def test_leases_make_workers_wait_and_never_overlap_beyond_the_budget(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # One 10 GiB GPU, two workers, tests needing 6 GiB: never two at once.
+    # One 10 GiB GPU, two workers, tests needing 6 GiB: never two at once. The first test to
+    # get a lease holds it until the other worker has waited for one, so the two do contend.
     monkeypatch.setenv("CT_FAKE_GPUS", "Card=10")
-    recording_suite(pytester, count=4, need=6, sleep=0.4)
+    recording_suite(pytester, count=4, need=6, hold=True)
     result = pytester.runpytest("-n", "2", "--ct-report-json", "r.json")
     result.assert_outcomes(passed=4)
     spans = sorted((float(r["start"]), float(r["end"])) for r in runs(pytester).values())  # type: ignore[arg-type]
@@ -325,7 +388,7 @@ def test_leases_make_workers_wait_and_never_overlap_beyond_the_budget(
         assert second_start >= first_end - 0.05, spans
     report = json.loads((pytester.path / "r.json").read_text())
     waits = [p["lease_wait_s"] for p in report["placements"]]
-    assert len(waits) == 4 and max(waits) > 0.2, waits  # someone waited for a lease
+    assert len(waits) == 4 and max(waits) > 0, waits  # someone waited for a lease
     assert {p["lease_gib"] for p in report["placements"]} == {6.0}
 
 
@@ -397,19 +460,34 @@ def test_a_worker_killed_mid_test_gives_its_lease_back(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CT_FAKE_GPUS", "Card=10")
+    # test_a_dies takes its lease first (the others ask only once it holds it) and dies
+    # while another worker waits for one: that waiter gets it only from the dead worker.
+    pytester.makeconftest(
+        WAITER_CONFTEST
+        + """
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    # Before the plugin's setup asks for the test's lease.
+    if item.name.startswith("test_b_after"):
+        wait_for_file("a-holds")
+    return (yield)
+"""
+    )
     pytester.makepyfile(
         """
-        import os, time, pytest
+        import os, pytest
+        from conftest import hold_until_another_waited
 
         @pytest.mark.vram(gib=8)
         def test_a_dies():
-            time.sleep(0.3)
+            open("a-holds", "w").close()
+            hold_until_another_waited()
             os._exit(1)
 
         @pytest.mark.vram(gib=8)
         @pytest.mark.parametrize("i", range(3))
         def test_b_after(i):
-            time.sleep(0.1)
+            pass
         """
     )
     result = pytester.runpytest(
@@ -467,38 +545,22 @@ def test_a_replacement_worker_takes_the_crashed_workers_gpu(
 
 # --- one budget per GPU for every run of the user ------------------------------------------------
 
-SPANS_CONFTEST = """
-import glob, os, time
-import pytest
-
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_setup(item):
-    # Before the plugin's setup asks for the test's lease: the other run can see it asked.
-    open(f"wants-{os.environ['RUN_LABEL']}-{item.name}", "w").close()
-    return (yield)
-
-def both_runs_want_leases():
-    deadline = time.time() + 120
-    while not all(glob.glob(f"wants-{label}-*") for label in ("plain", "xdist")):
-        assert time.time() < deadline, "the other run never asked for a lease"
-        time.sleep(0.05)
-"""
-
 SPANS_TEST = """
-import json, os, time, pytest
-from conftest import both_runs_want_leases
+import glob, json, os, time, pytest
+from conftest import first_of_its_run, hold_until_another_waited
+
+LABEL = os.environ["RUN_LABEL"]
+OTHER = "xdist" if LABEL == "plain" else "plain"
 
 @pytest.mark.parametrize("i", range(3))
 @pytest.mark.vram(gib=6)
 def test_x(i):
-    # Holding its lease until the other run has asked for one (a file, not a pause: under
-    # load the other run starts late), so that run waits, and this one's next test queues
-    # behind that waiter.
-    both_runs_want_leases()
-    name = f"{os.environ['RUN_LABEL']}-{i}"
+    # The first test of each run holds its lease until the other run has waited for one (or
+    # has run all its tests): then each run waits for the other at least once.
     start = time.time()
-    time.sleep(0.8)
-    with open(f"span-{name}.json", "w") as handle:
+    if first_of_its_run():
+        hold_until_another_waited(or_else=lambda: len(glob.glob(f"span-{OTHER}-*")) == 3)
+    with open(f"span-{LABEL}-{i}.json", "w") as handle:
         json.dump([start, time.time()], handle)
 """
 
@@ -509,7 +571,7 @@ def test_two_concurrent_runs_queue_on_one_gpus_budget(
     # Two runs of the user at once on one 10 GiB card (two terminals, two CI jobs), one plain,
     # one with -n 2: tests needing 6 GiB never overlap, whichever run they belong to.
     monkeypatch.setenv("CT_FAKE_GPUS", "Card=10")
-    pytester.makeconftest(SPANS_CONFTEST)
+    pytester.makeconftest(WAITER_CONFTEST)
     pytester.makepyfile(SPANS_TEST)
     runs = {}
     for label, args in (("plain", []), ("xdist", ["-n", "2"])):
@@ -841,15 +903,16 @@ def test_a_resident_model_is_reused_within_its_lease_and_freed_for_a_test_that_n
 
 
 REUSING_TESTS = """
-import time, pytest
-from conftest import done, use
+import pytest
+from conftest import done, first_of_its_run, hold_until_another_waited, use
 
 @pytest.mark.parametrize("i", range(3))
 @pytest.mark.vram(gib=16)
 def test_reuses(ct_session, i):
     ct_session.load_model("cuda:0")
     use(7, "test")
-    time.sleep(0.2)
+    if first_of_its_run():
+        hold_until_another_waited()
     done(7, "test")
 """
 
@@ -859,7 +922,9 @@ def test_workers_whose_tests_reuse_their_cached_models_take_turns(
 ) -> None:
     # Each worker's model (9 GiB) and test (7 GiB more) fill 16 of the 24 GiB card: the two
     # cannot both keep a model and run. A test that reuses its model and cannot get its lease
-    # at once frees the model and waits for its whole need, so neither waits for ever.
+    # at once frees the model and waits for its whole need, so neither waits for ever. The
+    # first test to get a lease holds it until the other worker has waited: the two contend.
+    pytester.makeconftest(RESIDENT_CONFTEST + WAITER_CONFTEST)
     pytester.makepyfile(test_a=REUSING_TESTS, test_b=REUSING_TESTS)
     result = pytester.runpytest_subprocess(
         "-n", "2", "--dist", "loadfile", "-o", "ct_lease_timeout=60"
