@@ -10,7 +10,8 @@ Two fits, each a least-squares fit of relative error with non-negative coefficie
    input vectors, the packaging and the measured influences) against the model's terms.
 
 Then, per model and prompt length, the check auto needs: among the measured batch sizes up to
-each cap, is the one the model predicts fastest within 10% of the fastest measured? Once on
+each cap, is the one auto would pick (:func:`timing.fastest_of`) within 10% of the fastest
+measured? Once on
 the fit, and once leaving each model out of the fit (a model the coefficients never saw).
 Prints the coefficients as :data:`timing.H200_TIMES` takes them. Needs numpy.
 """
@@ -42,8 +43,11 @@ FIELDS = (
 )
 
 
-def shapes(point: dict[str, Any], batch: int | None = None) -> tuple[est.ModelShape, est.Workload]:
-    """The model and workload of a measured point (its counted active features)."""
+def shapes(
+    point: dict[str, Any], batch: int | None = None
+) -> tuple[est.ModelShape, est.TranscoderShape, est.Workload]:
+    """The model, transcoders and workload of a measured point (its counted active
+    features)."""
     dims = point["dims"]
     model = est.ModelShape(
         name=point["model"],
@@ -57,6 +61,12 @@ def shapes(point: dict[str, Any], batch: int | None = None) -> tuple[est.ModelSh
         head_dim=dims["head_dim"],
         n_params=dims["n_params"],
     )
+    transcoders = est.TranscoderShape(
+        name=point["model"],
+        width=dims["d_transcoder"],
+        cross_layer=dims["cross_layer"],
+        skip_connection=dims["skip_connection"],
+    )
     work = est.Workload(
         "bfloat16",
         batch or point["batch"],
@@ -65,25 +75,23 @@ def shapes(point: dict[str, Any], batch: int | None = None) -> tuple[est.ModelSh
         point["max_feature_nodes"],
         counted_features=point["active_features"],
     )
-    return model, work
+    return model, transcoders, work
 
 
 def unit_terms(point: dict[str, Any]) -> list[float]:
     """The five terms at a point: the time model with each coefficient set to 1 alone."""
-    model, work = shapes(point)
     terms = []
     for field in FIELDS:
         unit = timing.TimeCoefficients(
             **{name: float(name == field) for name in FIELDS}, influence_per_cell=0.0
         )
-        terms.append(timing.predict(model, work, unit).total_s)
+        terms.append(timing.predict(*shapes(point), unit).total_s)
     return terms
 
 
 def cells(point: dict[str, Any]) -> float:
-    model, work = shapes(point)
     unit = timing.TimeCoefficients(*(0.0 for _ in FIELDS), influence_per_cell=1.0)
-    return timing.predict(model, work, unit).influence_s
+    return timing.predict(*shapes(point), unit).influence_s
 
 
 def batch_dependent_s(point: dict[str, Any]) -> float:
@@ -144,18 +152,12 @@ def choice_checks(
             continue
         for cap in sorted({max(medians), 256, 128} & set(range(min(medians), max(medians) + 1))):
             fitting = [batch for batch in medians if batch <= cap]
-            predicted = {
-                batch: timing.predict(*shapes(group[0], batch), coefficients).total_s
-                for batch in fitting
-            }
-            chosen, fastest = (
-                min(fitting, key=predicted.__getitem__),
-                min(fitting, key=medians.__getitem__),
-            )
+            picked, _ = timing.fastest_of(*shapes(group[0]), fitting, coefficients)
+            chosen, fastest = picked.batch_size, min(fitting, key=medians.__getitem__)
             ratio = medians[chosen] / medians[fastest]
             worst = max(worst, ratio)
             say(
-                f"  {model} {tokens} tokens, up to {cap}: predicted fastest {chosen} "
+                f"  {model} {tokens} tokens, up to {cap}: auto picks {chosen} "
                 f"({medians[chosen]:.3f} s), fastest {fastest} ({medians[fastest]:.3f} s): "
                 f"{ratio:.3f}"
             )

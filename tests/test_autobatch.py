@@ -207,8 +207,8 @@ def test_choice_on_a_gpu_uses_measured_memory_and_real_active_features(
     tight = autobatch.choose(model, prompt, cfg, budget)
     assert 1 < tight.batch_size < active
     largest = int(tight.reason.split(" is the largest")[0])
-    fastest = timing.fastest_batch(shape, work, largest)
-    assert tight.batch_size == fastest.batch_size <= largest
+    chosen, _ = timing.fastest_batch(shape, transcoders, work, largest)
+    assert tight.batch_size == chosen.batch_size <= largest
     assert tight.predicted_gib is not None and tight.predicted_gib <= 3.6
     assert tight.reason.endswith("budget 3.6 GiB = 4.0 GiB (fake) less 10% margin")
 

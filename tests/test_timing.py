@@ -16,6 +16,8 @@ from pytest_ctresources.estimator import estimate as est
 from pytest_ctresources.estimator import registry, timing
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The time model reads only whether a set is cross-layer.
+PER_LAYER = est.TranscoderShape("per-layer", 16384)
 TIMES = sorted((ROOT / "docs" / "calibration" / "times").glob("*.jsonl"))
 
 
@@ -59,27 +61,59 @@ def test_influence_cells_follow_circuit_tracers_loop(rows: int, batch: int) -> N
 def test_passes_and_ranking_follow_the_feature_rows() -> None:
     model = registry.model_shape("google/gemma-2-2b")
     limited = est.Workload("bfloat16", 64, 100, 16.0, 2048)
-    timed = timing.predict(model, limited)
+    timed = timing.predict(model, PER_LAYER, limited)
     assert limited.active_features(model.n_layers) > 2048
     assert timed.backward_passes == 1 + 2048 // 64
     assert timed.influence_s > 0
     # All the active features kept: circuit-tracer ranks nothing.
     every = dataclasses.replace(limited, max_feature_nodes=None)
-    assert timing.predict(model, every).influence_s == 0
+    assert timing.predict(model, PER_LAYER, every).influence_s == 0
     assert timing.feature_rows(model, every) == every.active_features(model.n_layers)
 
 
-def test_fastest_batch_is_the_least_predicted_time_up_to_the_largest() -> None:
+def _times(model: est.ModelShape, tc: est.TranscoderShape, work: est.Workload, most: int) -> dict:
+    return {b: timing.predict(model, tc, est.with_batch(work, b)) for b in range(1, most + 1)}
+
+
+def test_fastest_batch_is_the_least_predicted_time_or_fewer_passes_near_it() -> None:
     model = registry.model_shape("meta-llama/Llama-3.2-3B")
     work = est.Workload("bfloat16", 1, 70, 16.0, 2048)
-    times = {b: timing.predict(model, est.with_batch(work, b)).total_s for b in range(1, 206)}
-    fastest = timing.fastest_batch(model, work, 205)
-    assert fastest.batch_size == min(times, key=times.__getitem__)
-    assert fastest.batch_size < 205  # the forward work of 205 copies outweighs the passes saved
-    assert timing.fastest_batch(model, work, 8).batch_size == 8  # passes dominate down there
-    # Of equal times, the smaller batch size (less memory): every coefficient zero.
+    times = _times(model, PER_LAYER, work, 512)
+    chosen, least = timing.fastest_batch(model, PER_LAYER, work, 512)
+    assert least.batch_size == min(times, key=lambda b: times[b].total_s) < 512
+    # The choice: within NEAR_FASTEST of the least, the fewest backward passes, then the
+    # smallest size with as few.
+    near = [t for t in times.values() if t.total_s <= least.total_s * (1 + timing.NEAR_FASTEST)]
+    fewest = min(t.backward_passes for t in near)
+    assert chosen.backward_passes == fewest < least.backward_passes
+    assert chosen.batch_size == min(t.batch_size for t in near if t.backward_passes == fewest)
+    assert times[chosen.batch_size - 1].backward_passes > fewest
+    chosen, least = timing.fastest_batch(model, PER_LAYER, work, 8)  # passes dominate down there
+    assert chosen.batch_size == least.batch_size == 8
+    # All times equal (every coefficient zero): the fewest passes, on the least memory.
     zero = timing.TimeCoefficients(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-    assert timing.fastest_batch(model, work, 50, zero).batch_size == 1
+    chosen, least = timing.fastest_batch(model, PER_LAYER, work, 50, zero)
+    assert (chosen.batch_size, least.batch_size) == (50, 1)  # 1 + 41 passes; 49 needs 1 + 42
+    chosen, _ = timing.fastest_batch(model, PER_LAYER, work, 60, zero)
+    assert chosen.batch_size == 59  # 1 + 35 passes, as at 60
+
+
+def test_a_cross_layer_transcoder_reads_a_decoder_vector_per_layer_written() -> None:
+    """circuit-tracer reads the gradient at every decoder vector of the active features in
+    each backward pass: a CLT feature has one per layer it writes to, so its per-copy work
+    is (n_layers + 1) / 2 times a per-layer set's, and auto's fastest batch is smaller."""
+    model = registry.model_shape("Qwen/Qwen3-1.7B")
+    work = est.Workload("bfloat16", 128, 30, 16.0, 2048)
+    clt = dataclasses.replace(PER_LAYER, cross_layer=True)
+    one, cross = timing.predict(model, PER_LAYER, work), timing.predict(model, clt, work)
+    factor = (model.n_layers + 1) / 2
+    fixed = timing.H200_TIMES.pass_per_layer * model.n_layers * (cross.backward_passes - 1)
+    assert cross.logit_s == pytest.approx(one.logit_s * factor)
+    assert cross.feature_s - fixed == pytest.approx((one.feature_s - fixed) * factor)
+    assert (cross.forward_s, cross.influence_s) == (one.forward_s, one.influence_s)
+    _, least_one = timing.fastest_batch(model, PER_LAYER, work, 512)
+    _, least_cross = timing.fastest_batch(model, clt, work, 512)
+    assert least_cross.batch_size < least_one.batch_size
 
 
 def test_refitting_gives_the_shipped_coefficients() -> None:

@@ -468,7 +468,7 @@ def _host_choice(
             1, tokens, active_features, None, why, n_layers=model_shape.n_layers, on_host=True
         )
     largest = found[0]
-    batch, what = within_largest(model_shape, workload, largest, ceiling, timed=False)
+    batch, what = within_largest(model_shape, transcoders, workload, largest, ceiling, timed=False)
     prediction = est.estimate(model_shape, transcoders, est.with_batch(workload, batch))
     return AutoChoice(
         batch,
@@ -536,7 +536,7 @@ def fit_batch(
     if found is None:
         return None
     largest = found[0]
-    batch, why = within_largest(model_shape, workload, largest, ceiling)
+    batch, why = within_largest(model_shape, transcoders, workload, largest, ceiling)
     prediction = est.estimate(model_shape, transcoders, est.with_batch(workload, batch))
     return Fitted(batch, largest, prediction, why)
 
@@ -553,6 +553,7 @@ class Fitted(NamedTuple):
 
 def within_largest(
     model_shape: est.ModelShape,
+    transcoders: est.TranscoderShape,
     workload: est.Workload,
     largest: int,
     ceiling: int,
@@ -560,19 +561,25 @@ def within_largest(
     timed: bool = True,
 ) -> tuple[int, str]:
     """The batch size to run of those up to ``largest`` (the largest that fits; ``ceiling``
-    when nothing smaller binds), and why: the one the time model predicts fastest
-    (``timed``, for a CUDA GPU), else the smallest that needs as few backward passes over the
-    feature rows as ``largest`` (the same passes on less memory)."""
+    when nothing smaller binds), and why: the time model's choice (``timed``, for a CUDA
+    GPU; :func:`timing.fastest_batch`), else the smallest that needs as few backward passes
+    over the feature rows as ``largest`` (the same passes on less memory)."""
     text = f"the ceiling {ceiling}" if largest == ceiling else f"{largest} is the largest that fits"
     if timed:
-        fastest = timing.fastest_batch(model_shape, workload, largest)
-        if fastest.batch_size == largest:
+        chosen, least = timing.fastest_batch(model_shape, transcoders, workload, largest)
+        if chosen.batch_size == least.batch_size == largest:
             return largest, f"{text}, and predicted fastest"
-        slowest = timing.predict(model_shape, est.with_batch(workload, largest))
-        return fastest.batch_size, (
-            f"{text}; {fastest.batch_size} is predicted fastest ({fastest.total_s:.3g} s of "
-            f"the batch-dependent part against {slowest.total_s:.3g} s at {largest}: the "
-            "H200 time model)"
+        at_largest = timing.predict(model_shape, transcoders, est.with_batch(workload, largest))
+        seconds = f"{chosen.total_s:.3g} s of the batch-dependent part against "
+        if chosen.batch_size == least.batch_size:
+            return chosen.batch_size, (
+                f"{text}; {chosen.batch_size} is predicted fastest ({seconds}"
+                f"{at_largest.total_s:.3g} s at {largest}: the H200 time model)"
+            )
+        return chosen.batch_size, (
+            f"{text}; {chosen.batch_size} is predicted within "
+            f"{timing.NEAR_FASTEST:.0%} of the fastest on fewer backward passes ({seconds}"
+            f"{least.total_s:.3g} s at {least.batch_size}: the H200 time model)"
         )
     rows = timing.feature_rows(model_shape, workload)
     batch = est.balanced_batch(largest, rows)

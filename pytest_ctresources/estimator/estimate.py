@@ -430,9 +430,10 @@ def transcoder_params_on_gpu(model: ModelShape, tc: TranscoderShape) -> int:
     return encoder + decoder + skip + small
 
 
-def _decoder_vectors_per_feature(model: ModelShape, tc: TranscoderShape) -> float:
-    """Decoder vectors setup keeps per active feature: 1, or for a CLT the mean number of
-    layers a feature writes to, (n_layers + 1) / 2 when features spread evenly over layers."""
+def decoder_vectors_per_feature(model: ModelShape, tc: TranscoderShape) -> float:
+    """Decoder vectors per active feature (what setup keeps, what each backward pass reads):
+    1, or for a CLT the mean number of layers a feature writes to, (n_layers + 1) / 2 when
+    features spread evenly over layers."""
     return (model.n_layers + 1) / 2 if tc.cross_layer else 1.0
 
 
@@ -522,7 +523,7 @@ def estimate(
     weights = model.n_params * b + cal.workspace_bytes
     transcoder_bytes = transcoder_params_on_gpu(model, transcoders) * b
 
-    decoders = _decoder_vectors_per_feature(model, transcoders)
+    decoders = decoder_vectors_per_feature(model, transcoders)
     feature_vectors = int(nnz * d * b * (1 + decoders))  # encoder and decoder vectors
     setup = int(
         feature_vectors
