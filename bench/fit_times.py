@@ -12,7 +12,8 @@ Two fits, each a least-squares fit of relative error with non-negative coefficie
 Then, per model and prompt length, the check auto needs: among the measured batch sizes up to
 each cap, is the one auto would pick (:func:`timing.fastest_of`) within 10% of the fastest
 measured? Once on
-the fit, and once leaving each model out of the fit (a model the coefficients never saw).
+the fit, once leaving each model out of the fit (a model the coefficients never saw), and on
+the ``--held-out`` records (never fitted: ``docs/calibration/times/held-out/``).
 Prints the coefficients as :data:`timing.H200_TIMES` takes them. Needs numpy.
 """
 
@@ -164,18 +165,30 @@ def choice_checks(
     return worst
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("data", nargs="+", type=Path, help="bench/batch_times.py JSON lines")
-    args = parser.parse_args(argv)
-    points = [
+def read(paths: Sequence[Path]) -> list[dict[str, Any]]:
+    """The records of ``paths`` (JSON lines) that did not run out of memory."""
+    return [
         record
-        for path in args.data
+        for path in paths
         for line in path.read_text().splitlines()
         if line.startswith("{")
         for record in [json.loads(line)]
         if not record.get("oom")
     ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("data", nargs="+", type=Path, help="bench/batch_times.py JSON lines")
+    parser.add_argument(
+        "--held-out",
+        nargs="+",
+        type=Path,
+        default=[],
+        help="more records, checked against the fit and never fitted",
+    )
+    args = parser.parse_args(argv)
+    points = read(args.data)
     coefficients = fit(points)
     print("H200_TIMES = TimeCoefficients(")
     for name, value in vars(coefficients).items():
@@ -198,6 +211,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"held out {model}:")
         worst = max(
             worst, choice_checks([p for p in points if p["model"] == model], fit(kept), print)
+        )
+    held_out = read(args.held_out)
+    if held_out:
+        print("auto's check on the held-out records:")
+        worst = max(worst, choice_checks(held_out, coefficients, print))
+        errors = [
+            timing.predict(*shapes(p), coefficients).total_s / batch_dependent_s(p) - 1
+            for p in held_out
+        ]
+        print(
+            f"  batch-dependent seconds: {min(errors):+.3f} to {max(errors):+.3f} "
+            f"over {len(held_out)} calls"
         )
     print(f"worst ratio {worst:.3f}")
     return 0
