@@ -28,7 +28,6 @@ Without CUDA it runs one short point on the tiny model (a smoke test) and record
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -45,17 +44,8 @@ def shapes(names: list[str], cuda: bool) -> list[tuple[str, Any]]:
 
     if not cuda:
         return [("tiny-gemma-2", testing.TINY_GEMMA2_DIMS)]
-    tinyllama = dataclasses.replace(
-        testing.LLAMA_3_2_1B_DIMS,
-        n_layers=22,
-        d_mlp=5632,
-        vocab_size=32000,
-        n_kv_heads=4,
-        d_transcoder=32768,
-        tied_embeddings=False,
-    )
     known = {
-        "TinyLlama-1.1B": tinyllama,
+        "TinyLlama-1.1B": testing.TINYLLAMA_1_1B_DIMS,
         "Llama-3.2-1B": testing.LLAMA_3_2_1B_DIMS,
         "Qwen3-1.7B-CLT": testing.QWEN3_1_7B_CLT_DIMS,
         "gemma-2-2b-CLT": testing.GEMMA_2_2B_CLT_DIMS,

@@ -113,9 +113,7 @@ def test_refitting_gives_the_shipped_numbers() -> None:
 #: Random weights of TinyLlama-1.1B's published shape (22 layers, 32 heads of 64, 4 KV heads,
 #: 32k vocabulary), bf16, max_feature_nodes 2048, on the H200: (tokens, batch) -> attribute()'s
 #: measured allocated peak, the estimate shipped then, the pruning peak measured (GiB).
-TINYLLAMA = est.ModelShape(
-    "TinyLlama-1.1B", "llama", 22, 2048, 5632, 32000, 32, 4, 64, 1_100_048_384
-)
+TINYLLAMA = registry.shape_of_dims("TinyLlama-1.1B", testing.TINYLLAMA_1_1B_DIMS)
 ISSUE_27_ROWS = {
     (300, 64): (20.71, 20.27, 10.95),
     (800, 64): (82.16, 74.78, 24.85),

@@ -297,6 +297,19 @@ LLAMA_3_2_1B_DIMS: Final = ModelDims(
     max_position=8192,
     skip_connection=True,
 )
+#: TinyLlama-1.1B's published shape (22 layers, 32 heads of 64 over 4 KV heads, a 32k
+#: vocabulary, untied embeddings) with 32768-wide skip transcoders: the shape the long-prompt
+#: measurements were made on (docs/estimator.md). No bundled name: ``bench/pipeline_peaks.py``
+#: builds it by this name, the tests estimate its records with it.
+TINYLLAMA_1_1B_DIMS: Final = dataclasses.replace(
+    LLAMA_3_2_1B_DIMS,
+    n_layers=22,
+    d_mlp=5632,
+    vocab_size=32000,
+    n_kv_heads=4,
+    d_transcoder=32768,
+    tied_embeddings=False,
+)
 
 
 def _published(

@@ -600,7 +600,11 @@ def check_pair(model: str, set_name: str) -> None:
 
 
 def _bundled_model(name: str) -> ModelShape:
-    dims = catalogue.model_dims_of(name)
+    return shape_of_dims(name, catalogue.model_dims_of(name))
+
+
+def shape_of_dims(name: str, dims: catalogue.ModelDims) -> ModelShape:
+    """The estimator's shape of a random model built from ``dims``, named ``name``."""
     return ModelShape(
         name=name,
         family=dims.architecture,
