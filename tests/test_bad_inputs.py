@@ -696,7 +696,7 @@ ROWS: list[Row] = [
 ]
 
 
-# --- issue 21: characters YAML does not allow, from every way a config is named -------------
+# --- characters YAML does not allow, from every way a config is named ----------------------
 
 #: The characters PyYAML's reader refuses (YAML 1.1's printable set): the C0 controls but tab,
 #: newline and carriage return; DEL; the C1 controls but NEL; the non-characters U+FFFE, U+FFFF.
@@ -741,7 +741,7 @@ def _config_json(**changes: object) -> str:
 
 
 def model_json(id: str, text: str | None, message: str, **kw: object) -> Row:
-    """``ct-resources estimate --model config.json`` with ``text`` as the file (issue 21, 3)."""
+    """``ct-resources estimate --model config.json`` with ``text`` as the file."""
     return cli(
         id,
         "estimate",
@@ -813,7 +813,7 @@ ROWS.extend(
             "\x1b[2Jexp.yaml",
             message="\\x1b[[]2Jexp.yaml: cannot read experiment config: No such file*",
         ),
-        # --- ct-resources estimate --model config.json (issue 21, cause 3) -------------------
+        # --- ct-resources estimate --model config.json -------------------------------------
         model_json(
             "model-json-fifo",
             None,
@@ -963,7 +963,7 @@ def test_every_character_yaml_refuses_is_one_line_naming_file_and_position(
     assert inputs == 3 * len(UNPRINTABLE_IN_YAML) == 189
 
 
-# --- issue 21, cause 2: the pytest cache's learned needs are data that may be corrupt -------
+# --- the pytest cache's learned needs are data that may be corrupt --------------------------
 
 GOOD_NEED = '{"gib": 1.5, "gpu": "H200", "date": "2026-01-01"}'
 NEEDS_PATH = ".pytest_cache/v/ctresources/learned-needs"
@@ -1267,7 +1267,7 @@ def test_a_corrupt_cache_is_one_warning_and_the_run_goes_on(
 
 def test_a_node_id_with_a_bar_keeps_its_learned_need() -> None:
     """``|`` ends the node id in a key: a parameter id holding one (``test[a|b]``) made its
-    need stale, so it was pruned at every run and never used (issue 20)."""
+    need stale, so it was pruned at every run and never used."""
     from pytest_ctresources.core.learned import memory_key, nodeid_of, stale_keys
     from pytest_ctresources.settings.config import CircuitTracerConfig
 
@@ -1575,8 +1575,8 @@ def test_escape_sequences_in_names_are_shown_escaped(
     assert "\\x1b[31mEvil\\x1b[0m" in output
 
 
-#: Every distinct hostile input the tables above present, with its surface (issue 21: at
-#: least 400). The characters YAML refuses count once each, as the three places each is put
+#: Every distinct hostile input the tables above present, with its surface (at least 400:
+#: the coverage this suite promises). The characters YAML refuses count once each, as the three places each is put
 #: are the same input to the reader.
 HOSTILE_INPUTS = {
     *((row.kind, row.id) for row in ROWS),

@@ -1,5 +1,5 @@
-"""``ct-resources`` basics (issue 24, point 10): ``--version``, ``models`` (and transcoder
-sets) from the offline registry, ``table --model``."""
+"""``ct-resources`` basics: ``--version``, ``models`` (and transcoder sets) from the offline
+registry, ``table --model``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Notebooks beside nbmake and other plugins (issue 26): with the plugin asked, installed but
-not asked, and not installed (``-p no:ctresources``).
+"""Notebooks beside nbmake and other plugins: with the plugin asked, installed but not
+asked, and not installed (``-p no:ctresources``).
 
 A project that does not ask and a notebook without ``ctresources`` metadata get nbmake's own
 item and nbmake's own kernel (argv, environment, transport); where the plugin does act, the

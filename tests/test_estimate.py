@@ -108,20 +108,21 @@ def test_refitting_gives_the_shipped_numbers() -> None:
     assert fitted == est.CALIBRATION
 
 
-# --- long prompts and pruning: the measured rows of issue 27 --------------------------------
+# --- long prompts and pruning --------------------------------------------------------------
 
-#: Random weights of TinyLlama-1.1B's published shape (22 layers, 32 heads of 64, 4 KV heads,
-#: 32k vocabulary), bf16, max_feature_nodes 2048, on the H200: (tokens, batch) -> attribute()'s
-#: measured allocated peak, the estimate shipped then, the pruning peak measured (GiB).
 TINYLLAMA = registry.shape_of_dims("TinyLlama-1.1B", testing.TINYLLAMA_1_1B_DIMS)
-ISSUE_27_ROWS = {
+#: The first long-prompt rows measured, before the attention's transient was counted: random
+#: weights of TinyLlama-1.1B's published shape (22 layers, 32 heads of 64, 4 KV heads, 32k
+#: vocabulary), bf16, max_feature_nodes 2048, on the H200: (tokens, batch) -> attribute()'s
+#: measured allocated peak, the estimate shipped then, the pruning peak measured (GiB).
+FIRST_LONG_PROMPT_ROWS = {
     (300, 64): (20.71, 20.27, 10.95),
     (800, 64): (82.16, 74.78, 24.85),
     (800, 16): (26.51, 24.66, 24.85),
     (1200, 16): (47.81, 43.19, 43.75),
 }
 #: The model and transcoders resident during pruning there.
-ISSUE_27_RESIDENT_GIB = 7.7
+FIRST_LONG_PROMPT_RESIDENT_GIB = 7.7
 
 
 def _within_target(predicted: float, measured: float) -> bool:
@@ -137,7 +138,7 @@ def test_the_rows_the_long_prompt_miss_was_seen_on() -> None:
     (tiny,) = [r for r in records if r["model"] == "TinyLlama-1.1B" and r["tokens"] == 1000]
     active = est.per_layer_token(tiny["active_features"], TINYLLAMA.n_layers, tiny["tokens"])
     tc = est.TranscoderShape("random", 32768, skip_connection=True)
-    for (tokens, batch), (measured, then, _) in ISSUE_27_ROWS.items():
+    for (tokens, batch), (measured, then, _) in FIRST_LONG_PROMPT_ROWS.items():
         work = est.Workload("bfloat16", batch, tokens, active, max_feature_nodes=2048)
         now = est.estimate(TINYLLAMA, tc, work).peak_allocated_bytes / GIB
         assert _within_target(now, measured), (tokens, batch, now)
@@ -162,13 +163,13 @@ def test_attention_transient_is_per_implementation_and_dtype() -> None:
 def test_pruning_peak_on_the_measured_rows() -> None:
     """Pruning's peak, resident + 11 dense adjacencies, against the measured rows: the factor
     fitted on the 800 and 1200-token rows, the 300-token row held out."""
-    for (tokens, batch), (_, _, measured) in ISSUE_27_ROWS.items():
+    for (tokens, batch), (_, _, measured) in FIRST_LONG_PROMPT_ROWS.items():
         work = est.Workload(
             "bfloat16", batch, tokens, 16.0, max_feature_nodes=2048, counted_features=10**5
         )
         nodes = est.graph_nodes(TINYLLAMA, work)
         assert nodes == 2048 + 23 * tokens + 10
-        predicted = est.prune_peak_bytes(int(ISSUE_27_RESIDENT_GIB * GIB), nodes) / GIB
+        predicted = est.prune_peak_bytes(int(FIRST_LONG_PROMPT_RESIDENT_GIB * GIB), nodes) / GIB
         assert _within_target(predicted, measured), (tokens, predicted, measured)
 
 

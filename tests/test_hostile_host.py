@@ -1,6 +1,6 @@
-"""A hostile host, round two (issue 21: causes 6 and 7, and N3): code that takes SIGTERM over,
-a waiter for a VRAM lease that is stopped (Ctrl-Z), and report paths and ledger directories
-that hold something that is not the plugin's.
+"""A hostile host: code that takes SIGTERM over, a waiter for a VRAM lease that is stopped
+(Ctrl-Z), and report paths and ledger directories that hold something that is not the
+plugin's.
 
 Every row is one hostile input. Rows are cheap where they can be: the report paths and the
 ledger directory through the functions that check them (the option's one-line usage error

@@ -1,6 +1,5 @@
-"""Hostile notebook inputs (issue 21, causes 4 and 5, N1, N2 and the NOTEBOOK: scan): notebook
-files, ``ctresources`` metadata, ``NOTEBOOK:`` configs and the parameters injected into a
-notebook.
+"""Hostile notebook inputs: notebook files, ``ctresources`` metadata, ``NOTEBOOK:`` configs
+and the parameters injected into a notebook.
 
 Most rows call the checks themselves (no kernel, no pytest run): each bad input must raise
 one short line naming its source and saying what is wrong, and quote none of a file's text.
@@ -1024,7 +1023,7 @@ def test_each_notebook_input_fails_only_its_own_item_in_one_line(
 
 
 def test_the_tables_are_large_and_their_ids_distinct() -> None:
-    # issue 21 wants many distinct hostile inputs on these surfaces: a row copied under a
+    # The tables promise many distinct hostile inputs on these surfaces: a row copied under a
     # second id would count twice and test nothing new.
     ids = (
         [row[0] for row in FILE_ROWS]

@@ -1,6 +1,6 @@
-"""``@pytest.mark.ct_parametrize``: tests parametrized from an experiment config's ``PARAMS``
-(issue 24, point 9): ids from the values, the same items under xdist, bad references in one
-line naming the config and the key."""
+"""``@pytest.mark.ct_parametrize``: tests parametrized from an experiment config's ``PARAMS``:
+ids from the values, the same items under xdist, bad references in one line naming the
+config and the key."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The live progress line on a real pseudo-terminal of a given size (issue 24, point 6).
+"""The live progress line on a real pseudo-terminal of a given size.
 
 pytest runs in a subprocess whose stdout is a pty with its window size set through
 ``TIOCSWINSZ`` and no ``COLUMNS``, as in a user's terminal (bash does not export it). The

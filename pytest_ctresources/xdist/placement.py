@@ -387,7 +387,7 @@ def simulate(
 
 
 def lower_bound(gpus: Sequence[Gpu], fits: Sequence[Fit]) -> float:
-    """max(total work / worker slots, the longest test): the issue's bound, which no schedule
+    """max(total work / worker slots, the longest test): the bound no schedule
     beats (it ignores which GPUs can hold which tests)."""
     slots = sum(gpu.workers for gpu in gpus) or 1
     run = [fit.duration_s for fit in fits if fit.skip_reason is None]
