@@ -806,7 +806,7 @@ ROWS.extend(
             )
             for name, char in (("nul", "\0"), ("esc", "\x1b"), ("ufffe", "\ufffe"))
         ),
-        # A file name holding an escape sequence is named escaped (N5).
+        # A file name holding an escape sequence is named escaped.
         option(
             "config-name-escape-sequence",
             "--ct-config",
@@ -1555,7 +1555,7 @@ def test_ct_resources_table_lists_refuse_bad_entries_in_one_line(
     assert lines[0].isprintable(), lines[0]
 
 
-# --- N5: names from files and devices reach the terminal escaped ----------------------------
+# --- names from files and devices reach the terminal escaped --------------------------------
 
 
 def test_escape_sequences_in_names_are_shown_escaped(

@@ -44,7 +44,7 @@ def _own_session(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-# --- cause 6: SIGTERM after code that took the handler over --------------------------------
+# --- SIGTERM after code that took the handler over -----------------------------------------
 
 TERMINATES_ITSELF = """
 import os, signal
@@ -174,7 +174,7 @@ def test_sigterm_writes_the_report_whatever_took_the_handler_over(
         assert snapshot["signal"] == "SIGTERM"
 
 
-# --- cause 7: a stopped waiter must not hold the queue ------------------------------------
+# --- a stopped waiter must not hold the queue ---------------------------------------------
 
 # Another process of the user's on one budget file: "hold" (or "hold-resident", as a resident
 # model's lease) GIB and say "held"; or "wait" for GIB, saying "waiting" once it waits (then
@@ -391,7 +391,7 @@ def test_a_stopped_waiter_does_not_hold_the_queue(
         ledger.close()
 
 
-# --- N3 and the report paths: only a report the plugin wrote for this user is replaced ----
+# --- the report paths: only a report the plugin wrote for this user is replaced -----------
 
 OTHER = "needs root: plays another user with chown, or makes device nodes"
 as_root = pytest.mark.skipif(not IS_ROOT, reason=OTHER)
@@ -509,7 +509,7 @@ NOT_OURS_PLOT = (
 NOT_MINE = "* belongs to uid 65534, not to you (uid 0): it is not replaced (remove it*"
 
 PATH_ROWS = [
-    # -- N3: what was taken for a report --
+    # -- what was taken for a report --
     PathRow(
         "plot-another-users-photo",
         "--ct-report-plot",

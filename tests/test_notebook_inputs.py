@@ -86,7 +86,7 @@ def _nested_list(levels: int) -> list[Any]:
     return root
 
 
-# --- notebook files: what nbformat or nbclient cannot read or run (cause 4, N2) ----------
+# --- notebook files: what nbformat or nbclient cannot read or run ------------------------
 
 #: (id, the file's bytes, what the line must say)
 FILE_ROWS: list[tuple[str, bytes, str]] = [
@@ -538,7 +538,7 @@ def test_the_injected_cell_refuses_a_name_that_is_not_one(name: str) -> None:
         injected_source({name: 1})
 
 
-# --- NOTEBOOK: configs (N1) ----------------------------------------------------------------
+# --- NOTEBOOK: configs ---------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -755,7 +755,7 @@ def test_a_config_may_name_a_notebook_of_the_users_in_its_tree(
     assert resolved == experiment.notebook.resolve() and resolved.is_relative_to(root.resolve())
 
 
-# --- the NOTEBOOK: scan (residual) and the socket directory (cause 5) ---------------------
+# --- the NOTEBOOK: scan (residual) and the socket directory -------------------------------
 
 
 def test_the_notebook_scan_reads_at_most_what_a_config_may_hold(tmp_path: Path) -> None:
@@ -800,7 +800,7 @@ def test_a_kernel_is_awaited_no_longer_than_a_cell(cell_timeout: int | None, exp
     assert startup_timeout(cell_timeout) == expected
 
 
-# --- one pytest run for the rows that need kernels (causes 4 and 5, N1, N2) ---------------
+# --- one pytest run for the rows that need kernels -----------------------------------------
 
 LONG_TMPDIR_LENGTH = 150
 
@@ -840,9 +840,9 @@ GOOD = json.dumps(
     )
 )
 RUN_ROWS = [
-    # cause 5: this notebook's kernel starts with sockets under a 150-character TMPDIR.
+    # This notebook's kernel starts with sockets under a 150-character TMPDIR.
     RunRow("long-tmpdir-kernel-starts", "good.ipynb", GOOD, "good.ipynb::good.ipynb", None),
-    # cause 4: nbformat or nbclient cannot read or start these; the other items still run.
+    # nbformat or nbclient cannot read or start these; the other items still run.
     RunRow(
         "metadata-a-list",
         "meta_list.ipynb",
@@ -892,7 +892,7 @@ RUN_ROWS = [
         "exits.ipynb::exits.ipynb",
         "exits.ipynb: its kernel did not start: ",
     ),
-    # N1: what a config may name.
+    # What a config may name.
     RunRow(
         "config-names-outside",
         "configs/outside.yaml",
@@ -907,7 +907,7 @@ RUN_ROWS = [
         "configs/writable.yaml::shared.ipynb",
         "others can write (mode 0666)",
     ),
-    # N2: a config naming a file that is no notebook shows none of its content.
+    # A config naming a file that is no notebook shows none of its content.
     RunRow(
         "config-names-a-secret",
         "configs/secret.yaml",
