@@ -11,9 +11,8 @@ Two fits, each a least-squares fit of relative error with non-negative coefficie
 
 Then, per model and prompt length, the check auto needs: among the measured batch sizes up to
 each cap, is the one auto would pick (:func:`timing.fastest_of`) within 10% of the fastest
-measured? Once on
-the fit, once leaving each model out of the fit (a model the coefficients never saw), and on
-the ``--held-out`` records (never fitted: ``docs/calibration/times/held-out/``).
+measured? Once on the fit, once leaving each model out of the fit (a model the coefficients
+never saw), and on the ``--held-out`` records (never fitted: ``docs/calibration/times/held-out/``).
 Prints the coefficients as :data:`timing.H200_TIMES` takes them. Needs numpy.
 """
 

@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 from bench_scripts import bench_module
 
-from pytest_ctresources.bundled import catalogue
+from pytest_ctresources import testing
 from pytest_ctresources.estimator import estimate as est
 from pytest_ctresources.estimator import registry, timing
 
@@ -191,8 +191,7 @@ def test_the_auto_timing_table_run_meets_its_target_with_the_shipped_choices() -
         if auto_s <= 1.10 * min(medians.values()):
             within.add(model)
         first = next(r for r in mine if r["kind"] == "auto")
-        dims = catalogue.model_dims_of(model)
-        tc = est.TranscoderShape(model, dims.d_transcoder, cross_layer=dims.cross_layer)
+        tc = registry.transcoder_info(testing.RANDOM_TRANSCODERS, model).loaded()
         work = est.Workload(
             first["dtype"],
             1,

@@ -569,9 +569,9 @@ def within_largest(
         chosen, least = timing.fastest_batch(model_shape, transcoders, workload, largest)
         if chosen.batch_size == least.batch_size == largest:
             return largest, f"{text}, and predicted fastest"
-        at_largest = timing.predict(model_shape, transcoders, est.with_batch(workload, largest))
         seconds = f"{chosen.total_s:.3g} s of the batch-dependent part against "
         if chosen.batch_size == least.batch_size:
+            at_largest = timing.predict(model_shape, transcoders, est.with_batch(workload, largest))
             return chosen.batch_size, (
                 f"{text}; {chosen.batch_size} is predicted fastest ({seconds}"
                 f"{at_largest.total_s:.3g} s at {largest}: the H200 time model)"

@@ -112,11 +112,11 @@ def refusal(path: Path, value: str, flag: str) -> str | None:
     """Why the entry at ``path`` may not be replaced by a report of ``flag``, in one line; None
     when nothing is there or it is a report of that kind the plugin wrote for this user.
 
-    Only such a file is replaced: not any PNG, not another user's report (root
-    would make it root's and 0600), not another user's empty file. The user's own empty file
-    is a name reserved for the report (``mktemp``) and is replaced. Never follows a link and
-    never opens anything but a regular file (opening a device can have effects); the checks
-    are made on what was opened.
+    Only such a file is replaced: not any PNG, not another user's report (root would make it
+    root's and 0600), not another user's empty file. The user's own empty file is a name
+    reserved for the report (``mktemp``) and is replaced. Never follows a link and never opens
+    anything but a regular file (opening a device can have effects); the checks are made on
+    what was opened.
     """
     try:
         seen = os.lstat(path)
