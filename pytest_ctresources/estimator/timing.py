@@ -26,9 +26,9 @@ batch size and are left out: the seconds are for comparing batch sizes, not a st
 The model ranks batch sizes within a few percent of each other less well than that (single
 timings move by 10-30% between runs): of the sizes predicted within :data:`NEAR_FASTEST` of
 the least, auto takes the one with the fewest backward passes, because where the model errs
-near its optimum it is in under-counting the fixed cost of a pass (measured per layer and
-pass: 1.3 ms on gemma-3-4b against 0.7 ms on Llama-3.2-3B at batch 32, one coefficient for
-both), which a larger batch saves.
+near its optimum it is in under-counting the fixed cost of a pass (a feature pass's median
+per layer at batch 32 and 30 tokens in ``docs/calibration/times/``: 1.2-1.3 ms on gemma-3-4b
+against 0.7 ms on Llama-3.2-3B, one coefficient for both), which a larger batch saves.
 The H200's figures are kept for every card: what moves with the device is mostly the overall
 speed, which does not change which batch size is fastest (a card with a much lower
 launch-to-compute ratio would favour smaller batches a little more; not measured).
