@@ -97,7 +97,7 @@ class PerTestHooks:
                 try:
                     leases.give_back(item)  # whatever raised (-W error::CtLeakWarning, ...)
                 finally:
-                    snapshots.finish(item, runtime.settings.leak_threshold_bytes.value)
+                    snapshots.finish(item, runtime.settings.leak_threshold.value)
                     # The one place the test's record is written: its teardown report carries it
                     # to the controller, the summary and junit XML (core/record.py).
                     written = state.record.to_properties()

@@ -24,7 +24,7 @@ import pytest
 from pytest_ctresources.core.fixtures import ct_config, ct_session
 from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.activation import ACTIVATION_KEY, activation_of
-from pytest_ctresources.settings.options import DEFAULT_ALLOC_CONF, add_options, binding_mode
+from pytest_ctresources.settings.options import Declared, add_options
 from pytest_ctresources.settings.resolve import activation_from_config
 from pytest_ctresources.xdist.roles import runs_no_tests
 
@@ -64,7 +64,8 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     # An xdist worker is bound to its GPU here, before conftests can initialise CUDA.
     # (A bad ct_gpu_binding is left for the settings to report, at configure.)
     try:
-        mode = binding_mode(early_config.getini("ct_gpu_binding") or "auto")
+        setting = Declared.gpu_binding
+        mode = setting.parse(str(setting.early_ini(early_config) or setting.default))
     except ValueError:
         mode = "off"
     from pytest_ctresources.xdist.roles import is_worker
@@ -81,8 +82,9 @@ def _apply_alloc_conf(config: pytest.Config) -> None:
     report it at configure.)"""
     from pytest_ctresources.gpu.allocator import ALLOC_KEY, AllocConf
 
-    value = config.getini("ct_alloc_conf")
-    alloc = AllocConf(DEFAULT_ALLOC_CONF if value is None else str(value).strip())
+    setting = Declared.alloc_conf
+    value = setting.early_ini(config)
+    alloc = AllocConf(str(setting.default if value is None else value).strip())
     alloc.apply()
     config.stash[ALLOC_KEY] = alloc
     config.add_cleanup(alloc.undo)
@@ -169,7 +171,7 @@ def _start(config: pytest.Config) -> Runtime:
             _report_to_placement(config, runtime)
     if not hasattr(config, "workerinput"):  # xdist workers report to the controller instead
         reporter = SummaryReporter(runtime, config)
-        if runtime.settings.forget:
+        if runtime.settings.forget.value:
             reporter.forgotten = runtime.learned().forget()
         config.pluginmanager.register(reporter, SummaryReporter.name)
         if config.pluginmanager.hasplugin("xdist"):
@@ -191,7 +193,7 @@ def _start(config: pytest.Config) -> Runtime:
             from pytest_ctresources.report.html import HtmlReport
 
             config.pluginmanager.register(HtmlReport(reporter), HtmlReport.name)
-        if runtime.settings.report_json is not None:
+        if runtime.settings.report_json_path is not None:
             from pytest_ctresources.report.files import on_sigterm
 
             on_sigterm(config, reporter)
@@ -208,7 +210,7 @@ def _start(config: pytest.Config) -> Runtime:
     _plan_and_shard(config, runtime)
     if activation.project_wide:  # else once collection found a test that asks
         leases.start(config, runtime)  # VRAM leases where tests run; the ledger dir checked
-    if runtime.settings.strict:
+    if runtime.settings.strict.value:
         config.pluginmanager.register(
             accounting.StrictChecks(runtime), accounting.StrictChecks.name
         )
@@ -261,7 +263,7 @@ def _report_to_placement(config: pytest.Config, runtime: Runtime) -> None:
     worker = PlacementWorker(channel, _need_of(runtime))
     facts = runtime.gpu_facts(may_import_torch=False)
     gpu = runtime.binding.gpu if runtime.binding is not None else facts.gpu(0)
-    capacity = runtime.settings.vram_capacity_gib
+    capacity = runtime.settings.vram_capacity
     worker.report_gpu(worker_gpu(gpu, facts, capacity.value if capacity is not None else None))
     config.pluginmanager.register(worker, PlacementWorker.name)
 
@@ -282,8 +284,9 @@ def _need_of(runtime: Runtime) -> Callable[[pytest.Item], float | None]:
 
 def _plan_and_shard(config: pytest.Config, runtime: Runtime) -> None:
     """``--ct-plan`` (collect only, print the plan) and ``--ct-shard K/N`` (job K's share)."""
-    plan = config.getoption("ct_plan", None)
-    shard = config.getoption("ct_shard", None)
+    settings = runtime.settings
+    plan = settings.plan.value if settings.plan is not None else None
+    shard = settings.shard.value if settings.shard is not None else None
     if plan is None and shard is None:
         return
     # Names imported from the modules themselves (not ``from package import module``): the
@@ -300,7 +303,7 @@ def _plan_and_shard(config: pytest.Config, runtime: Runtime) -> None:
     def learned() -> dict[str, float]:
         return read(config.cache if hasattr(config, "cache") else None)
 
-    capacity = runtime.settings.vram_capacity_gib
+    capacity = runtime.settings.vram_capacity
 
     def detected() -> list[PlanGpu]:
         facts = runtime.gpu_facts(may_import_torch=False)
@@ -308,13 +311,13 @@ def _plan_and_shard(config: pytest.Config, runtime: Runtime) -> None:
 
     if plan is not None:
         config.option.collectonly = True
-        workers = config.getoption("ct_plan_workers", None) or 1
+        workers = settings.plan_workers.value
         config.pluginmanager.register(
             PlanReporter(config, plan_gpus(plan, detected), workers, _need_of(runtime), learned),
             PlanReporter.name,
         )
     if shard is not None:
-        given = config.getoption("ct_runner_gpus", None)
+        given = settings.runner_gpus.value if settings.runner_gpus is not None else None
 
         def runners() -> list[float]:
             if given:
@@ -353,7 +356,7 @@ def _act_per_test(config: pytest.Config, runtime: Runtime) -> None:
         from pytest_ctresources.report import snapshots
 
         snapshots.register(
-            config, settings.snapshot.value, settings.snapshot_dir, settings.report_json
+            config, settings.snapshot.value, settings.snapshot_directory, settings.report_json_path
         )
 
 

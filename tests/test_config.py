@@ -211,9 +211,13 @@ def test_off_on_the_command_line_beats_the_ini_key(tmp_path: Path) -> None:
     assert settings.fail_on_increase.value == 10.0
 
 
-def test_options_that_may_be_off_keep_their_checked_text(pytester: pytest.Pytester) -> None:
+def test_options_keep_their_checked_text(pytester: pytest.Pytester) -> None:
+    """Options are parsed where they are resolved, with the ini key and the variable; argparse
+    only checks them, so that a bad value is reported as pytest reports its own options."""
     config = pytester.parseconfig("--ct-fail-on-increase", "off", "--ct-report-top", "3")
     assert config.getoption("ct_fail_on_increase") == "off"
-    assert config.getoption("ct_report_top") == 3
+    assert config.getoption("ct_report_top") == "3"
+    with pytest.raises(pytest.UsageError, match="argument --ct-report-top: must be a positive"):
+        pytester.parseconfig("--ct-report-top", "0")
     with pytest.raises(pytest.UsageError, match="argument --ct-fail-on-increase: must be"):
         pytester.parseconfig("--ct-fail-on-increase", "ten")

@@ -78,20 +78,42 @@ def test_sample_errors_are_current(
 pytest_plugins = ["pytester"]
 
 
-def test_every_option_and_ini_key_is_in_the_settings_table(pytester: pytest.Pytester) -> None:
-    """What ``pytest --help`` lists of the plugin's is in the settings table of the README
-    and of the configuration page."""
+def settings_rows(docs_prefix: str) -> list[str]:
+    """The settings table's rows, from the declarations (``settings/options.py``); links to
+    the docs start with ``docs_prefix`` (the README's ``docs/``, the docs pages' nothing)."""
+    from pytest_ctresources.settings.options import SETTINGS
+
+    rows = []
+    for setting in SETTINGS:
+        option = ""
+        if setting.option:
+            value = setting.metavar.replace("|", "\\|")
+            if setting.const is not None:
+                value = f"[{value}]"
+            option = f"`{setting.option} {value}`" if value else f"`{setting.option}`"
+        ini = f"`{setting.ini}`" if setting.ini else ""
+        env = f"`{setting.env}`" if setting.env else ""
+        meaning = setting.markdown().replace("](docs/", f"]({docs_prefix}")
+        rows.append(f"| {option} | {ini} | {env} | {meaning} |")
+    return rows
+
+
+def test_the_settings_tables_are_the_declarations(pytester: pytest.Pytester) -> None:
+    """The README's and the configuration page's settings tables are what the declarations
+    render, row for row, and every option and ini key ``pytest --help`` lists is one."""
+    for name, page in SETTINGS_PAGES.items():
+        start = page.index("## Settings and where they come from")
+        table = page[start : page.index("For one option the highest layer wins", start)]
+        rows = [line for line in table.splitlines() if line.startswith("|")][2:]
+        expected = settings_rows("docs/" if name == "README.md" else "")
+        assert rows == expected, f"{name}: its table should read\n" + "\n".join(expected)
     helped = pytester.runpytest("--help").stdout.str()
     options = set(re.findall(r"^\s+(--ct-[a-z-]+)", helped, re.M))
     ini_keys = set(re.findall(r"^\s+(ct_[a-z_]+) \(", helped, re.M))
     assert len(options) > 10 and len(ini_keys) > 10
-    for name, page in SETTINGS_PAGES.items():
-        start = page.index("## Settings and where they come from")
-        table = page[start : page.index("For one option the highest layer wins", start)]
-        rows = [line for line in table.splitlines() if line.startswith("|")]
-        missing_options = {opt for opt in options if not any(f"`{opt}" in row for row in rows)}
-        missing_ini = {key for key in ini_keys if not any(f"`{key}`" in row for row in rows)}
-        assert (missing_options, missing_ini) == (set(), set()), name
+    table = "\n".join(settings_rows(""))
+    assert {o for o in options if f"`{o}" not in table} == set()
+    assert {k for k in ini_keys if f"`{k}`" not in table} == set()
 
 
 def test_the_set_up_commands_are_what_ci_runs() -> None:

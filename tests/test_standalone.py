@@ -45,7 +45,7 @@ def test_without_a_path_ct_config_names_the_file(experiment: Path) -> None:
     assert config_outside_pytest(None, {}, {CONFIG_ENV: str(experiment)}).batch_size == 8
     assert config_outside_pytest(None, {}, {}).batch_size == 256  # the default
     # The same variable as --ct-config's.
-    assert [spec.env for spec in SETTINGS if spec.dest == "ct_config"] == [CONFIG_ENV]
+    assert [setting.env for setting in SETTINGS if setting.dest == "ct_config"] == [CONFIG_ENV]
 
 
 @pytest.mark.parametrize(

@@ -73,7 +73,7 @@ def begin(item: pytest.Item, runtime: Runtime) -> str | None:
     session = _uses_session(item, state.config)
     gpu = runtime.test_gpu()
     reason = skip_reason(
-        need.gib, need.source, gpu, runtime.settings.vram_capacity_gib, runs_on_cpu=session
+        need.gib, need.source, gpu, runtime.settings.vram_capacity, runs_on_cpu=session
     )
     if reason is None and gpu is not None:
         state.record.gpu_ran = gpu.name  # a GPU test, run on a GPU (report/coverage.py)
@@ -90,7 +90,7 @@ def resolve_need(item: pytest.Item, runtime: Runtime) -> tuple[str, markers.Vram
     cfg = state_of(item).config  # set at collection for notebook items
     if cfg is None and CONFIG_FIXTURES.intersection(getattr(item, "fixturenames", ())):
         cfg = runtime.config_for(item)
-    capacity = runtime.settings.vram_capacity_gib
+    capacity = runtime.settings.vram_capacity
     key = memory_key(item.nodeid, cfg, capacity.value if capacity is not None else None)
     need = markers.vram_need(item)
     if need is None and cfg is not None and cfg.vram_gib is not None:
@@ -250,7 +250,7 @@ def end(item: pytest.Item, runtime: Runtime) -> None:
         record.need_most_gib = need.lease_gib
     if resident_now is not None and resident_now is not state.resident_at_start:
         record.resident_model = resident_record(resident_now, figures.device)
-    threshold = runtime.settings.leak_threshold_bytes.value
+    threshold = runtime.settings.leak_threshold.value
     if figures.leaked_bytes > threshold:
         warnings.warn(CtLeakWarning(leak_message(item.nodeid, figures, threshold)), stacklevel=1)
 
@@ -309,7 +309,7 @@ def explain_oom(item: pytest.Item, runtime: Runtime, exc: BaseException) -> None
         oom_section(
             state.config,
             runtime.gpu_facts().gpu(figures.device if figures else 0),
-            runtime.settings.vram_capacity_gib,
+            runtime.settings.vram_capacity,
             figures,
             pruning=session.pruning_oom_of(exc) if session is not None else None,
         ),
@@ -410,7 +410,7 @@ class StrictChecks(_FailsPassedPhases):
             return self.call_problems(item)
         if when == "teardown":
             figures = state_of(item).figures
-            threshold = self.runtime.settings.leak_threshold_bytes.value
+            threshold = self.runtime.settings.leak_threshold.value
             if figures is not None and figures.leaked_bytes > threshold:
                 return [leak_message(item.nodeid, figures, threshold)]
         return []

@@ -65,7 +65,7 @@ def ct_session(
         estimate_prompt_tokens=runtime.settings.estimate_prompt_tokens.value,
     )
     state.session = session
-    after = runtime.settings.progress_after_s.value
+    after = runtime.settings.progress_after.value
     live = (
         LiveLine(request.config, after)
         if after is not None and progress_on(request.config)

@@ -74,12 +74,12 @@ class Runtime:
         """Keep the facts, and clamp ``--ct-vram-capacity`` to the card they found (at
         start-up when NVML answers; else when a test first needs the GPU)."""
         self._gpu_facts = facts
-        capacity = self.settings.vram_capacity_gib
+        capacity = self.settings.vram_capacity
         if capacity is None:
             return
         clamped = clamped_capacity(capacity, facts.gpu(0))
         if clamped is not capacity:
-            self.settings = dataclasses.replace(self.settings, vram_capacity_gib=clamped)
+            self.settings = self.settings.with_value("vram_capacity", clamped)
             self.capacity_cap = CapacityCap(clamped.value)
 
     def learned(self) -> LearnedNeeds:
@@ -114,7 +114,7 @@ class Runtime:
         test's declared need (a ``vram`` marker or ``VRAM_GIB`` bounds auto), and, in an
         xdist worker sharing its GPU, no more than the VRAM lease it holds."""
         margin = float(self.settings.auto_margin.value)
-        capacity = self.settings.vram_capacity_gib
+        capacity = self.settings.vram_capacity
         gpu = self.test_gpu()
         if capacity is not None:
             budget = Budget(capacity.value, str(capacity.source), margin, emulated=True)
@@ -233,7 +233,7 @@ def start_runtime(
         cache=getattr(config, "cache", None),  # None under -p no:cacheprovider
         shipped_learned=shipped_needs(config),
     )
-    capacity = settings.vram_capacity_gib
+    capacity = settings.vram_capacity
     if capacity is not None:
         runtime.capacity_cap = CapacityCap(capacity.value)
         runtime.gpu_facts(may_import_torch=False)  # clamps the capacity if NVML sees the card

@@ -173,7 +173,7 @@ class GpuLeases:
             return None
         from pytest_ctresources.gpu.detect import used_memory_reader
 
-        capacity = self.runtime.settings.vram_capacity_gib
+        capacity = self.runtime.settings.vram_capacity
         budget = min(capacity.value, gpu.total_gib) if capacity else gpu.total_gib
         try:
             ledger_module.ensure_root()
@@ -227,7 +227,7 @@ class GpuLeases:
         from pytest_ctresources.leases.ledger import LeaseTimeout
 
         gib = min(gib, most_grantable_gib(ledger.budget_gib, ledger.card_gib))
-        timeout = settings.lease_timeout_s.value
+        timeout = settings.lease_timeout.value
         lease = None
         grace = 0.0
         reused, reused_gib = self._reserve_reused_model(item)

@@ -59,7 +59,9 @@ from pytest_ctresources.settings.experiment_yaml import (
     ExperimentFile,
     load_experiment_yaml,
 )
-from pytest_ctresources.settings.options import NOTEBOOK_CONFIGS_INI
+from pytest_ctresources.settings.options import Declared
+
+NOTEBOOK_CONFIGS_INI = str(Declared.notebook_configs.ini)
 
 if TYPE_CHECKING:
     from pytest_ctresources.core.runtime import Runtime
@@ -303,7 +305,7 @@ def run_notebook(item: Any) -> None:
         state_of(item).record.notebook_values = values_with_sources(
             cfg, values, params_from, injected, lambda path: shown_path(path, item.config)
         )
-    capacity = settings.vram_capacity_gib
+    capacity = settings.vram_capacity
     env = kernel_environment(
         cfg,
         # Absolute: the kernel's working directory is the notebook's, not pytest's.

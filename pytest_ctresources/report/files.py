@@ -93,8 +93,8 @@ def build_report(
     ``signal_name``: the signal that is terminating the run (the report is then written
     from the signal handler, before the run has finished)."""
     settings = runtime.settings
-    capacity = settings.vram_capacity_gib
-    leak_threshold = settings.leak_threshold_bytes.value
+    capacity = settings.vram_capacity
+    leak_threshold = settings.leak_threshold.value
     return {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
@@ -118,15 +118,15 @@ def build_report(
                 "source": str(settings.alloc_conf.source),
             },
             "leak_threshold_bytes": {
-                "value": settings.leak_threshold_bytes.value,
-                "source": str(settings.leak_threshold_bytes.source),
+                "value": settings.leak_threshold.value,
+                "source": str(settings.leak_threshold.source),
             },
             "oom_retry": {
                 "value": settings.oom_retry.value,
                 "source": str(settings.oom_retry.source),
             },
             "oom_retry_floor": settings.oom_retry_floor.value,
-            "strict": settings.strict,
+            "strict": settings.strict.value,
             "snapshot": {"value": settings.snapshot.value, "source": str(settings.snapshot.source)},
         },
         "tests": [vram_row(result, leak_threshold) for result in summary.used_cuda],
@@ -292,8 +292,8 @@ def write_reports(
     guard = reporter.config.stash.get(SIGTERM_KEY, None)
     with guard.deferred() if guard is not None else _nothing():
         capacity, note = reporter.capacity()
-        if settings.report_json is not None:
-            path = settings.report_json
+        if settings.report_json_path is not None:
+            path = settings.report_json_path
             if _attempt(
                 JSON_FLAG,
                 path,
@@ -305,8 +305,8 @@ def write_reports(
                 ),
             ):
                 written.append(("JSON report", path))
-        if settings.report_plot is not None:
-            plot = settings.report_plot
+        if settings.report_plot_path is not None:
+            plot = settings.report_plot_path
             if _attempt(
                 PLOT_FLAG, plot, lambda: write_plot(plot, reporter.summary, capacity, note)
             ):

@@ -125,6 +125,6 @@ class HtmlReport:
         # trylast pytest_sessionfinish): the records are complete, from every worker. The
         # picture only where some test used CUDA, or --ct-report / --ct-report-plot asks.
         settings = self._reporter.runtime.settings
-        asked = settings.report_forced or settings.report_plot is not None
+        asked = settings.report.value or settings.report_plot_path is not None
         if self._reporter.summary.used_cuda or asked:
             postfix.append(summary_html(self._reporter))

@@ -506,7 +506,7 @@ class SummaryReporter:
     def capacity(self) -> tuple[float | None, str]:
         """The capacity the report compares with, and how it is described."""
         gpu = self.runtime.gpu_facts(may_import_torch=False).gpu(0)
-        emulated = self.runtime.settings.vram_capacity_gib
+        emulated = self.runtime.settings.vram_capacity
         if emulated is not None:
             where = f"{gpu.describe()} " if gpu is not None else ""
             return emulated.value, f"{where}capacity {emulated.value:.1f} GiB by {emulated.source}"
@@ -563,7 +563,7 @@ class SummaryReporter:
             self.summary.results.values(),
             settings.require_gpu_run_within.value,
         )
-        if settings.report_json is None and settings.report_plot is None:
+        if settings.report_json_path is None and settings.report_plot_path is None:
             return
         from pytest_ctresources.report import files as report_files
 
@@ -576,19 +576,19 @@ class SummaryReporter:
         ``--ct-report-top``; the JSON report keeps everything."""
         settings = self.runtime.settings
         verbosity = self.config.get_verbosity()
-        top = settings.report_top
+        top = settings.report_top.value
         if self.forgotten is not None:
             terminalreporter.write_line(
                 f"ctresources: --ct-forget cleared {self.forgotten} learned VRAM need(s)"
             )
         used_cuda = bool(self.summary.used_cuda)
-        show_table = (used_cuda and verbosity >= 1) or settings.report_forced
+        show_table = (used_cuda and verbosity >= 1) or settings.report.value
         table: list[str] = []
         flags: list[tuple[str, str]] = []
-        if used_cuda or settings.report_forced:
+        if used_cuda or settings.report.value:
             capacity, note = self.capacity()
             table, flags = self.summary.vram_lines(
-                top, capacity, note, settings.leak_threshold_bytes.value
+                top, capacity, note, settings.leak_threshold.value
             )
         actions = self.summary.action_lines(flags, top, quiet=verbosity < 0)
         details = self.summary.detail_lines(top, verbosity) if verbosity >= 1 else []

@@ -35,14 +35,6 @@ MARKERS: tuple[str, ...] = ("vram", "ct_config", "ct_parametrize")
 ASKED = pytest.StashKey[bool]()
 _ACTS = pytest.StashKey[bool]()
 
-#: Option destinations whose flag is not ``--ct-`` plus the destination's rest.
-_NEGATED_FLAGS = {"ct_oom_retry": "--ct-no-oom-retry", "ct_leases": "--ct-no-leases"}
-
-
-def flag_of(dest: str) -> str:
-    """The command-line flag of one of the plugin's option destinations."""
-    return _NEGATED_FLAGS.get(dest, "--" + dest.replace("_", "-"))
-
 
 def project_request(
     options: Mapping[str, object],
@@ -54,14 +46,14 @@ def project_request(
 ) -> Source | None:
     """What in the project asks the plugin to act for every test, or None.
 
-    ``options``: the plugin's option destinations and their values (None: not given; every
-    option of the plugin defaults to None for this reason); ``variables``: the plugin's
+    ``options``: the plugin's options (``--ct-strict``) and their values (None: not given;
+    every option of the plugin defaults to None for this reason); ``variables``: the plugin's
     environment variables; ``ini_value(key)``: an ini key's value (None or an empty list:
     unset); ``ini_source(key)``: how a set key is named (its file, or ``-o``).
     """
-    for dest, value in options.items():
+    for flag, value in options.items():
         if value is not None:
-            return Source.option(flag_of(dest))
+            return Source.option(flag)
     for name in variables:
         if name in environ:
             return Source.env(name)

@@ -22,11 +22,11 @@ from pytest_ctresources.settings.config import (
     validate_typed,
 )
 from pytest_ctresources.settings.experiment_yaml import load_experiment_yaml
-from pytest_ctresources.settings.options import SETTINGS
+from pytest_ctresources.settings.options import SETTINGS, Declared
 from pytest_ctresources.settings.sources import Source
 
 #: The variable naming the experiment YAML when no path is given (``--ct-config``'s).
-CONFIG_ENV = "CT_CONFIG"
+CONFIG_ENV = str(Declared.config.env)
 
 
 def config_outside_pytest(
@@ -52,16 +52,16 @@ def config_outside_pytest(
         except ConfigError as exc:
             # As under pytest: the variable that named the file comes first.
             raise ConfigError(f"{Source.env(CONFIG_ENV)}: {exc}") from None
-    for spec in SETTINGS:
-        raw = env.get(spec.env, "").strip() if spec.env else ""
-        if spec.field is None or spec.env is None or not raw:
+    for setting in SETTINGS:
+        raw = env.get(setting.env, "").strip() if setting.env else ""
+        if setting.field is None or setting.env is None or not raw:
             continue
-        source = Source.env(spec.env)
+        source = Source.env(setting.env)
         try:
-            value = spec.parse(raw)
-        except (ValueError, ConfigError) as exc:
+            value = setting.parse(raw)
+        except ValueError as exc:  # a ConfigError is one
             raise ConfigError(f"{source}: {exc}") from None
-        cfg = cfg.layered({spec.field: value}, source)
+        cfg = cfg.layered({setting.field: value}, source)
     for name, value in (overrides or {}).items():
         if name not in FIELDS:
             raise ConfigError(
