@@ -77,6 +77,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--tests", type=int, default=2000)
+    parser.add_argument(
+        "--only", default="", help="run only the workloads whose label contains this text"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "trivial"
@@ -99,6 +102,8 @@ def main() -> None:
         rows = []
         paired: list[tuple[str, float, float]] = []
         for label, where, extra in workloads:
+            if args.only not in label:
+                continue
             with_plugin: list[tuple[float, float]] = []
             without: list[tuple[float, float]] = []
             timed(where, extra)  # warm the filesystem and bytecode caches

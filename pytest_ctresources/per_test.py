@@ -15,7 +15,7 @@ import pytest
 
 from pytest_ctresources.core import accounting
 from pytest_ctresources.core.runtime import runtime_of
-from pytest_ctresources.core.state import state_of
+from pytest_ctresources.core.state import new_attempt_of, state_of
 from pytest_ctresources.gpu.cleanup_between_tests import unraisable_as_warnings
 from pytest_ctresources.leases import leases
 from pytest_ctresources.report import snapshots
@@ -47,8 +47,7 @@ class PerTestHooks:
         written = item.stash.get(_WRITTEN_KEY, None)
         if written:
             item.user_properties[:] = [p for p in item.user_properties if p not in written]
-        state = state_of(item)
-        state.new_attempt()
+        state = new_attempt_of(item)
         if runtime.cleaner is not None:
             state.cleanup_start = runtime.cleaner.begin(runtime.resident_bytes())
         try:

@@ -66,6 +66,17 @@ class TestState:
 STATE_KEY = pytest.StashKey[TestState]()
 
 
+def new_attempt_of(item: pytest.Item) -> TestState:
+    """The test's state for the attempt that starts: a new one for its first, the earlier
+    attempt's forgotten for a rerun."""
+    state = item.stash.get(STATE_KEY, None)
+    if state is None:
+        state = item.stash[STATE_KEY] = TestState()
+    else:
+        state.new_attempt()
+    return state
+
+
 def state_of(item: pytest.Item) -> TestState:
     """The test's state, created on first use."""
     state = item.stash.get(STATE_KEY, None)

@@ -38,6 +38,10 @@ _OUTCOME_RANK = {"passed": 0, "skipped": 1, "failed": 2}
 RERUN_OUTCOME = "rerun"
 _NEED_KIND_NAMES = {"marker": "marker", "learned": "learned", "estimate": "estimate"}
 T = TypeVar("T")
+#: The record of a test whose reports carried none: one, shared, never changed (a result's
+#: record is replaced by the one its teardown report carries, never written to), so that the
+#: thousands of tests of a run that the plugin had nothing to say about allocate none.
+_NO_RECORD = TestRecord()
 
 
 @dataclass
@@ -51,7 +55,7 @@ class TestResult:
     id, today, "unknown GPU") where a record from a worker of another version lacks one."""
 
     nodeid: str
-    record: TestRecord = field(default_factory=TestRecord)
+    record: TestRecord = field(default_factory=lambda: _NO_RECORD)
     """The last attempt's record; empty where its teardown report carried none."""
     outcome: str = "passed"
     """The worst of the last attempt's setup, call and teardown outcomes."""
