@@ -217,11 +217,12 @@ def test_workers_decide_from_the_learned_needs_the_controller_ships(
     conftest = project.path / "conftest.py"
     conftest.write_text(conftest.read_text() + NO_CACHE_IN_WORKERS)
     monkeypatch.setenv("CT_FAKE_GPUS", "Small card=1.0")
-    result = project.runpytest("-n", "2", "-rs", "-k", "unmarked_big")
+    # One worker: what the controller ships is the subject, not how tests spread.
+    result = project.runpytest("-n", "1", "-rs", "-k", "unmarked_big")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*needs 1.5 GiB VRAM (measured 1.5 GiB on *) has 1.0 GiB"])
     # After --ct-forget the controller ships nothing: the workers know no need.
-    result = project.runpytest("-n", "2", "-k", "unmarked_big", "--ct-forget")
+    result = project.runpytest("-n", "1", "-k", "unmarked_big", "--ct-forget")
     result.assert_outcomes(passed=1)
 
 

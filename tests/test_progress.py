@@ -4,11 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
-import pty
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -90,48 +85,39 @@ def test_attribution(ct_session):
 """
 
 
-def _run_on_a_terminal(path: Path, *args: str) -> str:
-    """pytest in ``path`` with a pseudo-terminal as its stdout; what it wrote there."""
-    main, secondary = pty.openpty()
-    env = dict(os.environ, TERM="xterm", COLUMNS="160", PYTHONUNBUFFERED="1")
-    child = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
-        cwd=path,
-        stdin=subprocess.DEVNULL,
-        stdout=secondary,
-        stderr=secondary,
-        env=env,
-    )
-    os.close(secondary)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(main, 65536)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    child.wait(timeout=600)
-    os.close(main)
-    return b"".join(chunks).decode("utf-8", "replace")
+@pytest.mark.parametrize(
+    ("args", "shown"),
+    [
+        (["-v"], True),
+        ([], True),
+        (["-q"], False),
+        (["-s"], False),
+        (["-o", "log_cli=true"], False),
+        (["-p", "xdist", "-n", "1"], True),  # the controller: its workers never show one
+    ],
+    ids=["-v", "default", "-q", "-s", "log_cli", "xdist-controller"],
+)
+def test_the_live_line_shows_only_on_a_terminal_at_default_verbosity_or_more(
+    pytester: pytest.Pytester, args: list[str], shown: bool
+) -> None:
+    """On a terminal (``tests/test_progress_terminal.py`` runs one), not under ``-q``, ``-s``
+    or live logging; the terminal is what pytest's reporter found its output to be."""
+    from pytest_ctresources.session.progress_line import enabled
+
+    config = pytester.parseconfigure(*args)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    reporter.isatty = True
+    assert enabled(config) is shown
+    reporter.isatty = False
+    assert not enabled(config)
 
 
-def test_the_live_line_shows_on_a_terminal_and_is_erased(pytester: pytest.Pytester) -> None:
+def test_no_live_line_where_the_output_is_not_a_terminal(pytester: pytest.Pytester) -> None:
     pytester.makefile(".yaml", exp=TINY_YAML)
     pytester.makeini("[pytest]\nct_progress_after = 0\n")
     pytester.makepyfile(test_live=ATTRIBUTIONS)
-    out = _run_on_a_terminal(pytester.path, "--ct-config", "exp.yaml", "-v")
-    # After the test's own line, saved and restored cursor: the line is shown, then erased.
-    assert "test_live.py::test_attribution   \x1b7ctresources: setup pass, " in out
-    shown = out.index("\x1b7ctresources:")
-    assert "\x1b8\x1b[K" in out[shown:]
-    last = out.rindex("\x1b8\x1b[K")
-    assert "PASSED" in out[last:].split("\n", 1)[0]
-    quiet = _run_on_a_terminal(pytester.path, "--ct-config", "exp.yaml", "-q")
-    assert "ctresources: setup pass" not in quiet
-    # Not a terminal: in-process is enough (its output is captured), and the attribution
-    # reuses the stack this process has imported.
+    # In-process: its output is captured, not a terminal, and the attribution reuses the
+    # stack this process has imported.
     piped = pytester.runpytest("--ct-config", "exp.yaml", "-v")
     piped.assert_outcomes(passed=1)
     assert "ctresources: setup pass" not in piped.stdout.str()
@@ -144,10 +130,10 @@ def test_the_slowest_attributions_are_in_the_summary_and_the_report(
     pytester.makepyfile(
         test_slow=ATTRIBUTIONS + ATTRIBUTIONS.replace("test_attribution", "test_two")
     )
-    # The controller in-process: it attributes nothing (the workers, processes of their own,
-    # do) and reads the timings they ship.
+    # The controller in-process: it attributes nothing (its one worker, a process of its own,
+    # does) and reads the timings the worker ships.
     result = pytester.runpytest(
-        "--ct-config", "exp.yaml", "-n", "2", "-v", "--ct-report-json", "report.json"
+        "--ct-config", "exp.yaml", "-n", "1", "-v", "--ct-report-json", "report.json"
     )
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(

@@ -209,6 +209,11 @@ def test_the_live_line_fits_the_terminal_moves_and_leaves_pytests_line_whole(
     assert not [row for row in screen.wrapped_rows if "test_attribution" in row], (
         screen.wrapped_rows
     )
+    # Drawn after the test's own text with the cursor saved, erased by restoring it and
+    # clearing to the end of the line; pytest's PASSED follows the last erasure.
+    assert "test_live.py::test_attribution " in out.split("\x1b7ctresources: ", 1)[0]
+    assert "\x1b8\x1b[K" in out[out.index("\x1b7ctresources:") :]
+    assert "PASSED" in out[out.rindex("\x1b8\x1b[K") :].split("\n", 1)[0]
     shown = list(FORWARD.finditer(out))
     if width >= 120:  # room for the whole line: the phases done so far are there too
         assert all(out.startswith(" (setup ", line.end()) for line in shown), out
