@@ -119,14 +119,21 @@ def _outcomes(
     return int(result.ret), result.parseoutcomes()
 
 
-@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+#: Under xdist, plugins whose hazard is several workers (pytest-randomly's order must be
+#: the same in each; pytest-cov combines the workers' data) run two; for the others one
+#: worker is xdist's controller and worker paths, at half the processes.
+SEVERAL_WORKERS = {"randomly", "cov"}
+
+
+@pytest.mark.parametrize("xdist", [False, True], ids=["serial", "xdist"])
 @pytest.mark.parametrize("plugin", sorted(COMBINATIONS))
 def test_same_outcomes_with_the_plugin_on_and_off(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, plugin: str, workers: list[str]
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, plugin: str, xdist: bool
 ) -> None:
     if plugin == "randomly":
         monkeypatch.delenv("PYTEST_ADDOPTS")  # the suite's pytester turns randomly off
     pytester.makepyfile(test_suite=SUITE)
+    workers = ["-n", "2" if plugin in SEVERAL_WORKERS else "1"] if xdist else []
     args = [*COMBINATIONS[plugin], *workers]
     on = _outcomes(pytester, args, plugin)
     off = _outcomes(pytester, [*args, "-p", "no:ctresources"], plugin)

@@ -127,7 +127,8 @@ def test_rows_carry_the_figures_and_the_summary_the_plot(project: pytest.Pyteste
 
 
 def test_under_xdist_the_controller_fills_rows_and_summary(project: pytest.Pytester) -> None:
-    result = project.runpytest("-n", "2", "--html", "report.html")
+    # One worker: the rows the controller fills from shipped reports are the subject.
+    result = project.runpytest("-n", "1", "--html", "report.html")
     result.assert_outcomes(passed=3, warnings=1)
     report = (project.path / "report.html").read_text()
     _check_rows(report)
