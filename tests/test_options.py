@@ -301,3 +301,25 @@ def test_ini_defaults_that_code_elsewhere_uses_agree() -> None:
     from pytest_ctresources.settings.options import Declared
 
     assert float(Declared.auto_margin.default or "nan") == DEFAULT_AUTO_MARGIN
+
+
+@pytest.mark.parametrize(
+    ("kind", "default", "message"),
+    [
+        ("Setting", None, "setting x has no default: declare it an OptionalSetting"),
+        ("OptionalSetting", "1", "setting x has a default: declare it a Setting"),
+    ],
+)
+def test_a_declaration_says_whether_it_has_a_default(
+    kind: str, default: str | None, message: str
+) -> None:
+    # Whether a resolved value can be None follows from the declaration's class, so a
+    # declaration whose default contradicts its class is refused when the class is made.
+    from pytest_ctresources.settings import options
+
+    declaration = getattr(options, kind)
+    with pytest.raises((TypeError, RuntimeError)) as caught:
+        type("Table", (), {"x": declaration(str, "help", default=default)})
+    # Before Python 3.12, an error in __set_name__ comes wrapped in a RuntimeError.
+    error = caught.value.__cause__ or caught.value
+    assert str(error) == message
