@@ -9,6 +9,9 @@ from tests.conftest import TINY_YAML
 pytest_plugins = ["pytester"]
 
 HEAVY = ("torch", "matplotlib", "circuit_tracer", "nnsight", "nbformat", "pynvml", "yaml")
+# The plugin's own modules for ct_session and its estimate: a run whose tests use neither
+# imports none of them, also in a project that asks (they are a fixed cost of every run).
+UNUSED = ("pytest_ctresources.estimator", "pytest_ctresources.session.session")
 
 
 @pytest.mark.parametrize(
@@ -35,20 +38,26 @@ def test_a_run_that_does_not_use_the_plugin_imports_nothing_heavy(
         def pytest_sessionfinish(session):
             loaded = [m for m in {heavy!r} if m in sys.modules]
             print("HEAVY:" + ",".join(loaded) + ":END")
+            unused = [m for m in sys.modules if m.startswith({UNUSED!r})]
+            print("UNUSED:" + ",".join(unused) + ":END")
         """
     )
     pytester.makepyfile("def test_a(): pass")
     args = ["-s", "-p", "no:nbmake", *(["-v"] if verbose else [])]
     result = pytester.runpytest_subprocess(*args)
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*HEAVY::END*"])
+    result.stdout.fnmatch_lines(["*HEAVY::END*", "*UNUSED::END*"])
     if verbose:
         # Not asked, the header says so and nothing more; asked, it names the GPU, from
         # NVML, still without torch.
         result.stdout.fnmatch_lines(["ctresources: inactive (nothing in this project asks*"])
         asked = pytester.runpytest_subprocess(*args, "-o", "ct_cleanup=auto")
         asked.stdout.fnmatch_lines(
-            ["ctresources: no CUDA GPU detected (NVML unavailable*", "*HEAVY::END*"]
+            [
+                "ctresources: no CUDA GPU detected (NVML unavailable*",
+                "*HEAVY::END*",
+                "*UNUSED::END*",
+            ]
         )
 
 

@@ -14,6 +14,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -23,20 +24,21 @@ from pytest_ctresources.core.regression import Increase
 from pytest_ctresources.core.runtime import Runtime, own_settings
 from pytest_ctresources.core.skips import skip_reason
 from pytest_ctresources.core.state import state_of
-from pytest_ctresources.estimator.auto import counted
-from pytest_ctresources.estimator.estimate import Estimate
 from pytest_ctresources.exceptions import CtLeakWarning
 from pytest_ctresources.gpu import oom
 from pytest_ctresources.gpu.detect import GpuInfo
 from pytest_ctresources.gpu.measure import VramFigures, VramMeter
-from pytest_ctresources.session.cache import ResidentModel
-from pytest_ctresources.session.pruning import PruningOom
-from pytest_ctresources.session.session import CtSession
 from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig
 from pytest_ctresources.settings.options import DEFAULT_INCREASE_PERCENT
 from pytest_ctresources.settings.sources import Source, Sourced
 from pytest_ctresources.units import GIB
+
+if TYPE_CHECKING:  # imported where used: a run whose tests use no ct_session loads none
+    from pytest_ctresources.estimator.estimate import Estimate
+    from pytest_ctresources.session.cache import ResidentModel
+    from pytest_ctresources.session.pruning import PruningOom
+    from pytest_ctresources.session.session import CtSession
 
 CONFIG_FIXTURES = frozenset({"ct_config", "ct_session"})
 UNMARKED_BYTES = 1 << 30
@@ -148,6 +150,7 @@ def estimated_need(cfg: CircuitTracerConfig, runtime: Runtime) -> markers.VramNe
     for ``auto``, else the configured one) capped at the GPU, for its lease. Under
     ``--ct-vram-capacity``, a cap on PyTorch's allocator, the CUDA context is left out.
     """
+    from pytest_ctresources.estimator.auto import counted
     from pytest_ctresources.estimator.registry import estimate_config
 
     settings = runtime.settings

@@ -110,12 +110,17 @@ class OneLineModelFailures:
 
 def _one_line() -> Generator[None, None, None]:
     __tracebackhide__ = True
-    from pytest_ctresources.estimator.auto import WillNotFit
-    from pytest_ctresources.session.model_load import ModelLoadError
-
     try:
         return (yield)
-    except (ModelLoadError, WillNotFit) as exc:
+    except _one_line_failures() as exc:  # evaluated only when something raised
         message = str(exc)
     # Outside the except block: no "During handling of the above exception" either.
     pytest.fail(message, pytrace=False)
+
+
+def _one_line_failures() -> tuple[type[Exception], ...]:
+    # Imported only once a test raised: a run whose tests pass loads neither module for this.
+    from pytest_ctresources.estimator.auto import WillNotFit
+    from pytest_ctresources.session.model_load import ModelLoadError
+
+    return ModelLoadError, WillNotFit

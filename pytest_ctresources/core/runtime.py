@@ -7,14 +7,13 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from pytest_ctresources.core import learned as learned_needs
 from pytest_ctresources.core.learned import LearnedNeeds
 from pytest_ctresources.core.state import state_of
-from pytest_ctresources.estimator.auto import Budget
 from pytest_ctresources.exceptions import AllocConfIneffectiveWarning
 from pytest_ctresources.gpu.allocator import ALLOC_CONF_ENV, AllocConf, CapacityCap
 from pytest_ctresources.gpu.cleanup import cleanup_python_cuda, cuda_initialised
@@ -28,6 +27,9 @@ from pytest_ctresources.settings.resolve import Settings, settings_from_config
 from pytest_ctresources.settings.sources import Source, Sourced
 from pytest_ctresources.xdist.binding import Binding
 from pytest_ctresources.xdist.learned_exchange import shipped_needs
+
+if TYPE_CHECKING:  # imported where used: a run whose tests use no ct_session loads none
+    from pytest_ctresources.estimator.auto import Budget
 from pytest_ctresources.xdist.roles import runs_no_tests
 
 
@@ -113,6 +115,8 @@ class Runtime:
         the ``--ct-vram-capacity`` cap) less the ``ct_auto_margin`` share; no more than the
         test's declared need (a ``vram`` marker or ``VRAM_GIB`` bounds auto), and, in an
         xdist worker sharing its GPU, no more than the VRAM lease it holds."""
+        from pytest_ctresources.estimator.auto import Budget
+
         margin = float(self.settings.auto_margin.value)
         capacity = self.settings.vram_capacity
         gpu = self.test_gpu()
