@@ -10,21 +10,41 @@ these imports.
 from __future__ import annotations
 
 from collections.abc import Generator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pytest
 
 from pytest_ctresources.core import accounting
-from pytest_ctresources.core.runtime import runtime_of
+from pytest_ctresources.core.record import TestRecord
+from pytest_ctresources.core.runtime import Runtime, runtime_of
 from pytest_ctresources.core.state import new_attempt_of, state_of
-from pytest_ctresources.gpu.cleanup_between_tests import unraisable_as_warnings
+from pytest_ctresources.gpu.cleanup import cuda_initialised
+from pytest_ctresources.gpu.cleanup_between_tests import TestStart, unraisable_as_warnings
 from pytest_ctresources.leases import leases
 from pytest_ctresources.report import snapshots
 from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.activation import activation_of
 from pytest_ctresources.xdist.exchange import PlacementWorker
 
+if TYPE_CHECKING:
+    from pytest_ctresources.session.cache import ResidentModel
+
 #: The user properties the plugin wrote for the item's last attempt (a rerun replaces them).
 _WRITTEN_KEY = pytest.StashKey[list[tuple[str, object]]]()
+
+
+@dataclass(frozen=True)
+class _QuietStart:
+    """What the setup of a test with nothing to measure (accounting.nothing_to_measure)
+    kept: the resident model then, and the cleanup's start."""
+
+    resident: ResidentModel | None
+    cleanup: TestStart | None
+
+
+#: Set at the setup of a test with nothing to measure, until its teardown.
+_QUIET_KEY = pytest.StashKey[_QuietStart]()
 
 
 class PerTestHooks:
@@ -34,6 +54,9 @@ class PerTestHooks:
 
     name = "ctresources-per-test"
 
+    def __init__(self) -> None:
+        self._may_skip: bool | None = None  # decided at the first test (_may_skip_accounting)
+
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         if not activation_of(item.config).acts_for(item):
@@ -41,6 +64,12 @@ class PerTestHooks:
         runtime = runtime_of(item.config)
         if runtime.capacity_cap is not None:
             runtime.capacity_cap.arm()
+        if self._may_skip_accounting(item) and accounting.nothing_to_measure(item, runtime):
+            # A test that asks for nothing, before CUDA is initialised: no state, meter or
+            # record unless it turns out to use CUDA (at teardown). The cleanup's start stays.
+            start = runtime.cleaner.begin(runtime.resident_bytes()) if runtime.cleaner else None
+            item.stash[_QUIET_KEY] = _QuietStart(runtime.model_cache.resident, start)
+            return
         # A rerun (pytest-rerunfailures) runs the same item again: its earlier attempt's findings
         # must not travel with this one's reports. Only the properties the plugin wrote go: a
         # project's own ``ct_*`` properties stay.
@@ -79,29 +108,76 @@ class PerTestHooks:
             return (yield)
         finally:
             runtime = runtime_of(item.config)
-            state = state_of(item)
+            quiet = item.stash.get(_QUIET_KEY, None)
+            if quiet is not None:
+                del item.stash[_QUIET_KEY]
+            if quiet is not None and not cuda_initialised():
+                self._quiet_teardown(item, runtime, quiet)
+            else:
+                if quiet is not None:  # it used CUDA after all: the state its setup skipped
+                    resident_bytes = quiet.cleanup.resident_bytes if quiet.cleanup else 0
+                    accounting.begin_late(item, runtime, quiet.resident, resident_bytes)
+                    state_of(item).cleanup_start = quiet.cleanup
+                self._teardown(item, runtime)
+
+    def _may_skip_accounting(self, item: pytest.Item) -> bool:
+        """Whether this run lets a test that asks for nothing skip the accounting until it
+        uses CUDA: not where every test takes a lease, collects garbage, records a
+        snapshot or is placed on a GPU (each its own per-test work)."""
+        if self._may_skip is None:
+            config = item.config
+            runtime = runtime_of(config)
+            self._may_skip = (
+                runtime.settings.default_vram_gib.value <= 0
+                and (runtime.cleaner is None or runtime.cleaner.mode != "always")
+                and runtime.binding is None
+                and config.pluginmanager.get_plugin(PlacementWorker.name) is None
+                and not snapshots.registered(config)
+            )
+        return self._may_skip
+
+    @staticmethod
+    def _quiet_teardown(item: pytest.Item, runtime: Runtime, quiet: _QuietStart) -> None:
+        """The teardown of a test that asked for nothing and used no CUDA: its cleanup, as
+        any test's, and its lease given back. Its record holds at most the figures the
+        cleanup closed (no figures of its own, no need): written only then."""
+        closed = 0
+        try:
+            with unraisable_as_warnings():
+                if runtime.cleaner is not None:
+                    closed = runtime.cleaner.finish(
+                        quiet.cleanup, lambda: None, runtime.resident_bytes()
+                    )
+        finally:
             try:
-                # What the cleanup frees may run ``__del__`` methods that raise: their warnings
-                # belong to this test's teardown, not to the next test's setup.
-                with unraisable_as_warnings():
-                    if runtime.cleaner is not None:
-                        # Reported through the teardown report: output written here is captured.
-                        state.record.figures_closed = runtime.cleaner.finish(
-                            state.cleanup_start,
-                            accounting.allocated_beyond_baseline(item),
-                            runtime.resident_bytes(),
-                        )
-                accounting.end(item, runtime)
+                leases.give_back(item)
             finally:
-                try:
-                    leases.give_back(item)  # whatever raised (-W error::CtLeakWarning, ...)
-                finally:
-                    snapshots.finish(item, runtime.settings.leak_threshold.value)
-                    # The one place the test's record is written: its teardown report carries it
-                    # to the controller, the summary and junit XML (core/record.py).
-                    written = state.record.to_properties()
-                    item.stash[_WRITTEN_KEY] = written
-                    item.user_properties.extend(written)
+                if closed:
+                    record = state_of(item).record
+                    record.figures_closed = closed
+                    _write_record(item, record)
+
+    @staticmethod
+    def _teardown(item: pytest.Item, runtime: Runtime) -> None:
+        state = state_of(item)
+        try:
+            # What the cleanup frees may run ``__del__`` methods that raise: their warnings
+            # belong to this test's teardown, not to the next test's setup.
+            with unraisable_as_warnings():
+                if runtime.cleaner is not None:
+                    # Reported through the teardown report: output written here is captured.
+                    state.record.figures_closed = runtime.cleaner.finish(
+                        state.cleanup_start,
+                        accounting.allocated_beyond_baseline(item),
+                        runtime.resident_bytes(),
+                    )
+            accounting.end(item, runtime)
+        finally:
+            try:
+                leases.give_back(item)  # whatever raised (-W error::CtLeakWarning, ...)
+            finally:
+                snapshots.finish(item, runtime.settings.leak_threshold.value)
+                _write_record(item, state.record)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
@@ -112,3 +188,11 @@ class PerTestHooks:
             if activation_of(item.config).acts_for(item):
                 accounting.explain_oom(item, runtime_of(item.config), exc)
             raise
+
+
+def _write_record(item: pytest.Item, record: TestRecord) -> None:
+    """The one place a test's record is written: its teardown report carries it to the
+    controller, the summary and junit XML (core/record.py)."""
+    written = record.to_properties()
+    item.stash[_WRITTEN_KEY] = written
+    item.user_properties.extend(written)

@@ -149,6 +149,34 @@ def test_junitxml_properties(project: pytest.Pytester) -> None:
     assert properties["ct_need_gib"] == "4.0"
 
 
+def test_only_tests_that_ask_or_find_cuda_initialised_are_metered_at_setup(
+    project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a test that asks for nothing costs: before CUDA is initialised its setup has
+    # nothing to meter (accounting.nothing_to_measure), so none is started; the tests after
+    # the first that initialised CUDA (test_declared_ok) are metered from their setup on.
+    # (A test that initialises CUDA itself is measured from its teardown: the table above.)
+    from pytest_ctresources.core import accounting
+    from pytest_ctresources.core.runtime import Runtime
+
+    begun: list[str] = []
+    begin = accounting.begin
+
+    def counted(item: pytest.Item, runtime: Runtime) -> str | None:
+        begun.append(item.name)
+        return begin(item, runtime)
+
+    monkeypatch.setattr(accounting, "begin", counted)
+    project.runpytest("-p", "no:randomly").assert_outcomes(passed=6)
+    assert begun == [
+        "test_declared_ok",
+        "test_under_declared",
+        "test_unmarked_big",
+        "test_unmarked_small",
+        "test_leaks",
+    ]
+
+
 def test_plot(project: pytest.Pytester) -> None:
     project.runpytest("-p", "no:randomly", "--ct-report-plot", "peaks.png")
     assert (project.path / "peaks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

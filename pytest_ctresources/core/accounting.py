@@ -23,12 +23,14 @@ from pytest_ctresources.core.learned import memory_key
 from pytest_ctresources.core.regression import Increase
 from pytest_ctresources.core.runtime import Runtime, own_settings
 from pytest_ctresources.core.skips import skip_reason
-from pytest_ctresources.core.state import state_of
+from pytest_ctresources.core.state import STATE_KEY, state_of
 from pytest_ctresources.exceptions import CtLeakWarning
 from pytest_ctresources.gpu import oom
+from pytest_ctresources.gpu.cleanup import cuda_initialised
 from pytest_ctresources.gpu.detect import GpuInfo
 from pytest_ctresources.gpu.measure import VramFigures, VramMeter
 from pytest_ctresources.settings import markers
+from pytest_ctresources.settings.activation import item_asks
 from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig
 from pytest_ctresources.settings.options import DEFAULT_INCREASE_PERCENT
 from pytest_ctresources.settings.sources import Source, Sourced
@@ -80,6 +82,39 @@ def begin(item: pytest.Item, runtime: Runtime) -> str | None:
     if reason is None and gpu is not None:
         state.record.gpu_ran = gpu.name  # a GPU test, run on a GPU (report/coverage.py)
     return reason
+
+
+def nothing_to_measure(item: pytest.Item, runtime: Runtime) -> bool:
+    """Whether :func:`begin` would find nothing for this test: it asks for nothing itself (no
+    fixture or marker of the plugin), nothing is known of it from collection (a notebook's
+    config) or an earlier attempt, no need was learned for it, and CUDA is not initialised,
+    so its meter would start at nothing and it has no need. Its setup then skips
+    :func:`begin`; should the test initialise CUDA, :func:`begin_late` gives it what
+    :func:`begin` would have.
+    """
+    if STATE_KEY in item.stash or cuda_initialised() or item_asks(item):
+        return False
+    learned = runtime.learned()
+    return not learned or learned.get(_plain_key(item, runtime)) is None
+
+
+def begin_late(
+    item: pytest.Item, runtime: Runtime, resident: ResidentModel | None, resident_bytes: int
+) -> None:
+    """What :func:`begin` would have given a test judged :func:`nothing_to_measure` at setup
+    (``resident``, ``resident_bytes``: what was resident then), for one that used CUDA after
+    all: the meter of a test that started without CUDA, no need, its learned-need key."""
+    state = state_of(item)
+    state.meter = VramMeter()  # its start() without CUDA would have recorded nothing
+    state.resident_at_start = resident
+    state.resident_bytes_at_start = resident_bytes
+    state.memory_key = _plain_key(item, runtime)
+
+
+def _plain_key(item: pytest.Item, runtime: Runtime) -> str:
+    """The learned-need key of a test without a config (:func:`resolve_need`'s, then)."""
+    capacity = runtime.settings.vram_capacity
+    return memory_key(item.nodeid, None, capacity.value if capacity is not None else None)
 
 
 def resolve_need(item: pytest.Item, runtime: Runtime) -> tuple[str, markers.VramNeed | None]:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from pytest_ctresources.core.record import PLAIN_RUN_WORKER
-from pytest_ctresources.core.state import state_of
+from pytest_ctresources.core.state import STATE_KEY, state_of
 from pytest_ctresources.exceptions import CtResourcesWarning
 from pytest_ctresources.settings.activation import activation_of
 from pytest_ctresources.units import GIB
@@ -378,7 +378,8 @@ class LeaseHooks:
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         if not activation_of(item.config).acts_for(item):
             return  # a test the plugin does not act for takes no lease
-        need = state_of(item).need
+        state = item.stash.get(STATE_KEY, None)  # none: a test with nothing to measure
+        need = state.need if state is not None else None
         self.book.take(item, need.lease_gib if need is not None else None)
 
 

@@ -212,6 +212,11 @@ def register(config: pytest.Config, mode: str, directory: Path | None, report: P
     config.stash[SNAPSHOTS_KEY] = recorder
 
 
+def registered(config: pytest.Config) -> bool:
+    """Whether this run records snapshots (``--ct-snapshot`` other than ``off``)."""
+    return SNAPSHOTS_KEY in config.stash
+
+
 def finish(item: pytest.Item, leak_threshold: int) -> None:
     """The test's snapshot, where snapshots are recorded (else nothing)."""
     recorder = item.config.stash.get(SNAPSHOTS_KEY, None)
