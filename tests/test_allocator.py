@@ -99,4 +99,6 @@ def test_a_project_that_asks_only_through_a_test_gets_the_default_before_it_runs
 
 def test_a_project_that_does_not_ask_gets_no_default(project: pytest.Pytester) -> None:
     project.makeini("[pytest]\n")
-    project.runpytest_subprocess("-s").stdout.fnmatch_lines(["*ENV PYTORCH_CUDA_ALLOC_CONF (unset)"])
+    project.runpytest_subprocess("-s").stdout.fnmatch_lines(
+        ["*ENV PYTORCH_CUDA_ALLOC_CONF (unset)"]
+    )

@@ -23,6 +23,7 @@ def asks_for_the_plugin(request: pytest.FixtureRequest) -> None:
     if "pytester" in request.fixturenames:
         request.getfixturevalue("pytester").makeini("[pytest]\nct_cleanup = auto\n")
 
+
 FIGURE_TESTS = """
 import matplotlib
 matplotlib.use("Agg")

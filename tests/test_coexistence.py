@@ -409,7 +409,14 @@ def test_a_project_that_does_not_ask_sees_no_difference(
     outputs = {}
     for mode, extra in MODES.items():
         result = pytester.runpytest_subprocess(
-            *extra, "--mode", mode, "-v", "--junitxml", f"junit-{mode}.xml", "-p", "no:cacheprovider"
+            *extra,
+            "--mode",
+            mode,
+            "-v",
+            "--junitxml",
+            f"junit-{mode}.xml",
+            "-p",
+            "no:cacheprovider",
         )
         outputs[mode] = result
     import json

@@ -278,7 +278,7 @@ def test_a_graph_past_cudas_sort_limit_is_refused_before_it_moves() -> None:
         "graph_files(): a graph of 46,341 nodes cannot be pruned on cuda:0: prune_graph sorts "
         "its 2,147,488,281 edge scores (nodes^2) in one torch.sort, which on CUDA takes at "
         "most 2,147,483,647: at most 46,340 nodes on a GPU; create_graph_files prunes on the "
-        'GPU whenever there is one; prune in host memory with ct_session.prune(graph, '
+        "GPU whenever there is one; prune in host memory with ct_session.prune(graph, "
         'device="cpu"), or make the graph smaller (max_feature_nodes, a shorter prompt)'
     )
     with pytest.raises(ValueError, match=r"^prune\(\): a graph of 46,341 nodes .* GPU; prune in"):
