@@ -10,15 +10,13 @@ these imports.
 from __future__ import annotations
 
 from collections.abc import Generator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import pytest
 
 from pytest_ctresources.core import accounting
 from pytest_ctresources.core.record import TestRecord
 from pytest_ctresources.core.runtime import Runtime, runtime_of
-from pytest_ctresources.core.state import new_attempt_of, state_of
+from pytest_ctresources.core.state import defer_start, new_attempt_of, state_of, take_deferred
 from pytest_ctresources.gpu.cleanup import cuda_initialised
 from pytest_ctresources.gpu.cleanup_between_tests import TestStart, unraisable_as_warnings
 from pytest_ctresources.leases import leases
@@ -27,24 +25,12 @@ from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.activation import activation_of
 from pytest_ctresources.xdist.exchange import PlacementWorker
 
-if TYPE_CHECKING:
-    from pytest_ctresources.session.cache import ResidentModel
-
 #: The user properties the plugin wrote for the item's last attempt (a rerun replaces them).
 _WRITTEN_KEY = pytest.StashKey[list[tuple[str, object]]]()
 
 
-@dataclass(frozen=True)
-class _QuietStart:
-    """What the setup of a test with nothing to measure (accounting.nothing_to_measure)
-    kept: the resident model then, and the cleanup's start."""
-
-    resident: ResidentModel | None
-    cleanup: TestStart | None
-
-
-#: Set at the setup of a test with nothing to measure, until its teardown.
-_QUIET_KEY = pytest.StashKey[_QuietStart]()
+#: The cleanup's start of a test with nothing to measure, from its setup to its teardown.
+_QUIET_KEY = pytest.StashKey[TestStart | None]()
 
 
 class PerTestHooks:
@@ -67,8 +53,15 @@ class PerTestHooks:
         if self._may_skip_accounting(item) and accounting.nothing_to_measure(item, runtime):
             # A test that asks for nothing, before CUDA is initialised: no state, meter or
             # record unless it turns out to use CUDA (at teardown). The cleanup's start stays.
-            start = runtime.cleaner.begin(runtime.resident_bytes()) if runtime.cleaner else None
-            item.stash[_QUIET_KEY] = _QuietStart(runtime.model_cache.resident, start)
+            resident, resident_bytes = runtime.model_cache.resident, runtime.resident_bytes()
+            start = runtime.cleaner.begin(resident_bytes) if runtime.cleaner else None
+            item.stash[_QUIET_KEY] = start
+            defer_start(
+                item,
+                lambda state: accounting.begin_late(
+                    state, item, runtime, resident, resident_bytes, start
+                ),
+            )
             return
         # A rerun (pytest-rerunfailures) runs the same item again: its earlier attempt's findings
         # must not travel with this one's reports. Only the properties the plugin wrote go: a
@@ -108,16 +101,15 @@ class PerTestHooks:
             return (yield)
         finally:
             runtime = runtime_of(item.config)
-            quiet = item.stash.get(_QUIET_KEY, None)
-            if quiet is not None:
+            quiet = _QUIET_KEY in item.stash
+            if quiet:
+                start = item.stash[_QUIET_KEY]
                 del item.stash[_QUIET_KEY]
-            if quiet is not None and not cuda_initialised():
-                self._quiet_teardown(item, runtime, quiet)
+            # Quiet to the end: nothing asked for its state and it initialised no CUDA. Else
+            # its state (state_of) gets the deferred start and the teardown is any test's.
+            if quiet and not cuda_initialised() and take_deferred(item):
+                self._quiet_teardown(item, runtime, start)
             else:
-                if quiet is not None:  # it used CUDA after all: the state its setup skipped
-                    resident_bytes = quiet.cleanup.resident_bytes if quiet.cleanup else 0
-                    accounting.begin_late(item, runtime, quiet.resident, resident_bytes)
-                    state_of(item).cleanup_start = quiet.cleanup
                 self._teardown(item, runtime)
 
     def _may_skip_accounting(self, item: pytest.Item) -> bool:
@@ -137,7 +129,7 @@ class PerTestHooks:
         return self._may_skip
 
     @staticmethod
-    def _quiet_teardown(item: pytest.Item, runtime: Runtime, quiet: _QuietStart) -> None:
+    def _quiet_teardown(item: pytest.Item, runtime: Runtime, start: TestStart | None) -> None:
         """The teardown of a test that asked for nothing and used no CUDA: its cleanup, as
         any test's, and its lease given back. Its record holds at most the figures the
         cleanup closed (no figures of its own, no need): written only then."""
@@ -145,9 +137,7 @@ class PerTestHooks:
         try:
             with unraisable_as_warnings():
                 if runtime.cleaner is not None:
-                    closed = runtime.cleaner.finish(
-                        quiet.cleanup, lambda: None, runtime.resident_bytes()
-                    )
+                    closed = runtime.cleaner.finish(start, lambda: None, runtime.resident_bytes())
         finally:
             try:
                 leases.give_back(item)

@@ -177,6 +177,36 @@ def test_only_tests_that_ask_or_find_cuda_initialised_are_metered_at_setup(
     ]
 
 
+PLAIN_OOM = """
+import torch
+from conftest import FAKE
+
+def test_first_to_use_cuda():
+    FAKE.alloc(2)
+    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+"""
+
+
+def test_a_test_that_asked_for_nothing_is_measured_once_it_runs_out_of_memory(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its setup skipped the accounting (no marker, no fixture, CUDA not yet initialised):
+    # the OOM's explanation asks for its state, and gets the meter its setup would have
+    # started, so the peak before the failure is there as for any test.
+    monkeypatch.setenv("CT_FAKE_GPUS", "NVIDIA GeForce RTX 4090=23.6")
+    pytester.makeini("[pytest]\nct_cleanup = auto\n")
+    pytester.makeconftest(FAKE_CUDA_CONFTEST)
+    pytester.makepyfile(test_plain=PLAIN_OOM)
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ctresources: CUDA out of memory*",
+            "peak before the failure: 2.00 GiB allocated, 2.00 GiB reserved",
+        ]
+    )
+
+
 def test_plot(project: pytest.Pytester) -> None:
     project.runpytest("-p", "no:randomly", "--ct-report-plot", "peaks.png")
     assert (project.path / "peaks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

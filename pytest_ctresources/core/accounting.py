@@ -23,7 +23,7 @@ from pytest_ctresources.core.learned import memory_key
 from pytest_ctresources.core.regression import Increase
 from pytest_ctresources.core.runtime import Runtime, own_settings
 from pytest_ctresources.core.skips import skip_reason
-from pytest_ctresources.core.state import STATE_KEY, state_of
+from pytest_ctresources.core.state import STATE_KEY, TestState, state_of
 from pytest_ctresources.exceptions import CtLeakWarning
 from pytest_ctresources.gpu import oom
 from pytest_ctresources.gpu.cleanup import cuda_initialised
@@ -38,6 +38,7 @@ from pytest_ctresources.units import GIB
 
 if TYPE_CHECKING:  # imported where used: a run whose tests use no ct_session loads none
     from pytest_ctresources.estimator.estimate import Estimate
+    from pytest_ctresources.gpu.cleanup_between_tests import TestStart
     from pytest_ctresources.session.cache import ResidentModel
     from pytest_ctresources.session.pruning import PruningOom
     from pytest_ctresources.session.session import CtSession
@@ -89,8 +90,9 @@ def nothing_to_measure(item: pytest.Item, runtime: Runtime) -> bool:
     fixture or marker of the plugin), nothing is known of it from collection (a notebook's
     config) or an earlier attempt, no need was learned for it, and CUDA is not initialised,
     so its meter would start at nothing and it has no need. Its setup then skips
-    :func:`begin`; should the test initialise CUDA, :func:`begin_late` gives it what
-    :func:`begin` would have.
+    :func:`begin`; should anything ask for the test's state (a fixture looked up by name,
+    an OOM, a check, a teardown after CUDA was initialised), :func:`begin_late` gives it
+    what :func:`begin` would have.
     """
     if STATE_KEY in item.stash or cuda_initialised() or item_asks(item):
         return False
@@ -99,15 +101,21 @@ def nothing_to_measure(item: pytest.Item, runtime: Runtime) -> bool:
 
 
 def begin_late(
-    item: pytest.Item, runtime: Runtime, resident: ResidentModel | None, resident_bytes: int
+    state: TestState,
+    item: pytest.Item,
+    runtime: Runtime,
+    resident: ResidentModel | None,
+    resident_bytes: int,
+    cleanup_start: TestStart | None,
 ) -> None:
-    """What :func:`begin` would have given a test judged :func:`nothing_to_measure` at setup
-    (``resident``, ``resident_bytes``: what was resident then), for one that used CUDA after
-    all: the meter of a test that started without CUDA, no need, its learned-need key."""
-    state = state_of(item)
+    """What :func:`begin` and the cleanup's start would have given a test judged
+    :func:`nothing_to_measure` at setup (``resident``, ``resident_bytes``,
+    ``cleanup_start``: what was resident and open then), once something asks for its state:
+    the meter of a test that started without CUDA, no need, its learned-need key."""
     state.meter = VramMeter()  # its start() without CUDA would have recorded nothing
     state.resident_at_start = resident
     state.resident_bytes_at_start = resident_bytes
+    state.cleanup_start = cleanup_start
     state.memory_key = _plain_key(item, runtime)
 
 

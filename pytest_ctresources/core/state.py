@@ -11,6 +11,7 @@ attempt: what is per attempt starts afresh, the config stays.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -78,8 +79,32 @@ def new_attempt_of(item: pytest.Item) -> TestState:
 
 
 def state_of(item: pytest.Item) -> TestState:
-    """The test's state, created on first use."""
+    """The test's state, created on first use (with its deferred start, if it has one)."""
     state = item.stash.get(STATE_KEY, None)
     if state is None:
         state = item.stash[STATE_KEY] = TestState()
+        start = item.stash.get(_DEFERRED_KEY, None)
+        if start is not None:
+            del item.stash[_DEFERRED_KEY]
+            start(state)
     return state
+
+
+#: What a test's setup left to do for its state, should anything need one (:func:`defer_start`).
+_DEFERRED_KEY = pytest.StashKey[Callable[[TestState], None]]()
+
+
+def defer_start(item: pytest.Item, start: Callable[[TestState], None]) -> None:
+    """Leave ``start`` to fill in the test's state when something first asks for it
+    (:func:`state_of`: a fixture, an OOM, a check, the teardown), so that a test nothing
+    asks about has no state at all."""
+    item.stash[_DEFERRED_KEY] = start
+
+
+def take_deferred(item: pytest.Item) -> bool:
+    """Drop the test's deferred start; whether one was still pending (nothing asked for the
+    test's state since :func:`defer_start`)."""
+    if _DEFERRED_KEY not in item.stash:
+        return False
+    del item.stash[_DEFERRED_KEY]
+    return True
