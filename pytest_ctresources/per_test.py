@@ -16,7 +16,13 @@ import pytest
 from pytest_ctresources.core import accounting
 from pytest_ctresources.core.record import TestRecord
 from pytest_ctresources.core.runtime import Runtime, runtime_of
-from pytest_ctresources.core.state import defer_start, new_attempt_of, state_of, take_deferred
+from pytest_ctresources.core.state import (
+    defer_start,
+    drop_deferred,
+    has_deferred,
+    new_attempt_of,
+    state_of,
+)
 from pytest_ctresources.gpu.cleanup import cuda_initialised
 from pytest_ctresources.gpu.cleanup_between_tests import TestStart, unraisable_as_warnings
 from pytest_ctresources.leases import leases
@@ -100,17 +106,7 @@ class PerTestHooks:
         try:
             return (yield)
         finally:
-            runtime = runtime_of(item.config)
-            quiet = _QUIET_KEY in item.stash
-            if quiet:
-                start = item.stash[_QUIET_KEY]
-                del item.stash[_QUIET_KEY]
-            # Quiet to the end: nothing asked for its state and it initialised no CUDA. Else
-            # its state (state_of) gets the deferred start and the teardown is any test's.
-            if quiet and not cuda_initialised() and take_deferred(item):
-                self._quiet_teardown(item, runtime, start)
-            else:
-                self._teardown(item, runtime)
+            self._teardown(item, runtime_of(item.config))
 
     def _may_skip_accounting(self, item: pytest.Item) -> bool:
         """Whether this run lets a test that asks for nothing skip the accounting until it
@@ -129,45 +125,48 @@ class PerTestHooks:
         return self._may_skip
 
     @staticmethod
-    def _quiet_teardown(item: pytest.Item, runtime: Runtime, start: TestStart | None) -> None:
-        """The teardown of a test that asked for nothing and used no CUDA: its cleanup, as
-        any test's, and its lease given back. Its record holds at most the figures the
-        cleanup closed (no figures of its own, no need): written only then."""
-        closed = 0
-        try:
-            with unraisable_as_warnings():
-                if runtime.cleaner is not None:
-                    closed = runtime.cleaner.finish(start, lambda: None, runtime.resident_bytes())
-        finally:
-            try:
-                leases.give_back(item)
-            finally:
-                if closed:
-                    record = state_of(item).record
-                    record.figures_closed = closed
-                    _write_record(item, record)
-
-    @staticmethod
     def _teardown(item: pytest.Item, runtime: Runtime) -> None:
-        state = state_of(item)
+        quiet = _QUIET_KEY in item.stash  # its setup skipped the accounting
+        if quiet:
+            start = item.stash[_QUIET_KEY]
+            del item.stash[_QUIET_KEY]
+
+        def measured() -> bool:
+            # A quiet test is measured as any other once anything asked for its state or CUDA
+            # is initialised: during the test, or by what the cleanup frees (a ``__del__``).
+            return not quiet or not has_deferred(item) or cuda_initialised()
+
+        def beyond() -> int | None:
+            return accounting.allocated_beyond_baseline(item)() if measured() else None
+
+        closed = 0
         try:
             # What the cleanup frees may run ``__del__`` methods that raise: their warnings
             # belong to this test's teardown, not to the next test's setup.
             with unraisable_as_warnings():
                 if runtime.cleaner is not None:
                     # Reported through the teardown report: output written here is captured.
-                    state.record.figures_closed = runtime.cleaner.finish(
-                        state.cleanup_start,
-                        accounting.allocated_beyond_baseline(item),
+                    closed = runtime.cleaner.finish(
+                        start if quiet else state_of(item).cleanup_start,
+                        beyond,
                         runtime.resident_bytes(),
                     )
-            accounting.end(item, runtime)
+            if measured():
+                state_of(item).record.figures_closed = closed
+                accounting.end(item, runtime)
         finally:
             try:
                 leases.give_back(item)  # whatever raised (-W error::CtLeakWarning, ...)
             finally:
-                snapshots.finish(item, runtime.settings.leak_threshold.value)
-                _write_record(item, state.record)
+                if measured():
+                    snapshots.finish(item, runtime.settings.leak_threshold.value)
+                    _write_record(item, state_of(item).record)
+                else:  # nothing to say but the figures the cleanup closed, if any
+                    drop_deferred(item)
+                    if closed:
+                        record = state_of(item).record
+                        record.figures_closed = closed
+                        _write_record(item, record)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:

@@ -207,6 +207,36 @@ def test_a_test_that_asked_for_nothing_is_measured_once_it_runs_out_of_memory(
     )
 
 
+FREED_BY_THE_CLEANUP = """
+from conftest import FAKE
+
+class TouchesCudaWhenFreed:  # a handle whose __del__ initialises CUDA (torch.cuda.synchronize)
+    def __del__(self):
+        FAKE.alloc(1)
+
+def test_fails_holding_it():
+    handle = TouchesCudaWhenFreed()
+    assert False
+"""
+
+
+def test_a_test_that_asked_for_nothing_is_measured_when_its_cleanup_initialises_cuda(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The cleanup frees the failed test's frames, whose object initialises CUDA and leaks
+    # 1 GiB: measured (figures, leak warning) as if its setup had not skipped the accounting.
+    monkeypatch.setenv("CT_FAKE_GPUS", "NVIDIA GeForce RTX 4090=23.6")
+    pytester.makeini("[pytest]\nct_cleanup = auto\n")
+    pytester.makeconftest(FAKE_CUDA_CONFTEST)
+    pytester.makepyfile(test_freed=FREED_BY_THE_CLEANUP)
+    result = pytester.runpytest("--junitxml", "j.xml")
+    result.assert_outcomes(failed=1, warnings=1)
+    result.stdout.fnmatch_lines(
+        ["*CtLeakWarning: test_freed.py::test_fails_holding_it left 1.00 GiB*"]
+    )
+    assert 'name="ct_leaked_bytes" value="1073741824"' in (pytester.path / "j.xml").read_text()
+
+
 def test_plot(project: pytest.Pytester) -> None:
     project.runpytest("-p", "no:randomly", "--ct-report-plot", "peaks.png")
     assert (project.path / "peaks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -101,10 +101,13 @@ def defer_start(item: pytest.Item, start: Callable[[TestState], None]) -> None:
     item.stash[_DEFERRED_KEY] = start
 
 
-def take_deferred(item: pytest.Item) -> bool:
-    """Drop the test's deferred start; whether one was still pending (nothing asked for the
-    test's state since :func:`defer_start`)."""
-    if _DEFERRED_KEY not in item.stash:
-        return False
-    del item.stash[_DEFERRED_KEY]
-    return True
+def has_deferred(item: pytest.Item) -> bool:
+    """Whether the test's deferred start is still pending: nothing asked for its state
+    since :func:`defer_start`."""
+    return _DEFERRED_KEY in item.stash
+
+
+def drop_deferred(item: pytest.Item) -> None:
+    """Forget the test's deferred start (its teardown found nothing to measure)."""
+    if _DEFERRED_KEY in item.stash:
+        del item.stash[_DEFERRED_KEY]
