@@ -187,17 +187,23 @@ def test_first_to_use_cuda():
 """
 
 
+@pytest.fixture
+def asking(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    """A project that asks as a whole (its ini), on a fake CUDA card, with no tests yet."""
+    monkeypatch.setenv("CT_FAKE_GPUS", "NVIDIA GeForce RTX 4090=23.6")
+    pytester.makeini("[pytest]\nct_cleanup = auto\n")
+    pytester.makeconftest(FAKE_CUDA_CONFTEST)
+    return pytester
+
+
 def test_a_test_that_asked_for_nothing_is_measured_once_it_runs_out_of_memory(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    asking: pytest.Pytester,
 ) -> None:
     # Its setup skipped the accounting (no marker, no fixture, CUDA not yet initialised):
     # the OOM's explanation asks for its state, and gets the meter its setup would have
     # started, so the peak before the failure is there as for any test.
-    monkeypatch.setenv("CT_FAKE_GPUS", "NVIDIA GeForce RTX 4090=23.6")
-    pytester.makeini("[pytest]\nct_cleanup = auto\n")
-    pytester.makeconftest(FAKE_CUDA_CONFTEST)
-    pytester.makepyfile(test_plain=PLAIN_OOM)
-    result = pytester.runpytest()
+    asking.makepyfile(test_plain=PLAIN_OOM)
+    result = asking.runpytest()
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
@@ -221,20 +227,17 @@ def test_fails_holding_it():
 
 
 def test_a_test_that_asked_for_nothing_is_measured_when_its_cleanup_initialises_cuda(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    asking: pytest.Pytester,
 ) -> None:
     # The cleanup frees the failed test's frames, whose object initialises CUDA and leaks
     # 1 GiB: measured (figures, leak warning) as if its setup had not skipped the accounting.
-    monkeypatch.setenv("CT_FAKE_GPUS", "NVIDIA GeForce RTX 4090=23.6")
-    pytester.makeini("[pytest]\nct_cleanup = auto\n")
-    pytester.makeconftest(FAKE_CUDA_CONFTEST)
-    pytester.makepyfile(test_freed=FREED_BY_THE_CLEANUP)
-    result = pytester.runpytest("--junitxml", "j.xml")
+    asking.makepyfile(test_freed=FREED_BY_THE_CLEANUP)
+    result = asking.runpytest("--junitxml", "j.xml")
     result.assert_outcomes(failed=1, warnings=1)
     result.stdout.fnmatch_lines(
         ["*CtLeakWarning: test_freed.py::test_fails_holding_it left 1.00 GiB*"]
     )
-    assert 'name="ct_leaked_bytes" value="1073741824"' in (pytester.path / "j.xml").read_text()
+    assert 'name="ct_leaked_bytes" value="1073741824"' in (asking.path / "j.xml").read_text()
 
 
 def test_plot(project: pytest.Pytester) -> None:
