@@ -58,7 +58,8 @@ class PerTestHooks:
             runtime.capacity_cap.arm()
         if self._may_skip_accounting(item) and accounting.nothing_to_measure(item, runtime):
             # A test that asks for nothing, before CUDA is initialised: no state, meter or
-            # record unless it turns out to use CUDA (at teardown). The cleanup's start stays.
+            # record until something asks for its state (state_of runs the deferred start)
+            # or CUDA is initialised by its teardown. The cleanup's start stays.
             resident, resident_bytes = runtime.model_cache.resident, runtime.resident_bytes()
             start = runtime.cleaner.begin(resident_bytes) if runtime.cleaner else None
             item.stash[_QUIET_KEY] = start

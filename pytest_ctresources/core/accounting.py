@@ -97,7 +97,7 @@ def nothing_to_measure(item: pytest.Item, runtime: Runtime) -> bool:
     if STATE_KEY in item.stash or cuda_initialised() or item_asks(item):
         return False
     learned = runtime.learned()
-    return not learned or learned.get(_plain_key(item, runtime)) is None
+    return not learned or learned.get(_key(item, None, runtime)) is None
 
 
 def begin_late(
@@ -116,13 +116,14 @@ def begin_late(
     state.resident_at_start = resident
     state.resident_bytes_at_start = resident_bytes
     state.cleanup_start = cleanup_start
-    state.memory_key = _plain_key(item, runtime)
+    state.memory_key = _key(item, None, runtime)
 
 
-def _plain_key(item: pytest.Item, runtime: Runtime) -> str:
-    """The learned-need key of a test without a config (:func:`resolve_need`'s, then)."""
+def _key(item: pytest.Item, cfg: CircuitTracerConfig | None, runtime: Runtime) -> str:
+    """The test's learned-need key under its config (None: a test without one) and the
+    run's ``--ct-vram-capacity``."""
     capacity = runtime.settings.vram_capacity
-    return memory_key(item.nodeid, None, capacity.value if capacity is not None else None)
+    return memory_key(item.nodeid, cfg, capacity.value if capacity is not None else None)
 
 
 def resolve_need(item: pytest.Item, runtime: Runtime) -> tuple[str, markers.VramNeed | None]:
@@ -135,8 +136,7 @@ def resolve_need(item: pytest.Item, runtime: Runtime) -> tuple[str, markers.Vram
     cfg = state_of(item).config  # set at collection for notebook items
     if cfg is None and CONFIG_FIXTURES.intersection(getattr(item, "fixturenames", ())):
         cfg = runtime.config_for(item)
-    capacity = runtime.settings.vram_capacity
-    key = memory_key(item.nodeid, cfg, capacity.value if capacity is not None else None)
+    key = _key(item, cfg, runtime)
     need = markers.vram_need(item)
     if need is None and cfg is not None and cfg.vram_gib is not None:
         need = markers.VramNeed(cfg.vram_gib, cfg.source_of("vram_gib"))
