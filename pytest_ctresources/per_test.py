@@ -1,6 +1,7 @@
 """What the plugin does around each test it acts for (settings/activation.py): the test's
 need, lease and accounting at setup, the out-of-memory explanation at call, the cleanup, the
-snapshot and the one write of its record at teardown.
+snapshot and the one write of its record at teardown; around every test of such a run, the
+one-line failure of a model that cannot load (core/fixtures.py).
 
 Registered by ``plugin.py`` only in a run the plugin acts in, and imported only then: a
 project that does not ask has none of these hooks on any test's stack, and pays for none of
@@ -14,6 +15,7 @@ from collections.abc import Generator
 import pytest
 
 from pytest_ctresources.core import accounting
+from pytest_ctresources.core.fixtures import one_line_message
 from pytest_ctresources.core.record import TestRecord
 from pytest_ctresources.core.runtime import Runtime, runtime_of
 from pytest_ctresources.core.state import (
@@ -41,16 +43,33 @@ _QUIET_KEY = pytest.StashKey[TestStart | None]()
 
 class PerTestHooks:
     """Around each test the plugin acts for (settings/activation.py): its need, lease and
-    accounting at setup, the OOM explanation at call, the cleanup and its record at teardown.
-    Registered only in a run the plugin acts in."""
+    accounting at setup, the OOM explanation at call, the cleanup and its record at teardown;
+    a model that cannot load fails any test of the run in one line. Registered only in a run
+    the plugin acts in. (One class, so that a test with nothing to measure costs three hook
+    calls, not one per concern.)"""
 
     name = "ctresources-per-test"
 
     def __init__(self) -> None:
         self._may_skip: bool | None = None  # decided at the first test (_may_skip_accounting)
 
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+    @pytest.hookimpl(wrapper=True, trylast=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+        # The innermost wrapper: its part before the yield runs after the other wrappers'
+        # (inside output capture) and before every implementation, pytest's skipping plugin
+        # included, which evaluates the skip mark it may add; the yield runs the fixtures.
+        __tracebackhide__ = True  # a failing fixture's traceback is the project's, not ours
+        self._setup(item)
+        try:
+            return (yield)
+        except Exception as exc:
+            message = one_line_message(exc)
+            if message is None:
+                raise
+        # Outside the except block: no "During handling of the above exception" either.
+        pytest.fail(message, pytrace=False)
+
+    def _setup(self, item: pytest.Item) -> None:
         if not activation_of(item.config).acts_for(item):
             return
         runtime = runtime_of(item.config)
@@ -131,6 +150,16 @@ class PerTestHooks:
         if quiet:
             start = item.stash[_QUIET_KEY]
             del item.stash[_QUIET_KEY]
+            if (
+                has_deferred(item)
+                and (runtime.cleaner is None or runtime.cleaner.nothing_to_do(start))
+                and not cuda_initialised()
+            ):
+                # Nothing asked for its state, and the cleanup has nothing to free (so no
+                # ``__del__`` can initialise CUDA now): nothing to measure, clean or write.
+                drop_deferred(item)
+                leases.give_back(item)
+                return
 
         def measured() -> bool:
             # A quiet test is measured as any other once anything asked for its state or CUDA
@@ -175,9 +204,12 @@ class PerTestHooks:
         try:
             return (yield)
         except BaseException as exc:
-            if activation_of(item.config).acts_for(item):
-                accounting.explain_oom(item, runtime_of(item.config), exc)
-            raise
+            message = one_line_message(exc)
+            if message is None:
+                if activation_of(item.config).acts_for(item):
+                    accounting.explain_oom(item, runtime_of(item.config), exc)
+                raise
+        pytest.fail(message, pytrace=False)  # outside the except block, as at setup
 
 
 def _write_record(item: pytest.Item, record: TestRecord) -> None:

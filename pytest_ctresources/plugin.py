@@ -31,6 +31,7 @@ from pytest_ctresources.xdist.roles import runs_no_tests
 if TYPE_CHECKING:
     from pytest_ctresources.core.learned import LearnedNeeds
     from pytest_ctresources.core.runtime import Runtime
+    from pytest_ctresources.report.summary import SummaryReporter
     from pytest_ctresources.xdist.binding import Binding
 
 # Only what every pytest start-up needs is imported above: the options, and whether the project
@@ -184,7 +185,7 @@ def _start(config: pytest.Config) -> Runtime:
                 LearnedNeedsExchange.name,
             )
         if activation.project_wide:
-            _learn_durations_and_place(config)
+            _learn_durations_and_place(config, reporter)
         # pytest-html's hooks exist only where it is loaded; it writes on this process only.
         # Its table's header is drawn before any test runs: the VRAM columns appear where the
         # project asks for the plugin as a whole.
@@ -237,12 +238,14 @@ def _register_history_checks(config: pytest.Config, runtime: Runtime) -> None:
         )
 
 
-def _learn_durations_and_place(config: pytest.Config) -> None:
-    """On the controller (or the plain run) of a project that asks: learn durations, and
-    where xdist distributes, place tests by VRAM (xdist/scheduler.py)."""
+def _learn_durations_and_place(config: pytest.Config, reporter: SummaryReporter) -> None:
+    """On the controller (or the plain run) of a project that asks: learn durations (as the
+    summary read them), and where xdist distributes, place tests by VRAM
+    (xdist/scheduler.py)."""
     from pytest_ctresources.report.durations import LearnedDurations
 
-    durations = LearnedDurations(config.cache if hasattr(config, "cache") else None)
+    cache = config.cache if hasattr(config, "cache") else None
+    durations = LearnedDurations(cache, reporter.summary.durations)
     config.pluginmanager.register(durations, LearnedDurations.name)
     if config.pluginmanager.hasplugin("xdist") and runs_no_tests(config):
         from pytest_ctresources.xdist.scheduler import PlacementController
@@ -339,10 +342,8 @@ def _plan_and_shard(config: pytest.Config, runtime: Runtime) -> None:
 def _act_per_test(config: pytest.Config, runtime: Runtime) -> None:
     """Register what the plugin does around each test: only in a run it acts in, so that a
     project that does not ask has none of its hooks on the stack of any test."""
-    from pytest_ctresources.core.fixtures import OneLineModelFailures
     from pytest_ctresources.gpu.cleanup_between_tests import BetweenTests
 
-    config.pluginmanager.register(OneLineModelFailures(), OneLineModelFailures.name)
     if runtime.settings.cleanup.value != "never":
         cache = runtime.model_cache
         runtime.cleaner = BetweenTests(runtime.settings.cleanup.value, lambda: cache.unfreezes)

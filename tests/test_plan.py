@@ -172,3 +172,30 @@ def test_the_bench_compares_the_plan_with_a_run_of_the_same_suite(
     assert len(phase["outcomes"]) == 12 and phase["start"] < phase["stop"]
     plan = json.loads((tmp_path / "suite" / "plan.json").read_text())
     assert plan["predicted_wall_s"] > 0 and all(t["duration_learned"] for t in plan["tests"])
+
+
+def test_durations_are_the_last_attempts_phases_of_tests_whose_call_ran() -> None:
+    # What the plan, shards and the scheduler learn: setup + call + teardown of a test's last
+    # attempt (a rerun starts afresh); none for a test skipped in any phase (xfail included)
+    # or whose setup failed.
+    from pytest_ctresources.report.summary import RunSummary
+
+    summary = RunSummary()
+
+    def phases(nodeid: str, *outcomes: str, seconds: float = 1.0) -> None:
+        for when, outcome in zip(("setup", "call", "teardown"), outcomes, strict=False):
+            summary.record(
+                pytest.TestReport(nodeid, ("f.py", 0, nodeid), {}, outcome, None, when, [], seconds)
+            )
+
+    phases("f.py::passed", "passed", "passed", "passed", seconds=0.5)
+    phases("f.py::failed", "passed", "failed", "passed")
+    phases("f.py::skipped_in_call", "passed", "skipped", "passed")
+    phases("f.py::skipped_at_setup", "skipped", seconds=0.0)
+    phases("f.py::teardown_only", "failed")
+    summary.record(
+        pytest.TestReport("f.py::teardown_only", ("f.py", 0, ""), {}, "passed", None, "teardown")
+    )
+    phases("f.py::rerun", "passed", "rerun", "passed", seconds=7.0)
+    phases("f.py::rerun", "passed", "passed", "passed", seconds=2.0)
+    assert summary.durations() == {"f.py::passed": 1.5, "f.py::failed": 3.0, "f.py::rerun": 6.0}

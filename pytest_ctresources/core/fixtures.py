@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
@@ -89,36 +89,17 @@ def ct_session(
         session.close()
 
 
-class OneLineModelFailures:
-    """A model ``ct_session`` cannot load fails its test with one line (the model, its config
-    source, the cause), not the hub's chained tracebacks, whether the test body or a fixture
-    asked for it (:class:`~pytest_ctresources.session.model_load.ModelLoadError`); so does a
-    prompt ``--ct-batch-size auto`` refuses (``estimator.auto.WillNotFit``)."""
-
-    name = "ctresources-model-load"
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
-        __tracebackhide__ = True  # a test's own failure shows its frames, not ours
-        return (yield from _one_line())
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
-        __tracebackhide__ = True
-        return (yield from _one_line())
+def one_line_message(exc: BaseException) -> str | None:
+    """The one line a test fails with when ``exc`` is a model ``ct_session`` cannot load
+    (the model, its config source, the cause: not the hub's chained tracebacks), whether the
+    test body or a fixture asked for it
+    (:class:`~pytest_ctresources.session.model_load.ModelLoadError`), or a prompt
+    ``--ct-batch-size auto`` refuses (``estimator.auto.WillNotFit``); None for anything else.
+    per_test.py asks it of whatever a test's setup or call raised."""
+    return str(exc) if isinstance(exc, _one_line_classes()) else None
 
 
-def _one_line() -> Generator[None, None, None]:
-    __tracebackhide__ = True
-    try:
-        return (yield)
-    except _one_line_failures() as exc:  # evaluated only when something raised
-        message = str(exc)
-    # Outside the except block: no "During handling of the above exception" either.
-    pytest.fail(message, pytrace=False)
-
-
-def _one_line_failures() -> tuple[type[Exception], ...]:
+def _one_line_classes() -> tuple[type[Exception], ...]:
     # Imported only once a test raised: a run whose tests pass loads neither module for this.
     from pytest_ctresources.estimator.auto import WillNotFit
     from pytest_ctresources.session.model_load import ModelLoadError

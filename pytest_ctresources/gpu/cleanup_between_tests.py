@@ -26,7 +26,7 @@ from pytest_ctresources.gpu.cleanup import (
     open_figure_numbers,
     release_failed_test_frames,
 )
-from pytest_ctresources.gpu.nnsight_threads import release_quietly
+from pytest_ctresources.gpu.nnsight_threads import may_hold_threads, release_quietly
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,20 @@ class BetweenTests:
         # A wider-scoped figure closed since frees its number for a test's own figure.
         self._wider_figures &= open_now
         return TestStart(open_now, resident_bytes)
+
+    def nothing_to_do(self, start: TestStart | None) -> bool:
+        """Whether :meth:`finish` would find nothing to undo after a test that did not use
+        CUDA: no figure open then or now, no failed test's frames, no nnsight loaded, under
+        ``auto`` (``always`` collects after every test). Looked up in ``sys.modules`` and
+        ``sys``, so that a test with nothing to clean costs a few look-ups."""
+        return (
+            self.mode != "always"
+            and (start is None or not start.figures)
+            and "matplotlib.pyplot" not in sys.modules
+            and getattr(sys, "last_value", None) is None
+            and getattr(sys, "last_traceback", None) is None
+            and not may_hold_threads()
+        )
 
     def finish(
         self,

@@ -124,6 +124,11 @@ def release_nnsight_threads(model: Any = None, *, timeout: float = 1.0) -> int:
     return released
 
 
+def may_hold_threads() -> bool:
+    """Whether nnsight's interleaver is loaded: without it no thread can be blocked."""
+    return _INTERLEAVER_MODULE in sys.modules
+
+
 def release_quietly(model: Any = None) -> int:
     """:func:`release_nnsight_threads`, with an nnsight whose internals changed counting as
     nothing released rather than failing the cleanup it is part of."""

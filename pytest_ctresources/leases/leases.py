@@ -291,6 +291,8 @@ class GpuLeases:
     def give_back(self, item: pytest.Item) -> None:
         """After the test's teardown and cleanup: settle the resident model's lease, release
         the test's."""
+        if self._test is None and self._model is None:
+            return  # nothing held, nothing reserved (the watcher thread only ever clears them)
         self._settle_model(item.nodeid)
         with self._lock:
             if self._test is not None and self._ledger is not None:
@@ -376,9 +378,11 @@ class LeaseHooks:
         self.book = book
 
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        state = item.stash.get(STATE_KEY, None)  # none: a test with nothing to measure...
+        if state is None and self.book.runtime.settings.default_vram_gib.value <= 0:
+            return  # ...takes no lease, and nor does one the plugin does not act for
         if not activation_of(item.config).acts_for(item):
-            return  # a test the plugin does not act for takes no lease
-        state = item.stash.get(STATE_KEY, None)  # none: a test with nothing to measure
+            return
         need = state.need if state is not None else None
         self.book.take(item, need.lease_gib if need is not None else None)
 

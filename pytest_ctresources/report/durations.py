@@ -11,7 +11,7 @@ every worker.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import pytest
 
@@ -32,15 +32,17 @@ def read(cache: pytest.Cache | None) -> dict[str, float]:
 
 
 class LearnedDurations:
-    """Collects each test's duration from its reports and saves them at the end."""
+    """Saves this run's durations (``measured()``: the summary's, report/summary.py, which
+    reads every report once) over the learned ones at the end."""
 
     name = "ctresources-learned-durations"
 
-    def __init__(self, cache: pytest.Cache | None) -> None:
+    def __init__(
+        self, cache: pytest.Cache | None, measured: Callable[[], Mapping[str, float]]
+    ) -> None:
         self._cache = cache
+        self._measured = measured
         self._known: dict[str, float] | None = None
-        self._phases: dict[str, dict[str, float]] = {}
-        self._skipped: set[str] = set()
 
     def known(self) -> Mapping[str, float]:
         """What earlier runs learned (read once)."""
@@ -48,24 +50,8 @@ class LearnedDurations:
             self._known = read(self._cache)
         return self._known
 
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if report.when == "setup":
-            self._phases[report.nodeid] = {}  # a new attempt (a rerun) starts afresh
-            self._skipped.discard(report.nodeid)
-        if report.skipped:
-            self._skipped.add(report.nodeid)
-        self._phases.setdefault(report.nodeid, {})[report.when] = float(report.duration)
-
-    def measured(self) -> dict[str, float]:
-        """This run's durations: tests that ran, not those skipped."""
-        return {
-            nodeid: round(sum(phases.values()), 4)
-            for nodeid, phases in self._phases.items()
-            if nodeid not in self._skipped and "call" in phases
-        }
-
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        measured = self.measured()
+        measured = self._measured()
         if self._cache is None or not measured:
             return
         merged = dict(self.known())

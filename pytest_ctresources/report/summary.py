@@ -65,6 +65,11 @@ class TestResult:
     """Some attempt's report carried a record: the plugin had something to say of the test."""
     rerun_attempt: bool = False
     """The attempt under way will be run again: its record is superseded by the next one's."""
+    seconds: float = 0.0
+    """The last attempt's setup, call and teardown, as its reports give them."""
+    ran: bool = False
+    """The last attempt's call ran and no phase of it skipped: its duration says how long the
+    test takes (report/durations.py learns it)."""
 
     @property
     def peak_allocated(self) -> int:
@@ -198,6 +203,13 @@ class RunSummary:
         if report.when == "setup":  # a new attempt of the test
             result.outcome = "passed"
             result.rerun_attempt = False
+            result.seconds = 0.0
+            result.ran = False
+        result.seconds += report.duration
+        if report.skipped:
+            result.ran = False
+        elif report.when == "call":
+            result.ran = True
         if report.outcome == RERUN_OUTCOME:
             if not result.rerun_attempt:
                 result.rerun_attempt = True
@@ -222,6 +234,11 @@ class RunSummary:
         if not result.rerun_attempt:  # an attempt run again is superseded by the next
             result.record = record
         return first
+
+    def durations(self) -> dict[str, float]:
+        """This run's durations, in seconds: the tests whose last attempt ran (not those
+        skipped, nor those whose setup failed)."""
+        return {nodeid: round(r.seconds, 4) for nodeid, r in self.results.items() if r.ran}
 
     @property
     def used_cuda(self) -> list[TestResult]:
