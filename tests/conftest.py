@@ -77,12 +77,27 @@ def private_temp_dir(
     shutil.rmtree(path, ignore_errors=True)
 
 
+#: Plugins the test environment installs that the projects pytester runs do without:
+#: pytest-randomly (in the test extra) would shuffle their tests, which often depend on their
+#: order; typeguard's and jaxtyping's (circuit-tracer's dependencies) and anyio's (Jupyter's)
+#: serve no project here. Loading them is most of a pytest start-up (0.17 s of 0.65 s CPU on
+#: the 2-core machine, and nbmake another 0.19 s), paid by every subprocess run and xdist
+#: worker of the suite.
+OFF_IN_PROJECTS = ("randomly", "typeguard", "jaxtyping", "anyio")
+
+
 @pytest.fixture
-def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
-    """pytest's own ``pytester``, with pytest-randomly (in the test extra) off in the projects
-    it runs: their tests often depend on their order. (Pytester clears PYTEST_ADDOPTS when it
-    starts, hence an override.) The coexistence tests turn it back on where they want it."""
-    monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:randomly")
+def pytester(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> pytest.Pytester:
+    """pytest's own ``pytester``, with :data:`OFF_IN_PROJECTS` off in the projects it runs,
+    and nbmake too unless the test carries the ``nbmake`` marker. (Pytester clears
+    PYTEST_ADDOPTS when it starts, hence an override; subprocesses and xdist workers inherit
+    it.) The coexistence tests turn them back on where they want them."""
+    off = [*OFF_IN_PROJECTS]
+    if request.node.get_closest_marker("nbmake") is None:
+        off.append("nbmake")
+    monkeypatch.setenv("PYTEST_ADDOPTS", " ".join(f"-p no:{name}" for name in off))
     # The summary folds its lines at the terminal's width; tests match whole lines, so their
     # projects get a wide terminal (tests of the folding set their own).
     monkeypatch.setenv("COLUMNS", "300")

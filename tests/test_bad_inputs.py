@@ -28,6 +28,9 @@ from pytest_ctresources.estimator.cli import main as cli_main
 from pytest_ctresources.gpu.allocator import check_alloc_conf
 from pytest_ctresources.settings.experiment_yaml import MAX_BYTES
 
+# Projects run with --nbmake (tests/conftest.py turns nbmake off elsewhere).
+pytestmark = pytest.mark.nbmake
+
 pytest_plugins = ["pytester"]
 
 BIG_INT = "1" * 5000  # Python refuses to read integers over 4300 digits

@@ -131,7 +131,8 @@ def test_same_outcomes_with_the_plugin_on_and_off(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, plugin: str, xdist: bool
 ) -> None:
     if plugin == "randomly":
-        monkeypatch.delenv("PYTEST_ADDOPTS")  # the suite's pytester turns randomly off
+        # The suite's pytester turns randomly off (tests/conftest.py's OFF_IN_PROJECTS).
+        monkeypatch.delenv("PYTEST_ADDOPTS")
     pytester.makepyfile(test_suite=SUITE)
     workers = ["-n", "2" if plugin in SEVERAL_WORKERS else "1"] if xdist else []
     args = [*COMBINATIONS[plugin], *workers]

@@ -16,6 +16,9 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
+# Projects run with --nbmake (tests/conftest.py turns nbmake off elsewhere).
+pytestmark = pytest.mark.nbmake
+
 pytest_plugins = ["pytester"]
 
 #: How each mode is asked for on the command line. "asked" asks for the whole project with a

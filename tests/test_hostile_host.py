@@ -158,6 +158,7 @@ def test_a_uses_it(resets):
 ]
 
 
+@pytest.mark.nbmake  # a row runs a notebook item
 @pytest.mark.parametrize("row", TERM_ROWS, ids=[row.id for row in TERM_ROWS])
 def test_sigterm_writes_the_report_whatever_took_the_handler_over(
     row: TermRow, tmp_path: Path

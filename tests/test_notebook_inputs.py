@@ -43,6 +43,9 @@ from pytest_ctresources.notebooks.run import startup_timeout
 from pytest_ctresources.settings.config import ConfigError
 from pytest_ctresources.settings.experiment_yaml import MAX_BYTES, load_experiment_yaml
 
+# Projects run with --nbmake (tests/conftest.py turns nbmake off elsewhere).
+pytestmark = pytest.mark.nbmake
+
 SECRET = "hunter2-do-not-show"
 
 

@@ -29,6 +29,9 @@ from pytest_ctresources.notebooks.params import (
 from pytest_ctresources.settings.config import CircuitTracerConfig, ConfigError
 from pytest_ctresources.settings.sources import Source
 
+# Projects run with --nbmake (tests/conftest.py turns nbmake off elsewhere).
+pytestmark = pytest.mark.nbmake
+
 pytest_plugins = ["pytester"]
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -16,6 +16,9 @@ from nbformat.v4 import new_code_cell, new_notebook
 
 from pytest_ctresources.estimator.cli import main
 
+# Projects run with --nbmake (tests/conftest.py turns nbmake off elsewhere).
+pytestmark = pytest.mark.nbmake
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 #: The page that quotes `ct-resources`: its table, sample estimates and errors.

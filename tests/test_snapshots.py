@@ -252,6 +252,7 @@ def test_passing_tests_leave_nothing_and_the_default_is_the_cache(
     result.stdout.fnmatch_lines([f"  {nodeid} (leak): {folder / file_name(nodeid)}"])
 
 
+@pytest.mark.nbmake
 def test_a_notebooks_kernel_snapshot_is_kept(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -404,6 +404,7 @@ def _gpu_notebook(path: Path, source: str, vram_gib: float) -> None:
     nbformat.write(nb, path)
 
 
+@pytest.mark.nbmake
 def test_two_notebooks_at_sixty_percent_and_one_over_capacity(pytester: pytest.Pytester) -> None:
     pytest.importorskip("nbmake")
     total = torch.cuda.get_device_properties(0).total_memory
@@ -452,6 +453,7 @@ def test_two_notebooks_at_sixty_percent_and_one_over_capacity(pytester: pytest.P
     keep_artifacts(pytester.path / "notebooks.json", pytester.path / "notebooks.log")
 
 
+@pytest.mark.nbmake
 def test_the_cap_binds_inside_a_notebook_kernel_started_in_the_project_profile(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
