@@ -23,7 +23,7 @@ import pytest
 
 from pytest_ctresources.core.fixtures import ct_config, ct_session
 from pytest_ctresources.settings import markers
-from pytest_ctresources.settings.activation import ACTIVATION_KEY, activation_of
+from pytest_ctresources.settings.activation import ACTIVATION_KEY, activation_of, item_asks
 from pytest_ctresources.settings.options import Declared, add_options
 from pytest_ctresources.settings.resolve import activation_from_config
 from pytest_ctresources.xdist.roles import runs_no_tests
@@ -369,7 +369,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     activation = activation_of(config)
     if activation.project_wide or _ACTING_KEY in config.stash:
         return
-    if not any(activation.acts_for(item) for item in session.items):
+    # item_asks, not acts_for: nothing is cached on the 2,000 items of a project that asks
+    # for nothing; a run that acts decides each test again, and caches it then.
+    if not any(item_asks(item) for item in session.items):
         return
     from pytest_ctresources.gpu.allocator import ALLOC_KEY
     from pytest_ctresources.gpu.cleanup import cuda_initialised
