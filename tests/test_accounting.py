@@ -9,10 +9,14 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from pytest_ctresources.core.learned import CACHE_KEY, memory_key
 from tests.conftest import TINY_YAML
 from tests.fake_cuda import FAKE_CUDA_CONFTEST
 
 pytest_plugins = ["pytester"]
+
+#: Where a project's learned needs are, in its pytest cache.
+LEARNED_PATH = f".pytest_cache/v/{CACHE_KEY}"
 
 SUITE = """
 import pytest
@@ -596,22 +600,25 @@ def test_no_need_is_learned_from_a_test_that_passed_only_after_halving() -> None
 
 
 def test_a_need_learned_under_a_capacity_is_keyed_by_it() -> None:
-    from pytest_ctresources.core.learned import memory_key
     from pytest_ctresources.settings.config import CircuitTracerConfig
 
     cfg = CircuitTracerConfig.defaults()
     assert memory_key("t::a", cfg) != memory_key("t::a", cfg, 24.0)
-    assert memory_key("t::a", None, 24.0) == "t::a|capacity=24GiB"
-    assert memory_key("t::a", cfg, 24.0).startswith("t::a|")
+    assert json.loads(memory_key("t::a", None, 24.0)) == ["t::a", None, 24.0]
+    assert json.loads(memory_key("t::a", cfg, 24.0))[::2] == ["t::a", 24.0]
 
 
 def test_stale_keys_are_those_of_tests_that_no_longer_exist() -> None:
     from pytest_ctresources.core.learned import stale_keys
 
-    keys = ["a.py::test_kept", "a.py::test_renamed|{}", "gone.py::test_x", "b.py::test_elsewhere"]
+    kept, renamed, gone, elsewhere = (
+        memory_key(nodeid, None)
+        for nodeid in ("a.py::test_kept", "a.py::test_renamed", "gone.py::test_x", "b.py::test_y")
+    )
     collected = {"a.py::test_kept", "a.py::test_new"}  # b.py not collected this run
     exists = {"a.py", "b.py"}.__contains__
-    assert stale_keys(keys, collected, exists) == {"a.py::test_renamed|{}", "gone.py::test_x"}
+    keys = [kept, renamed, gone, elsewhere]
+    assert stale_keys(keys, collected, exists) == {renamed, gone}
 
 
 LEARNED_SESSION = """
@@ -633,8 +640,8 @@ def test_a_learned_need_never_skips_what_the_oom_retry_could_pass(
     pytester.makepyfile(test_learned=LEARNED_SESSION)
     monkeypatch.setenv("CT_FAKE_GPUS", "Card=24")
     pytester.runpytest("--ct-config", "exp.yaml").assert_outcomes(passed=2)
-    needs = json.loads((pytester.path / ".pytest_cache/v/ctresources/learned-needs").read_text())
-    assert [key.split("|")[0] for key in needs] == ["test_learned.py::test_attribution"]
+    needs = json.loads((pytester.path / LEARNED_PATH).read_text())
+    assert [json.loads(key)[0] for key in needs] == ["test_learned.py::test_attribution"]
     monkeypatch.setenv("CT_FAKE_GPUS", "Card=10")
     # 13 GiB at batch 128 does not fit 10, but the OOM retry may pass at a smaller batch.
     result = pytester.runpytest("--ct-config", "exp.yaml", "-rs")
@@ -663,20 +670,20 @@ def test_learned_needs_of_tests_that_no_longer_exist_are_pruned(
     )
     pytester.makepyfile(test_b=uses.format("deselected"), test_gone=uses.format("gone"))
     pytester.runpytest().assert_outcomes(passed=4)
-    cache = pytester.path / ".pytest_cache/v/ctresources/learned-needs"
+    cache = pytester.path / LEARNED_PATH
     assert len(json.loads(cache.read_text())) == 4
     (pytester.path / "test_gone.py").unlink()
     pytester.makepyfile(test_a=uses.format("kept") + "\n" + uses.format("new").split("\n", 2)[2])
     result = pytester.runpytest("-k", "not deselected", "-n", "2")
     result.assert_outcomes(passed=2)
-    assert sorted(json.loads(cache.read_text())) == [
+    assert sorted(json.loads(key)[0] for key in json.loads(cache.read_text())) == [
         "test_a.py::test_kept",
         "test_a.py::test_new",
         "test_b.py::test_deselected",
     ]
     # Selecting one test by node id is no reason to forget its neighbours.
     pytester.runpytest("test_a.py::test_kept").assert_outcomes(passed=1)
-    assert "test_a.py::test_new" in json.loads(cache.read_text())
+    assert memory_key("test_a.py::test_new", None) in json.loads(cache.read_text())
 
 
 def test_the_summary_a_reader_can_scan(

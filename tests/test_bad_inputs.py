@@ -12,6 +12,7 @@ collection, so the table takes seconds.
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import stat
 import subprocess
@@ -24,6 +25,7 @@ from typing import Literal
 
 import pytest
 
+from pytest_ctresources.core.learned import CACHE_KEY, memory_key
 from pytest_ctresources.estimator.cli import main as cli_main
 from pytest_ctresources.gpu.allocator import check_alloc_conf
 from pytest_ctresources.settings.experiment_yaml import MAX_BYTES
@@ -969,7 +971,9 @@ def test_every_character_yaml_refuses_is_one_line_naming_file_and_position(
 # --- the pytest cache's learned needs are data that may be corrupt --------------------------
 
 GOOD_NEED = '{"gib": 1.5, "gpu": "H200", "date": "2026-01-01"}'
-NEEDS_PATH = ".pytest_cache/v/ctresources/learned-needs"
+NEEDS_PATH = f".pytest_cache/v/{CACHE_KEY}"
+#: A key core/learned.py's memory_key writes (a JSON array: node id, config, capacity).
+GOOD_KEY = '["t.py::test_good",null,null]'
 
 
 @dataclass(frozen=True)
@@ -985,14 +989,17 @@ class CacheRow:
     as_root: bool | None = None
 
 
-def bad_entry(id: str, entry: str, *, key: str = '"t.py::test_bad"') -> CacheRow:
-    """A cache of one good need and one bad one: the bad one is dropped, the good kept."""
-    text = f'{{"t.py::test_good": {GOOD_NEED}, {key}: {entry}}}'
+def bad_entry(
+    id: str, entry: str, *, key: str = json.dumps('["t.py::test_bad",null,null]')
+) -> CacheRow:
+    """A cache of one good need and one bad one: the bad one is dropped, the good kept.
+    (``key``: as the cache's JSON text holds it.)"""
+    text = f"{{{json.dumps(GOOD_KEY)}: {GOOD_NEED}, {key}: {entry}}}"
     return CacheRow(
         id,
         "dropped 1 learned VRAM need(s) from pytest's cache that are not valid*",
         text.encode("utf-8", "surrogateescape"),
-        kept=("t.py::test_good",),
+        kept=(GOOD_KEY,),
     )
 
 
@@ -1053,6 +1060,12 @@ CACHE_ROWS: list[CacheRow] = [
     bad_entry("cache-key-empty", GOOD_NEED, key='""'),
     bad_entry("cache-key-20000-characters", GOOD_NEED, key='"' + "k" * 20_000 + '"'),
     bad_entry("cache-key-nul", GOOD_NEED, key='"t.py::\\u0000"'),
+    # Keys that are no JSON array of node id, config and capacity: an earlier version's
+    # ``node id|config`` among them.
+    bad_entry("cache-key-bar-joined", GOOD_NEED, key=json.dumps('t.py::test_bad|{"dtype":1}')),
+    bad_entry("cache-key-short-array", GOOD_NEED, key=json.dumps('["t.py::test_bad"]')),
+    bad_entry("cache-key-node-id-number", GOOD_NEED, key=json.dumps("[1,null,null]")),
+    bad_entry("cache-key-capacity-text", GOOD_NEED, key=json.dumps('["t.py::x",null,"24"]')),
     CacheRow("cache-not-json", "*are not valid JSON; discarded", b"{"),
     CacheRow("cache-not-utf8", "*are not valid JSON; discarded", b'{"\xff": 1}'),
     CacheRow("cache-5000-digits", "*are not valid JSON; discarded", b"1" * 5000),
@@ -1184,14 +1197,14 @@ def test_a_bad_need_keeps_the_good_ones(tmp_path: Path) -> None:
 
     rows = [row for row in CACHE_ROWS if row.kept]
     for row in rows:
-        path = tmp_path / row.id / "v/ctresources/learned-needs"
+        path = tmp_path / row.id / NEEDS_PATH.removeprefix(".pytest_cache/")
         path.parent.mkdir(parents=True)
         assert row.content is not None
         path.write_bytes(row.content)
         with pytest.warns(LearnedNeedsWarning):
             needs = LearnedNeeds(cast(pytest.Cache, _Cache(tmp_path / row.id)))
         assert needs.keys() == list(row.kept), row.id
-        assert needs.get("t.py::test_good") is not None
+        assert needs.get(GOOD_KEY) is not None
 
 
 CORRUPT_CACHE_TEST = """
@@ -1206,17 +1219,22 @@ def test_good(case):
 def _all_bad_entries() -> bytes:
     """Every bad entry of the table in one cache, each keyed to a test that runs, so each is
     looked up at setup (a 10**400 need was an OverflowError there)."""
-    parts = [f'"test_gone.py::test_x": {GOOD_NEED}']  # valid, and stale: pruned
+
+    def key(nodeid: str, capacity: int | None = None) -> str:
+        return json.dumps(memory_key(nodeid, None, capacity))
+
+    parts = [f"{key('test_gone.py::test_x')}: {GOOD_NEED}"]  # valid, and stale: pruned
     for number, row in enumerate(r for r in CACHE_ROWS if r.kept):
         assert row.content is not None
         entry = row.content.decode("utf-8", "surrogateescape")
         bad = entry[entry.index("}, ") + 3 : -1]
-        key, _, value = bad.partition(": ")
-        if key == '"t.py::test_bad"':
-            key = f'"test_it.py::test_good[a|b]|{number}"'
-        parts.append(f"{key}: {value}")
+        bad_key, _, value = bad.partition(": ")
+        if bad_key == json.dumps('["t.py::test_bad",null,null]'):
+            # A key of a test that runs, one per row (the capacity makes it its own).
+            bad_key = key("test_it.py::test_good[a|b]", number)
+        parts.append(f"{bad_key}: {value}")
     # A key no file can have: the stale-key check was an INTERNALERROR (File name too long).
-    parts.append(f'"{"x" * 5000}.py::test_x": {GOOD_NEED}')
+    parts.append(f"{key('x' * 5000 + '.py::test_x')}: {GOOD_NEED}")
     return ("{" + ", ".join(parts) + "}").encode("utf-8", "surrogateescape")
 
 
@@ -1269,9 +1287,10 @@ def test_a_corrupt_cache_is_one_warning_and_the_run_goes_on(
 
 
 def test_a_node_id_with_a_bar_keeps_its_learned_need() -> None:
-    """``|`` ends the node id in a key: a parameter id holding one (``test[a|b]``) made its
-    need stale, so it was pruned at every run and never used."""
-    from pytest_ctresources.core.learned import memory_key, nodeid_of, stale_keys
+    """A key is a JSON array, not text joined by a separator: a parameter id holding a
+    ``|`` (``test[a|b]``) once made its need stale, so it was pruned at every run and never
+    used."""
+    from pytest_ctresources.core.learned import nodeid_of, stale_keys
     from pytest_ctresources.settings.config import CircuitTracerConfig
 
     cfg = CircuitTracerConfig.defaults()
@@ -1286,7 +1305,10 @@ def test_a_node_id_with_a_bar_keeps_its_learned_need() -> None:
     keys = [memory_key(nodeid, cfg) for nodeid in nodeids]
     assert len(set(keys)) == len(keys)
     assert stale_keys(keys, set(nodeids), lambda file: True) == set()
-    assert memory_key("t.py::plain", None) == "t.py::plain"  # as earlier versions wrote it
+    # What no memory_key wrote (an earlier version's "node id|config") belongs to no test.
+    legacy = 't.py::plain|{"dtype": "bfloat16"}'
+    assert nodeid_of(legacy) is None
+    assert stale_keys([legacy], set(nodeids), lambda file: True) == {legacy}
 
 
 # --- settings through the pure resolution: every ini key and environment variable ----------

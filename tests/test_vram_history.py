@@ -202,14 +202,17 @@ def test_an_increase_is_more_than_the_percentage_on_the_same_gpu() -> None:
 
 def test_an_entry_of_an_earlier_version_is_compared_on_its_peak_alone() -> None:
     # What the plugin wrote before it recorded versions: a peak, a GPU, a date.
-    needs = learned.LearnedNeeds(None, {"t": {"gib": 1.0, "gpu": "H200", "date": "2026-11-01"}})
-    before = needs.get("t")
+    key = learned.memory_key("t.py::t", None)
+    needs = learned.LearnedNeeds(None, {key: {"gib": 1.0, "gpu": "H200", "date": "2026-11-01"}})
+    before = needs.get(key)
     assert before is not None and before.versions is None
-    found = regression.increase("t", before, 2.0, "H200", "2026-12-01", {"torch": "2.5.1"}, 10)
+    found = regression.increase(
+        "t.py::t", before, 2.0, "H200", "2026-12-01", {"torch": "2.5.1"}, 10
+    )
     assert found is not None and found.line().endswith("; library versions not recorded then")
     # Once it passes again, its entry has the versions.
-    needs.update({"t": learned.LearnedNeed(2.0, "H200", "2026-12-01", {"torch": "2.5.1"})})
-    assert needs.to_mapping()["t"]["versions"] == {"torch": "2.5.1"}
+    needs.update({key: learned.LearnedNeed(2.0, "H200", "2026-12-01", {"torch": "2.5.1"})})
+    assert needs.to_mapping()[key]["versions"] == {"torch": "2.5.1"}
 
 
 def test_the_stalest_gpu_tests_come_first_and_bad_cache_entries_are_dropped() -> None:

@@ -26,7 +26,9 @@ from pytest_ctresources.reading import Unreadable, read_regular
 from pytest_ctresources.settings.config import AUTO, MAX_GIB, CircuitTracerConfig, shown
 from pytest_ctresources.settings.sources import Source, printable
 
-CACHE_KEY = "ctresources/learned-needs"
+#: Where pytest's cache keeps them. ("-v2": the keys are JSON arrays since 2026-12-05; the
+#: earlier entry, keyed ``node id|config``, is left unread, and its needs are learned again.)
+CACHE_KEY = "ctresources/learned-needs-v2"
 WHAT = "learned VRAM needs"
 #: The largest learned-needs file read (a need takes about 200 bytes: 100,000 tests fit).
 MAX_CACHE_BYTES = 32 << 20
@@ -55,37 +57,43 @@ MEMORY_FIELDS = (
 def memory_key(
     nodeid: str, cfg: CircuitTracerConfig | None, capacity_gib: float | None = None
 ) -> str:
-    """The cache key of a test's need: its node id, plus its memory-relevant config, plus the
-    ``--ct-vram-capacity`` it ran under (a capped allocator gives its cache back before it
-    fails, so a peak measured under a cap is that cap's, not the card's).
+    """The cache key of a test's need: a JSON array of its node id, its memory-relevant
+    config values (null for a test without a config) and the ``--ct-vram-capacity`` it ran
+    under (null for none: a capped allocator gives its cache back before it fails, so a peak
+    measured under a cap is that cap's, not the card's). JSON, not a separator: a node id may
+    hold any character, and :func:`nodeid_of` reads it back whole.
 
     Empty (nothing learned, nothing looked up) for ``batch_size: auto``: its peak follows
     the card it ran on, so a peak measured on one card is no need on another.
     """
-    capped = f"|capacity={capacity_gib:g}GiB" if capacity_gib is not None else ""
     if cfg is None:
-        return _escaped(nodeid) + capped
+        return _KEY_ENCODER.encode([nodeid, None, capacity_gib])
     if cfg.batch_size == AUTO:
         return ""
     values = {name: getattr(cfg, name) for name in MEMORY_FIELDS}
-    return f"{_escaped(nodeid)}|{json.dumps(values, sort_keys=True)}{capped}"
+    return _KEY_ENCODER.encode([nodeid, values, capacity_gib])
 
 
-def _escaped(nodeid: str) -> str:
-    """The node id as a key holds it: ``|`` ends the node id in a key, so one inside it (a
-    parameter id ``test[a|b]``) is written ``%7C`` and ``%`` itself ``%25``. A node id with
-    neither, nearly every one, is its own key, as in the keys earlier versions wrote."""
-    if "|" not in nodeid and "%" not in nodeid:
-        return nodeid
-    return nodeid.replace("%", "%25").replace("|", "%7C")
+#: One encoder for every key (``json.dumps`` with arguments makes one per call).
+_KEY_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
 
 
-def nodeid_of(key: str) -> str:
-    """The test a key belongs to (what :func:`memory_key` was given)."""
-    escaped = key.split("|", 1)[0]
-    if "%" not in escaped:
-        return escaped
-    return escaped.replace("%7C", "|").replace("%25", "%")
+def nodeid_of(key: str) -> str | None:
+    """The test a key belongs to (what :func:`memory_key` was given); None for a key it did
+    not write (a corrupt cache's)."""
+    try:
+        decoded = json.loads(key)
+    except (ValueError, RecursionError):
+        return None
+    if (
+        isinstance(decoded, list)
+        and len(decoded) == 3
+        and isinstance(decoded[0], str)
+        and isinstance(decoded[1], dict | None)
+        and (decoded[2] is None or type(decoded[2]) in (int, float))
+    ):
+        return decoded[0]
+    return None
 
 
 def stale_keys(
@@ -102,6 +110,9 @@ def stale_keys(
     stale = set()
     for key in keys:
         nodeid = nodeid_of(key)
+        if nodeid is None:  # no key of a test
+            stale.add(key)
+            continue
         file = nodeid.split("::", 1)[0]
         if (file in files and nodeid not in collected) or not _exists(exists, file):
             stale.add(key)
@@ -147,6 +158,8 @@ def _valid_entry(key: object, entry: object) -> bool:
     be corrupt (a ``10**400`` need overflowed at setup, a 5000-character key was a file
     name too long)."""
     if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS or "\0" in key:
+        return False
+    if nodeid_of(key) is None:
         return False
     if not isinstance(entry, dict):
         return False
