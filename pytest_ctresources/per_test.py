@@ -45,8 +45,8 @@ class PerTestHooks:
     """Around each test the plugin acts for (settings/activation.py): its need, lease and
     accounting at setup, the OOM explanation at call, the cleanup and its record at teardown;
     a model that cannot load fails any test of the run in one line. Registered only in a run
-    the plugin acts in. (One class, so that a test with nothing to measure costs three hook
-    calls, not one per concern.)"""
+    the plugin acts in. (The one-line failures ride on its setup and call wrappers rather
+    than on two wrappers of their own: every test of the run would pay for those.)"""
 
     name = "ctresources-per-test"
 

@@ -26,8 +26,8 @@ from pytest_ctresources.reading import Unreadable, read_regular
 from pytest_ctresources.settings.config import AUTO, MAX_GIB, CircuitTracerConfig, shown
 from pytest_ctresources.settings.sources import Source, printable
 
-#: Where pytest's cache keeps them. ("-v2": the keys are JSON arrays since 2026-12-05; the
-#: earlier entry, keyed ``node id|config``, is left unread, and its needs are learned again.)
+#: Where pytest's cache keeps them. ("-v2": its keys are JSON arrays; the entry of earlier
+#: versions, keyed ``node id|config``, is left unread, and its needs are learned again.)
 CACHE_KEY = "ctresources/learned-needs-v2"
 WHAT = "learned VRAM needs"
 #: The largest learned-needs file read (a need takes about 200 bytes: 100,000 tests fit).
