@@ -130,6 +130,42 @@ def _tokenizer_vocab() -> list[str]:
     return vocab
 
 
+#: The dimensions that set a model's shape and parameter count (its ``config.json``'s).
+DIM_NAMES: Final = (
+    "n_layers",
+    "d_model",
+    "d_mlp",
+    "vocab_size",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+)
+
+
+def count_params(
+    *,
+    architecture: str,
+    n_layers: int,
+    d_model: int,
+    d_mlp: int,
+    vocab_size: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    tied: bool,
+) -> int:
+    """Parameters of a (bias-free) decoder-only model of ``architecture``: gemma2, gemma3,
+    llama or qwen3. Tied embeddings are counted once, as the nnsight backend stores them.
+    The one count: the random models' and the estimator's registry's, and a ``config.json``'s."""
+    attention = d_model * head_dim * (2 * n_heads + 2 * n_kv_heads)
+    mlp = 3 * d_model * d_mlp
+    norms = (2 if architecture in ("llama", "qwen3") else 4) * d_model
+    if architecture in ("gemma3", "qwen3"):
+        norms += 2 * head_dim  # q_norm and k_norm
+    embeddings = vocab_size * d_model * (1 if tied else 2)
+    return n_layers * (attention + mlp + norms) + embeddings + d_model
+
+
 @dataclass(frozen=True)
 class ModelDims:
     """Dimensions of a random model and of its per-layer transcoders.
@@ -212,16 +248,11 @@ class ModelDims:
     @property
     def n_model_params(self) -> int:
         """Number of parameters of the transformer (embeddings counted once if tied)."""
-        attn = self.d_model * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        mlp = 3 * self.d_model * self.d_mlp
-        n_norms = 2 if self.architecture in ("llama", "qwen3") else 4
-        per_layer = attn + mlp + n_norms * self.d_model
-        if self.architecture in ("gemma3", "qwen3"):
-            per_layer += 2 * self.head_dim  # q_norm and k_norm
-        embeddings = self.vocab_size * self.d_model
-        if not self.ties_embeddings:
-            embeddings *= 2
-        return self.n_layers * per_layer + embeddings + self.d_model
+        return count_params(
+            architecture=self.architecture,
+            tied=self.ties_embeddings,
+            **{name: getattr(self, name) for name in DIM_NAMES},
+        )
 
     @property
     def n_transcoder_params(self) -> int:
@@ -248,68 +279,6 @@ TINY_GEMMA2_DIMS: Final = ModelDims(
 )
 #: Tiny Llama with the same dimensions as :data:`TINY_GEMMA2_DIMS`.
 TINY_LLAMA_DIMS: Final = dataclasses.replace(TINY_GEMMA2_DIMS, architecture="llama")
-#: The real gemma-2-2b dimensions with GemmaScope-sized (16k) transcoders, for GPU tests that
-#: need realistic memory use and speed. About 2.6e9 model plus 2.0e9 transcoder parameters:
-#: ~18 GB in float32, ~9 GB in bfloat16. Never build this on a CPU.
-GEMMA_2_2B_DIMS: Final = ModelDims(
-    n_layers=26,
-    d_model=2304,
-    d_mlp=9216,
-    vocab_size=256000,
-    n_heads=8,
-    n_kv_heads=4,
-    head_dim=256,
-    d_transcoder=16384,
-    architecture="gemma2",
-    max_position=8192,
-)
-
-#: gemma-2-2b with a cross-layer transcoder of 16384 features per layer (426k in all):
-#: 14.2e9 transcoder parameters, ~28 GB in bfloat16. GPU only.
-GEMMA_2_2B_CLT_DIMS: Final = dataclasses.replace(GEMMA_2_2B_DIMS, cross_layer=True)
-#: gemma-3-4b's text model (google/gemma-3-4b-pt ``text_config``) with 16k transcoders.
-#: GPU only.
-GEMMA_3_4B_DIMS: Final = ModelDims(
-    n_layers=34,
-    d_model=2560,
-    d_mlp=10240,
-    vocab_size=262208,
-    n_heads=8,
-    n_kv_heads=4,
-    head_dim=256,
-    d_transcoder=16384,
-    architecture="gemma3",
-    max_position=8192,
-)
-#: Llama-3.2-1B with 131072-wide skip transcoders (about 8.6e9 transcoder parameters). The
-#: random model does not tie its embeddings (the real one does): 0.26e9 more parameters, no
-#: other difference in memory. GPU only.
-LLAMA_3_2_1B_DIMS: Final = ModelDims(
-    n_layers=16,
-    d_model=2048,
-    d_mlp=8192,
-    vocab_size=128256,
-    n_heads=32,
-    n_kv_heads=8,
-    head_dim=64,
-    d_transcoder=131072,
-    architecture="llama",
-    max_position=8192,
-    skip_connection=True,
-)
-#: TinyLlama-1.1B's published shape (22 layers, 32 heads of 64 over 4 KV heads, a 32k
-#: vocabulary, untied embeddings) with 32768-wide skip transcoders: the shape the long-prompt
-#: measurements were made on (docs/estimator.md). No bundled name: ``bench/pipeline_peaks.py``
-#: builds it by this name, the tests estimate its records with it.
-TINYLLAMA_1_1B_DIMS: Final = dataclasses.replace(
-    LLAMA_3_2_1B_DIMS,
-    n_layers=22,
-    d_mlp=5632,
-    vocab_size=32000,
-    n_kv_heads=4,
-    d_transcoder=32768,
-    tied_embeddings=False,
-)
 
 
 def _published(
@@ -322,8 +291,7 @@ def _published(
     n_kv_heads: int,
     head_dim: int,
     *,
-    tied: bool,
-    d_transcoder: int = 16384,
+    tied: bool = True,
 ) -> ModelDims:
     """A published model's dimensions (its ``config.json``) with 16k per-layer transcoders."""
     return ModelDims(
@@ -334,48 +302,116 @@ def _published(
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
-        d_transcoder=d_transcoder,
+        d_transcoder=16384,
         architecture=architecture,
         max_position=8192,
         tied_embeddings=tied,
     )
 
 
-# Published dimensions of the models the estimator is fitted and validated on
+_BASE: Final = {
+    "google/gemma-2-2b": _published("gemma2", 26, 2304, 9216, 256000, 8, 4, 256),
+    "google/gemma-2-9b": _published("gemma2", 42, 3584, 14336, 256000, 16, 8, 256),
+    "google/gemma-3-1b-pt": _published("gemma3", 26, 1152, 6912, 262144, 4, 1, 256),
+    "google/gemma-3-4b-pt": _published("gemma3", 34, 2560, 10240, 262208, 8, 4, 256),
+    "google/gemma-3-12b-pt": _published("gemma3", 48, 3840, 15360, 262208, 16, 8, 256),
+    "google/gemma-2-27b": _published("gemma2", 46, 4608, 36864, 256000, 32, 16, 128),
+    "google/gemma-3-270m": _published("gemma3", 18, 640, 2048, 262144, 4, 1, 256),
+    "meta-llama/Llama-3.2-1B": _published("llama", 16, 2048, 8192, 128256, 32, 8, 64),
+    "meta-llama/Llama-3.2-3B": _published("llama", 28, 3072, 8192, 128256, 24, 8, 128),
+    "meta-llama/Llama-3.1-8B": _published("llama", 32, 4096, 14336, 128256, 32, 8, 128, tied=False),
+    "Qwen/Qwen3-0.6B": _published("qwen3", 28, 1024, 3072, 151936, 16, 8, 128),
+    "Qwen/Qwen3-1.7B": _published("qwen3", 28, 2048, 6144, 151936, 16, 8, 128),
+    "Qwen/Qwen3-4B": _published("qwen3", 36, 2560, 9728, 151936, 32, 8, 128),
+    "Qwen/Qwen3-8B": _published("qwen3", 36, 4096, 12288, 151936, 32, 8, 128, tied=False),
+    "Qwen/Qwen3-14B": _published("qwen3", 40, 5120, 17408, 151936, 40, 8, 128, tied=False),
+}
+#: Instruction-tuned models and the model each is tuned from (the same dimensions).
+_TUNED_FROM: Final = {
+    "google/gemma-2-2b-it": "google/gemma-2-2b",
+    "google/gemma-2-9b-it": "google/gemma-2-9b",
+    "google/gemma-3-1b-it": "google/gemma-3-1b-pt",
+    "google/gemma-3-4b-it": "google/gemma-3-4b-pt",
+    "google/gemma-3-12b-it": "google/gemma-3-12b-pt",
+    "google/gemma-2-27b-it": "google/gemma-2-27b",
+    "google/gemma-3-270m-it": "google/gemma-3-270m",
+    "meta-llama/Llama-3.2-1B-Instruct": "meta-llama/Llama-3.2-1B",
+    "meta-llama/Llama-3.2-3B-Instruct": "meta-llama/Llama-3.2-3B",
+    "meta-llama/Llama-3.1-8B-Instruct": "meta-llama/Llama-3.1-8B",
+}
+
+#: The published dimensions of the models circuit-tracer 0.5.0 has transcoders for (their
+#: Hugging Face ``config.json``; the text model of the multimodal Gemma-3 4b and 12b), by
+#: Hugging Face name, with 16k per-layer transcoders: the one table of them. The estimator's
+#: registry shapes them; the random models of real size below are built from them. The
+#: sources of every value are in docs/registry-sources.md.
+PUBLISHED: Final[Mapping[str, ModelDims]] = MappingProxyType(
+    {**_BASE, **{tuned: _BASE[base] for tuned, base in _TUNED_FROM.items()}}
+)
+
+# Random models of published dimensions, for the GPU tests and the estimator's measurements
 # (docs/estimator.md), with random per-layer transcoders of 16k features unless named
-# otherwise; the sources of every value are in docs/registry-sources.md. All GPU only.
+# otherwise. All GPU only.
+#: gemma-2-2b with GemmaScope-sized (16k) transcoders, for GPU tests that need realistic
+#: memory use and speed. About 2.6e9 model plus 2.0e9 transcoder parameters: ~18 GB in
+#: float32, ~9 GB in bfloat16.
+GEMMA_2_2B_DIMS: Final = PUBLISHED["google/gemma-2-2b"]
+#: gemma-2-2b with a cross-layer transcoder of 16384 features per layer (426k in all):
+#: 14.2e9 transcoder parameters, ~28 GB in bfloat16.
+GEMMA_2_2B_CLT_DIMS: Final = dataclasses.replace(GEMMA_2_2B_DIMS, cross_layer=True)
+#: gemma-3-4b's text model (google/gemma-3-4b-pt ``text_config``).
+GEMMA_3_4B_DIMS: Final = PUBLISHED["google/gemma-3-4b-pt"]
+#: Llama-3.2-1B with 131072-wide skip transcoders (about 8.6e9 transcoder parameters). The
+#: random model does not tie its embeddings (the real one does; the measured points were taken
+#: untied): 0.26e9 more parameters, no other difference in memory.
+LLAMA_3_2_1B_DIMS: Final = dataclasses.replace(
+    PUBLISHED["meta-llama/Llama-3.2-1B"],
+    d_transcoder=131072,
+    skip_connection=True,
+    tied_embeddings=False,
+)
+#: TinyLlama-1.1B's published shape (22 layers, 32 heads of 64 over 4 KV heads, a 32k
+#: vocabulary, untied embeddings) with 32768-wide skip transcoders: the shape the long-prompt
+#: measurements were made on (docs/estimator.md). No bundled name: ``bench/pipeline_peaks.py``
+#: builds it by this name, the tests estimate its records with it.
+TINYLLAMA_1_1B_DIMS: Final = dataclasses.replace(
+    LLAMA_3_2_1B_DIMS,
+    n_layers=22,
+    d_mlp=5632,
+    vocab_size=32000,
+    n_kv_heads=4,
+    d_transcoder=32768,
+)
 #: google/gemma-2-9b.
-GEMMA_2_9B_DIMS: Final = _published("gemma2", 42, 3584, 14336, 256000, 16, 8, 256, tied=True)
+GEMMA_2_9B_DIMS: Final = PUBLISHED["google/gemma-2-9b"]
 #: google/gemma-2-27b (about 27e9 parameters: 54 GB in bfloat16).
-GEMMA_2_27B_DIMS: Final = _published("gemma2", 46, 4608, 36864, 256000, 32, 16, 128, tied=True)
+GEMMA_2_27B_DIMS: Final = PUBLISHED["google/gemma-2-27b"]
 #: google/gemma-3-270m.
-GEMMA_3_270M_DIMS: Final = _published("gemma3", 18, 640, 2048, 262144, 4, 1, 256, tied=True)
+GEMMA_3_270M_DIMS: Final = PUBLISHED["google/gemma-3-270m"]
 #: google/gemma-3-1b-pt.
-GEMMA_3_1B_DIMS: Final = _published("gemma3", 26, 1152, 6912, 262144, 4, 1, 256, tied=True)
+GEMMA_3_1B_DIMS: Final = PUBLISHED["google/gemma-3-1b-pt"]
 #: google/gemma-3-12b-pt's text model.
-GEMMA_3_12B_DIMS: Final = _published("gemma3", 48, 3840, 15360, 262208, 16, 8, 256, tied=True)
+GEMMA_3_12B_DIMS: Final = PUBLISHED["google/gemma-3-12b-pt"]
 #: meta-llama/Llama-3.2-3B, per-layer transcoders without a skip connection.
-LLAMA_3_2_3B_DIMS: Final = _published("llama", 28, 3072, 8192, 128256, 24, 8, 128, tied=True)
+LLAMA_3_2_3B_DIMS: Final = PUBLISHED["meta-llama/Llama-3.2-3B"]
 #: Llama-3.2-3B with a cross-layer transcoder of 8192 features per layer.
 LLAMA_3_2_3B_CLT_DIMS: Final = dataclasses.replace(
     LLAMA_3_2_3B_DIMS, d_transcoder=8192, cross_layer=True
 )
 #: meta-llama/Llama-3.1-8B (untied embeddings), per-layer transcoders without skip.
-LLAMA_3_1_8B_DIMS: Final = _published("llama", 32, 4096, 14336, 128256, 32, 8, 128, tied=False)
+LLAMA_3_1_8B_DIMS: Final = PUBLISHED["meta-llama/Llama-3.1-8B"]
 #: Qwen/Qwen3-0.6B with transcoders as wide as mwhanna/qwen3-0.6b-transcoders-lowl0 (163840).
-QWEN3_0_6B_DIMS: Final = _published(
-    "qwen3", 28, 1024, 3072, 151936, 16, 8, 128, tied=True, d_transcoder=163840
-)
+QWEN3_0_6B_DIMS: Final = dataclasses.replace(PUBLISHED["Qwen/Qwen3-0.6B"], d_transcoder=163840)
 #: Qwen/Qwen3-1.7B.
-QWEN3_1_7B_DIMS: Final = _published("qwen3", 28, 2048, 6144, 151936, 16, 8, 128, tied=True)
+QWEN3_1_7B_DIMS: Final = PUBLISHED["Qwen/Qwen3-1.7B"]
 #: Qwen3-1.7B with a cross-layer transcoder of 4096 features per layer.
 QWEN3_1_7B_CLT_DIMS: Final = dataclasses.replace(
     QWEN3_1_7B_DIMS, d_transcoder=4096, cross_layer=True
 )
 #: Qwen/Qwen3-4B.
-QWEN3_4B_DIMS: Final = _published("qwen3", 36, 2560, 9728, 151936, 32, 8, 128, tied=True)
+QWEN3_4B_DIMS: Final = PUBLISHED["Qwen/Qwen3-4B"]
 #: Qwen/Qwen3-8B (untied embeddings).
-QWEN3_8B_DIMS: Final = _published("qwen3", 36, 4096, 12288, 151936, 32, 8, 128, tied=False)
+QWEN3_8B_DIMS: Final = PUBLISHED["Qwen/Qwen3-8B"]
 
 #: Bundled model names and their dimensions (read-only).
 BUNDLED_MODELS: Final[Mapping[str, ModelDims]] = MappingProxyType(

@@ -43,109 +43,42 @@ class MismatchedSet(UnknownShape):
     """A transcoder set made for other models than the one named with it."""
 
 
-def count_params(
-    *,
-    family: str,
-    n_layers: int,
-    d_model: int,
-    d_mlp: int,
-    vocab_size: int,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    tied: bool,
-) -> int:
-    """Parameters of a (bias-free) decoder-only model of ``family``: gemma2, gemma3, llama or
-    qwen3. Tied embeddings are counted once, as the nnsight backend stores them."""
-    attention = d_model * head_dim * (2 * n_heads + 2 * n_kv_heads)
-    mlp = 3 * d_model * d_mlp
-    norms = {"gemma2": 4 * d_model, "gemma3": 4 * d_model + 2 * head_dim}.get(
-        family, 2 * d_model + (2 * head_dim if family == "qwen3" else 0)
-    )
-    embeddings = vocab_size * d_model * (1 if tied else 2)
-    return n_layers * (attention + mlp + norms) + embeddings + d_model
-
-
 #: Gemma-3 4b and 12b are multimodal: circuit-tracer loads them with their SigLIP vision
 #: tower (416,866,032 parameters) and a projector (1152 x d_model + 1152).
 _SIGLIP_PARAMS: Final = 416_866_032
-
-
-_DIM_NAMES: Final = (
-    "n_layers",
-    "d_model",
-    "d_mlp",
-    "vocab_size",
-    "n_heads",
-    "n_kv_heads",
-    "head_dim",
+_MULTIMODAL: Final = frozenset(
+    {
+        "google/gemma-3-4b-pt",
+        "google/gemma-3-4b-it",
+        "google/gemma-3-12b-pt",
+        "google/gemma-3-12b-it",
+    }
 )
 
 
-def _model(
-    name: str, family: str, *dims: int, tied: bool = True, vision: bool = False
-) -> ModelShape:
-    """A registry entry: ``dims`` in the order of :data:`_DIM_NAMES`."""
-    named = dict(zip(_DIM_NAMES, dims, strict=True))
-    params = count_params(family=family, tied=tied, **named)
-    if vision:
-        params += _SIGLIP_PARAMS + 1152 * named["d_model"] + 1152
+def _vision_params(d_model: int) -> int:
+    return _SIGLIP_PARAMS + 1152 * d_model + 1152
+
+
+def shape_of_dims(name: str, dims: catalogue.ModelDims, *, vision: bool = False) -> ModelShape:
+    """The estimator's shape of a model of ``dims`` (with its vision tower where ``vision``),
+    named ``name``."""
     return ModelShape(
         name=name,
-        family=family,
-        n_params=params,
-        final_logit_softcap=30.0 if family == "gemma2" else None,
-        **named,
+        family=dims.architecture,
+        n_params=dims.n_model_params + (_vision_params(dims.d_model) if vision else 0),
+        final_logit_softcap=30.0 if dims.architecture == "gemma2" else None,
+        **{field: getattr(dims, field) for field in catalogue.DIM_NAMES},
     )
 
 
-def _models() -> dict[str, ModelShape]:
-    gemma_2_2b = ("gemma2", 26, 2304, 9216, 256000, 8, 4, 256)
-    gemma_3_1b = ("gemma3", 26, 1152, 6912, 262144, 4, 1, 256)
-    gemma_3_4b = ("gemma3", 34, 2560, 10240, 262208, 8, 4, 256)
-    gemma_3_12b = ("gemma3", 48, 3840, 15360, 262208, 16, 8, 256)
-    table = [
-        _model("google/gemma-2-2b", *gemma_2_2b),
-        _model("google/gemma-2-2b-it", *gemma_2_2b),
-        _model("google/gemma-2-9b", "gemma2", 42, 3584, 14336, 256000, 16, 8, 256),
-        _model("google/gemma-2-9b-it", "gemma2", 42, 3584, 14336, 256000, 16, 8, 256),
-        _model("google/gemma-3-1b-pt", *gemma_3_1b),
-        _model("google/gemma-3-1b-it", *gemma_3_1b),
-        _model("google/gemma-3-4b-pt", *gemma_3_4b, vision=True),
-        _model("google/gemma-3-4b-it", *gemma_3_4b, vision=True),
-        _model("google/gemma-3-12b-pt", *gemma_3_12b, vision=True),
-        _model("google/gemma-3-12b-it", *gemma_3_12b, vision=True),
-        _model("google/gemma-2-27b", "gemma2", 46, 4608, 36864, 256000, 32, 16, 128),
-        _model("google/gemma-2-27b-it", "gemma2", 46, 4608, 36864, 256000, 32, 16, 128),
-        _model("google/gemma-3-270m", "gemma3", 18, 640, 2048, 262144, 4, 1, 256),
-        _model("google/gemma-3-270m-it", "gemma3", 18, 640, 2048, 262144, 4, 1, 256),
-        _model("meta-llama/Llama-3.2-1B", "llama", 16, 2048, 8192, 128256, 32, 8, 64),
-        _model("meta-llama/Llama-3.2-1B-Instruct", "llama", 16, 2048, 8192, 128256, 32, 8, 64),
-        _model("meta-llama/Llama-3.2-3B", "llama", 28, 3072, 8192, 128256, 24, 8, 128),
-        _model("meta-llama/Llama-3.2-3B-Instruct", "llama", 28, 3072, 8192, 128256, 24, 8, 128),
-        _model("meta-llama/Llama-3.1-8B", "llama", 32, 4096, 14336, 128256, 32, 8, 128, tied=False),
-        _model(
-            "meta-llama/Llama-3.1-8B-Instruct",
-            "llama",
-            32,
-            4096,
-            14336,
-            128256,
-            32,
-            8,
-            128,
-            tied=False,
-        ),
-        _model("Qwen/Qwen3-0.6B", "qwen3", 28, 1024, 3072, 151936, 16, 8, 128),
-        _model("Qwen/Qwen3-1.7B", "qwen3", 28, 2048, 6144, 151936, 16, 8, 128),
-        _model("Qwen/Qwen3-4B", "qwen3", 36, 2560, 9728, 151936, 32, 8, 128),
-        _model("Qwen/Qwen3-8B", "qwen3", 36, 4096, 12288, 151936, 32, 8, 128, tied=False),
-        _model("Qwen/Qwen3-14B", "qwen3", 40, 5120, 17408, 151936, 40, 8, 128, tied=False),
-    ]
-    return {shape.name: shape for shape in table}
-
-
-MODELS: Final[Mapping[str, ModelShape]] = MappingProxyType(_models())
+#: The published models' shapes, from the catalogue's one table of their dimensions.
+MODELS: Final[Mapping[str, ModelShape]] = MappingProxyType(
+    {
+        name: shape_of_dims(name, dims, vision=name in _MULTIMODAL)
+        for name, dims in catalogue.PUBLISHED.items()
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -603,17 +536,6 @@ def _bundled_model(name: str) -> ModelShape:
     return shape_of_dims(name, catalogue.model_dims_of(name))
 
 
-def shape_of_dims(name: str, dims: catalogue.ModelDims) -> ModelShape:
-    """The estimator's shape of a random model built from ``dims``, named ``name``."""
-    return ModelShape(
-        name=name,
-        family=dims.architecture,
-        n_params=dims.n_model_params,
-        final_logit_softcap=30.0 if dims.architecture == "gemma2" else None,
-        **{field: getattr(dims, field) for field in _DIM_NAMES},
-    )
-
-
 _FAMILIES: Final = {
     "gemma2": "gemma2",
     "gemma3": "gemma3",
@@ -728,9 +650,9 @@ def model_from_config_json(path: str | Path) -> ModelShape:
     if dims["head_dim"] <= 0:  # d_model smaller than n_heads
         raise UnknownShape(f"{where}: head_dim must be positive, got {dims['head_dim']}")
     tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
-    params = count_params(family=family, tied=tied, **dims)
+    params = catalogue.count_params(architecture=family, tied=tied, **dims)
     if vision:
-        params += _SIGLIP_PARAMS + 1152 * dims["d_model"] + 1152
+        params += _vision_params(dims["d_model"])
     softcap = text.get("final_logit_softcapping")
     if family == "gemma2" and "final_logit_softcapping" not in text:
         softcap = 30.0  # Gemma2Config's default
