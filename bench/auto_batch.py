@@ -300,15 +300,15 @@ def emit_predictions(
     import torch
 
     from pytest_ctresources.estimator import estimate as est
-    from pytest_ctresources.estimator import registry
+    from pytest_ctresources.estimator import loaded_model, of_config
 
     cfg = auto_config(str(base["model"]), dtype, args)
-    model_shape, transcoders = registry.shapes_of_loaded(model)
+    model_shape, transcoders = loaded_model.shapes_of_loaded(model)
     tokens = len(prompt)
     resident = torch.cuda.memory_allocated()
     predictions = {}
     for batch in sorted(set(sizes)):
-        workload = registry.workload_of(cfg, tokens, 0.0, batch, counted_features=active)
+        workload = of_config.workload_of(cfg, tokens, 0.0, batch, counted_features=active)
         estimate = est.estimate(model_shape, transcoders, workload)
         extra = resident - estimate.resident_bytes
         predictions[batch] = {

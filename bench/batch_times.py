@@ -144,9 +144,9 @@ class PhaseClock:
 
 
 def dims_record(dims: Any, model: Any) -> dict[str, Any]:
-    from pytest_ctresources.estimator import registry
+    from pytest_ctresources.estimator import loaded_model
 
-    shape, transcoders = registry.shapes_of_loaded(model)
+    shape, transcoders = loaded_model.shapes_of_loaded(model)
     return {
         "n_layers": shape.n_layers,
         "d_model": shape.d_model,

@@ -165,7 +165,7 @@ def per_batch_token(dims: Any, dtype: str, tokens: int = 8) -> dict[str, float]:
     difference between batch sizes 4 and 8) and as the estimator predicts them."""
     from pytest_ctresources import testing
     from pytest_ctresources.estimator import estimate as est
-    from pytest_ctresources.estimator import registry
+    from pytest_ctresources.estimator import loaded_model
 
     model = testing.build_replacement_model(dims, device="cpu", dtype=dtype)
     prompt = [2, *range(10, 10 + tokens - 1)]
@@ -175,7 +175,7 @@ def per_batch_token(dims: Any, dtype: str, tokens: int = 8) -> dict[str, float]:
     peak = (
         large["forward_peak"] - large["setup_after"] - small["forward_peak"] + small["setup_after"]
     ) / batch_tokens
-    shape, transcoders = registry.shapes_of_loaded(model)
+    shape, transcoders = loaded_model.shapes_of_loaded(model)
     b = est.DTYPE_BYTES[dtype]  # type: ignore[index]
     return {
         "kept": kept,

@@ -100,9 +100,9 @@ def predicted(model: Any, tokens: int, batch: int, active: int | None, nodes: in
     """The estimator's pipeline for a point, from the loaded model's shapes (``active``: the
     counted active features, else the default per layer and token)."""
     from pytest_ctresources.estimator import estimate as est
-    from pytest_ctresources.estimator import registry
+    from pytest_ctresources.estimator import loaded_model
 
-    shape, transcoders = registry.shapes_of_loaded(model)
+    shape, transcoders = loaded_model.shapes_of_loaded(model)
     work = est.Workload("bfloat16", batch, tokens, 0.0, nodes, counted_features=active)
     return est.pipeline(est.estimate(shape, transcoders, work))
 

@@ -17,8 +17,8 @@ import pytest
 from pytest_ctresources import testing
 from pytest_ctresources.estimator import auto as autobatch
 from pytest_ctresources.estimator import estimate as est
-from pytest_ctresources.estimator import registry, timing
-from pytest_ctresources.estimator.registry import estimate_config
+from pytest_ctresources.estimator import loaded_model, registry, timing
+from pytest_ctresources.estimator.of_config import estimate_config
 from pytest_ctresources.settings.config import CircuitTracerConfig
 from pytest_ctresources.units import GIB
 from tests.conftest import TINY_YAML
@@ -197,7 +197,7 @@ def test_choice_on_a_gpu_uses_measured_memory_and_real_active_features(
     assert f"the ceiling 4096; {active} is predicted fastest (" in roomy.reason
 
     # Less room: leave space for about 60 batch rows, so several passes are needed.
-    shape, transcoders = registry.shapes_of_loaded(model)
+    shape, transcoders = loaded_model.shapes_of_loaded(model)
     work = est.Workload("float32", 1, 6, 0.0, 4096, counted_features=active)
     one, two = (est.estimate(shape, transcoders, est.with_batch(work, b)) for b in (1, 2))
     # auto fits the allocated peak plus the CUDA context (autobatch.counted_for_fit).
@@ -255,7 +255,7 @@ def test_auto_on_the_cpu_fits_the_host_memory(monkeypatch: pytest.MonkeyPatch) -
     model = testing.build_named_model(testing.TINY_GEMMA2, testing.RANDOM_TRANSCODERS, device="cpu")
     cfg = auto_config(batch_size_max=4096, max_feature_nodes=4096)
     budget = autobatch.Budget(None, "no CUDA GPU detected", 0.05)
-    shape, transcoders = registry.shapes_of_loaded(model)
+    shape, transcoders = loaded_model.shapes_of_loaded(model)
     active = int(model.setup_attribution(model.ensure_tokenized(prompt)).activation_matrix._nnz())
     work = est.Workload("float32", 60, 6, 0.0, 4096, counted_features=active)
     sixty = est.estimate(shape, transcoders, work).call_bytes
@@ -300,7 +300,7 @@ def test_a_first_call_keeps_the_family_s_validation_margin(
 
 def _call_bytes(model: Any, prompt: str, batch: int) -> int:
     """What the estimator says an attribution of ``prompt`` at ``batch`` adds."""
-    shape, transcoders = registry.shapes_of_loaded(model)
+    shape, transcoders = loaded_model.shapes_of_loaded(model)
     active = int(model.setup_attribution(model.ensure_tokenized(prompt)).activation_matrix._nnz())
     tokens = int(model.ensure_tokenized(prompt).numel())
     work = est.Workload("float32", batch, tokens, 0.0, 4096, counted_features=active)
@@ -331,7 +331,7 @@ def test_the_measured_peak_corrects_later_calls(monkeypatch: pytest.MonkeyPatch)
     # Active features mean one thing everywhere: the count in all, and per layer and token.
     active = int(model.setup_attribution(model.ensure_tokenized(prompt)).activation_matrix._nnz())
     tokens = int(model.ensure_tokenized(prompt).numel())
-    layers = registry.shapes_of_loaded(model)[0].n_layers
+    layers = loaded_model.shapes_of_loaded(model)[0].n_layers
     per = active / (layers * (tokens - 1))
     assert first.active_features == active
     assert f"{active} active features in all ({per:.1f} per layer and token)" in first.describe()

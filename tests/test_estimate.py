@@ -12,7 +12,7 @@ from bench_scripts import bench_module
 
 from pytest_ctresources import testing
 from pytest_ctresources.estimator import estimate as est
-from pytest_ctresources.estimator import registry
+from pytest_ctresources.estimator import loaded_model, registry
 from pytest_ctresources.units import GIB
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -662,7 +662,7 @@ def test_shapes_of_a_loaded_model() -> None:
     """Dimensions read from a ReplacementModel agree with the registry's for the same model."""
     for name in (testing.TINY_GEMMA2, testing.TINY_LLAMA):
         model = testing.build_named_model(name, testing.RANDOM_TRANSCODERS, device="cpu")
-        shape, transcoders = registry.shapes_of_loaded(model)
+        shape, transcoders = loaded_model.shapes_of_loaded(model)
         expected = registry.model_shape(name)
         assert dataclasses.replace(shape, name=name) == expected
         assert transcoders.width == testing.model_dims_of(name).d_transcoder
@@ -672,7 +672,7 @@ def test_shapes_of_a_loaded_model() -> None:
 def test_shapes_of_a_loaded_cross_layer_transcoder() -> None:
     dims = dataclasses.replace(testing.TINY_GEMMA2_DIMS, cross_layer=True, skip_connection=True)
     model = testing.build_replacement_model(dims, device="cpu")
-    _, transcoders = registry.shapes_of_loaded(model)
+    _, transcoders = loaded_model.shapes_of_loaded(model)
     assert transcoders.cross_layer and transcoders.skip_connection
     assert transcoders.width == dims.d_transcoder
 

@@ -194,7 +194,7 @@ def estimated_need(cfg: CircuitTracerConfig, runtime: Runtime) -> markers.VramNe
     ``--ct-vram-capacity``, a cap on PyTorch's allocator, the CUDA context is left out.
     """
     from pytest_ctresources.estimator.auto import counted
-    from pytest_ctresources.estimator.registry import estimate_config
+    from pytest_ctresources.estimator.of_config import estimate_config
 
     settings = runtime.settings
     tokens = settings.estimate_prompt_tokens.value

@@ -53,7 +53,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-from pytest_ctresources.estimator import cgroup, registry, timing
+from pytest_ctresources.estimator import cgroup, loaded_model, of_config, registry, timing
 from pytest_ctresources.estimator import estimate as est
 from pytest_ctresources.settings.config import CircuitTracerConfig
 from pytest_ctresources.units import GIB, bytes_text
@@ -251,8 +251,8 @@ def choose_with_setup(
     if device.type != "cuda":
         context = model.setup_attribution(input_ids)
         active = int(context.activation_matrix._nnz())
-        model_shape, transcoders = registry.shapes_of_loaded(model)
-        workload = registry.workload_of(cfg, tokens, 0.0, 1, counted_features=active)
+        model_shape, transcoders = loaded_model.shapes_of_loaded(model)
+        workload = of_config.workload_of(cfg, tokens, 0.0, 1, counted_features=active)
         choice = _host_choice(model_shape, transcoders, workload, budget, ceiling, active)
         return replace(choice, _key=key), context
     # What is allocated now is what the attribution cannot use. (Garbage an earlier failure
@@ -264,8 +264,8 @@ def choose_with_setup(
     free, total = (int(value) for value in torch.cuda.mem_get_info(device))
     context = model.setup_attribution(input_ids)
     active = int(context.activation_matrix._nnz())
-    model_shape, transcoders = registry.shapes_of_loaded(model)
-    workload = registry.workload_of(cfg, tokens, 0.0, 1, counted_features=active)
+    model_shape, transcoders = loaded_model.shapes_of_loaded(model)
+    workload = of_config.workload_of(cfg, tokens, 0.0, 1, counted_features=active)
     refuse_what_cannot_fit(model_shape, transcoders, workload, budget, resident)
     room = device_room(free, reserved, total, budget)
     choice = _choice(
@@ -706,11 +706,11 @@ def choose_from_config(
             ceiling, prompt_tokens, None, None, f"{budget.describe()}: the ceiling {ceiling}"
         )
     try:
-        model_shape, transcoders = registry.shapes_of_config(cfg)
+        model_shape, transcoders = of_config.shapes_of_config(cfg)
     except registry.UnknownShape:
         return None
-    per_layer = registry.default_active_per_layer_token(cfg)
-    workload = registry.workload_of(cfg, prompt_tokens, per_layer, 1)
+    per_layer = of_config.default_active_per_layer_token(cfg)
+    workload = of_config.workload_of(cfg, prompt_tokens, per_layer, 1)
     if budget.capacity_gib is None:
         active = workload.active_features(model_shape.n_layers)
         return _host_choice(

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from pytest_ctresources.estimator import cli_models, registry
+from pytest_ctresources.estimator import cli_models, of_config, registry
 from pytest_ctresources.estimator import estimate as est
 from pytest_ctresources.estimator.auto import (
     DEFAULT_AUTO_MARGIN,
@@ -256,13 +256,13 @@ def resolve(args: argparse.Namespace) -> Request:
     )
     cfg, usual = resolve_names(cfg)
     try:
-        model, transcoders = registry.shapes_of_config(cfg)
+        model, transcoders = of_config.shapes_of_config(cfg)
     except registry.UnknownShape as exc:  # not reached: resolve_names looked both up
         raise CliError(str(exc)) from None
     auto = cfg.batch_size == AUTO
     batch = 1 if auto else int(cfg.batch_size)
     active, source = _active_per_layer_token(args.active_features, cfg)
-    workload = registry.workload_of(cfg, args.prompt_tokens, active, batch)
+    workload = of_config.workload_of(cfg, args.prompt_tokens, active, batch)
     return Request(
         model,
         transcoders,
