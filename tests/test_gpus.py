@@ -16,10 +16,10 @@ from pytest_ctresources.gpu.detect import (
     GpuFacts,
     GpuInfo,
     detect_gpus,
-    parse_visible_devices,
     used_memory_reader,
 )
 from pytest_ctresources.gpu.fake import FAKE_GPUS_ENV, parse_fake_gpus, parse_fake_used
+from pytest_ctresources.gpu.visible_devices import parse_visible_devices
 from pytest_ctresources.units import GIB
 
 # --------------------------------------------------------------------------- CT_FAKE_GPUS

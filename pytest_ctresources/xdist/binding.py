@@ -20,7 +20,8 @@ from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from pytest_ctresources.gpu.detect import VISIBLE_DEVICES_ENV, GpuFacts, GpuInfo
+from pytest_ctresources.gpu.detect import GpuFacts, GpuInfo
+from pytest_ctresources.gpu.visible_devices import VISIBLE_DEVICES_ENV
 from pytest_ctresources.xdist.roles import WORKER_ENV
 
 WORKER_COUNT_ENV = "PYTEST_XDIST_WORKER_COUNT"
