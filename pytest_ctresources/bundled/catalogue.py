@@ -212,17 +212,7 @@ class ModelDims:
                 f"unknown architecture {self.architecture!r}; "
                 f"known: {', '.join(sorted(_HF_ARCHITECTURE))}"
             )
-        for field_name in (
-            "n_layers",
-            "d_model",
-            "d_mlp",
-            "vocab_size",
-            "n_heads",
-            "n_kv_heads",
-            "head_dim",
-            "d_transcoder",
-            "max_position",
-        ):
+        for field_name in (*DIM_NAMES, "d_transcoder", "max_position"):
             value = getattr(self, field_name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ModelDims.{field_name} must be a positive int, got {value!r}")
