@@ -28,16 +28,16 @@ from pytest_ctresources.estimator.cli_request import CliError
 from pytest_ctresources.settings.config import (
     DTYPE_ALIASES,
     DTYPES,
-    FIELDS,
     MAX_COUNT,
     MAX_GIB,
+    CircuitTracerConfig,
     bound_text,
     shown,
 )
 from pytest_ctresources.units import GIB
 
 DEFAULT_PROMPT_TOKENS: Final = 32
-DEFAULT_CEILING: Final = int(FIELDS["batch_size_max"].default)  # type: ignore[call-overload]
+DEFAULT_CEILING: Final = CircuitTracerConfig.defaults().batch_size_max
 
 
 def _dtype(text: str) -> str:
