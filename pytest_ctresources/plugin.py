@@ -266,7 +266,7 @@ def _report_to_placement(config: pytest.Config, runtime: Runtime) -> None:
     worker = PlacementWorker(channel, _need_of(runtime))
     facts = runtime.gpu_facts(may_import_torch=False)
     gpu = runtime.binding.gpu if runtime.binding is not None else facts.gpu(0)
-    capacity = runtime.settings.vram_capacity
+    capacity = runtime.vram_capacity
     worker.report_gpu(worker_gpu(gpu, facts, capacity.value if capacity is not None else None))
     config.pluginmanager.register(worker, PlacementWorker.name)
 
@@ -306,7 +306,7 @@ def _plan_and_shard(config: pytest.Config, runtime: Runtime) -> None:
     def learned() -> dict[str, float]:
         return read(config.cache if hasattr(config, "cache") else None)
 
-    capacity = runtime.settings.vram_capacity
+    capacity = runtime.vram_capacity
 
     def detected() -> list[PlanGpu]:
         facts = runtime.gpu_facts(may_import_torch=False)

@@ -77,9 +77,7 @@ def begin(item: pytest.Item, runtime: Runtime) -> str | None:
         return None
     session = _uses_session(item, state.config)
     gpu = runtime.test_gpu()
-    reason = skip_reason(
-        need.gib, need.source, gpu, runtime.settings.vram_capacity, runs_on_cpu=session
-    )
+    reason = skip_reason(need.gib, need.source, gpu, runtime.vram_capacity, runs_on_cpu=session)
     if reason is None and gpu is not None:
         state.record.gpu_ran = gpu.name  # a GPU test, run on a GPU (report/coverage.py)
     return reason
@@ -122,7 +120,7 @@ def begin_late(
 def _key(item: pytest.Item, cfg: CircuitTracerConfig | None, runtime: Runtime) -> str:
     """The test's learned-need key under its config (None: a test without one) and the
     run's ``--ct-vram-capacity``."""
-    capacity = runtime.settings.vram_capacity
+    capacity = runtime.vram_capacity
     return memory_key(item.nodeid, cfg, capacity.value if capacity is not None else None)
 
 
@@ -355,7 +353,7 @@ def explain_oom(item: pytest.Item, runtime: Runtime, exc: BaseException) -> None
         oom_section(
             state.config,
             runtime.gpu_facts().gpu(figures.device if figures else 0),
-            runtime.settings.vram_capacity,
+            runtime.vram_capacity,
             figures,
             pruning=session.pruning_oom_of(exc) if session is not None else None,
         ),

@@ -49,6 +49,9 @@ class Runtime:
     """The GPU this xdist worker is bound to (None elsewhere)."""
     cleaner: BetweenTests | None = None
     """The between-test cleanup (None under ``ct_cleanup = never``)."""
+    vram_capacity: Sourced[float] | None = None
+    """``--ct-vram-capacity`` as it applies: the setting, clamped to the card once the card is
+    known (:func:`clamped_capacity`). The settings keep what was set."""
     _gpu_facts: GpuFacts | None = None
     _learned: LearnedNeeds | None = None
     _session_config: CircuitTracerConfig | None = None
@@ -76,12 +79,12 @@ class Runtime:
         """Keep the facts, and clamp ``--ct-vram-capacity`` to the card they found (at
         start-up when NVML answers; else when a test first needs the GPU)."""
         self._gpu_facts = facts
-        capacity = self.settings.vram_capacity
+        capacity = self.vram_capacity
         if capacity is None:
             return
         clamped = clamped_capacity(capacity, facts.gpu(0))
         if clamped is not capacity:
-            self.settings = self.settings.with_value("vram_capacity", clamped)
+            self.vram_capacity = clamped
             self.capacity_cap = CapacityCap(clamped.value)
 
     def learned(self) -> LearnedNeeds:
@@ -118,7 +121,7 @@ class Runtime:
         from pytest_ctresources.estimator.auto import Budget
 
         margin = float(self.settings.auto_margin.value)
-        capacity = self.settings.vram_capacity
+        capacity = self.vram_capacity
         gpu = self.test_gpu()
         if capacity is not None:
             budget = Budget(capacity.value, str(capacity.source), margin, emulated=True)
@@ -236,12 +239,12 @@ def start_runtime(
         capacity_cap=None,
         cache=getattr(config, "cache", None),  # None under -p no:cacheprovider
         shipped_learned=shipped_needs(config),
+        vram_capacity=settings.vram_capacity,
     )
     capacity = settings.vram_capacity
     if capacity is not None:
         runtime.capacity_cap = CapacityCap(capacity.value)
         runtime.gpu_facts(may_import_torch=False)  # clamps the capacity if NVML sees the card
-        settings = runtime.settings
     if binding is not None:
         runtime.binding = binding
     if runtime.capacity_cap is not None and not runs_no_tests(config):

@@ -173,7 +173,7 @@ class GpuLeases:
             return None
         from pytest_ctresources.gpu.detect import used_memory_reader
 
-        capacity = self.runtime.settings.vram_capacity
+        capacity = self.runtime.vram_capacity
         budget = min(capacity.value, gpu.total_gib) if capacity else gpu.total_gib
         try:
             ledger_module.ensure_root()

@@ -305,7 +305,7 @@ def run_notebook(item: Any) -> None:
         state_of(item).record.notebook_values = values_with_sources(
             cfg, values, params_from, injected, lambda path: shown_path(path, item.config)
         )
-    capacity = settings.vram_capacity
+    capacity = runtime.vram_capacity
     env = kernel_environment(
         cfg,
         # Absolute: the kernel's working directory is the notebook's, not pytest's.

@@ -93,7 +93,7 @@ def build_report(
     ``signal_name``: the signal that is terminating the run (the report is then written
     from the signal handler, before the run has finished)."""
     settings = runtime.settings
-    capacity = settings.vram_capacity
+    capacity = runtime.vram_capacity
     leak_threshold = settings.leak_threshold.value
     return {
         "schema": SCHEMA,

@@ -23,7 +23,7 @@ def header_lines(config: pytest.Config, runtime: Runtime) -> list[str]:
     """What ``-v`` prints once: settings, GPUs, and where xdist workers will run."""
     facts = runtime.gpu_facts(may_import_torch=False)
     lines = [
-        *runtime.settings.header_lines(),
+        *runtime.settings.header_lines(runtime.vram_capacity),
         *(f"ctresources: {line}" for line in facts.summary_lines()),
     ]
     workers = config.getoption("numprocesses", None)

@@ -527,7 +527,7 @@ class SummaryReporter:
     def capacity(self) -> tuple[float | None, str]:
         """The capacity the report compares with, and how it is described."""
         gpu = self.runtime.gpu_facts(may_import_torch=False).gpu(0)
-        emulated = self.runtime.settings.vram_capacity
+        emulated = self.runtime.vram_capacity
         if emulated is not None:
             where = f"{gpu.describe()} " if gpu is not None else ""
             return emulated.value, f"{where}capacity {emulated.value:.1f} GiB by {emulated.source}"
@@ -625,7 +625,10 @@ class SummaryReporter:
         acted = self.summary.acted or activation_of(self.config).project_wide
         if failed and verbosity == 0 and acted:
             described = [
-                *(line.removeprefix("ctresources: ") for line in settings.header_lines()),
+                *(
+                    line.removeprefix("ctresources: ")
+                    for line in settings.header_lines(self.runtime.vram_capacity)
+                ),
                 *self.runtime.gpu_facts(may_import_torch=False).summary_lines(),
             ]
         lines = [*described, *actions, *([totals] if totals else []), *details]

@@ -13,7 +13,6 @@ naming that source.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -67,10 +66,6 @@ class Settings(Declared):
     snapshot_directory: Path | None = None
     """``--ct-snapshot-dir``, checked (None: the default, decided where the run starts)."""
 
-    def with_value(self, name: str, value: Sourced[object]) -> Settings:
-        """These settings with ``name`` set to ``value`` (a capacity clamped to the card)."""
-        return dataclasses.replace(self, values={**self.values, name: value})
-
     def session_config(self) -> CircuitTracerConfig:
         """The session-wide config, defaults < ini < experiment YAML < environment < command
         line: the config of a test with no ``ct_config`` marker, and the layers a test's own
@@ -80,8 +75,9 @@ class Settings(Declared):
             cfg = self.experiment.apply(cfg)
         return _apply(_apply(cfg, self.layers["env"]), self.layers["option"])
 
-    def header_lines(self) -> list[str]:
-        """Lines for the ``pytest -v`` header: effective settings and their sources."""
+    def header_lines(self, vram_capacity: Sourced[float] | None) -> list[str]:
+        """Lines for the ``pytest -v`` header: effective settings and their sources, with
+        ``vram_capacity`` as it applies (core/runtime.py clamps the setting to the card)."""
         cfg = self.session_config()
         lines = [
             "ctresources: "
@@ -100,8 +96,8 @@ class Settings(Declared):
                 f"transcoders {cfg.transcoder_set}"
             )
         capacity = (
-            f"{self.vram_capacity.value:g} GiB ({self.vram_capacity.source})"
-            if self.vram_capacity
+            f"{vram_capacity.value:g} GiB ({vram_capacity.source})"
+            if vram_capacity
             else "as detected"
         )
         alloc = self.alloc_conf.value or "(not set)"
