@@ -142,28 +142,19 @@ DIM_NAMES: Final = (
 )
 
 
-def count_params(
-    *,
-    architecture: str,
-    n_layers: int,
-    d_model: int,
-    d_mlp: int,
-    vocab_size: int,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    tied: bool,
-) -> int:
-    """Parameters of a (bias-free) decoder-only model of ``architecture``: gemma2, gemma3,
-    llama or qwen3. Tied embeddings are counted once, as the nnsight backend stores them.
-    The one count: the random models' and the estimator's registry's, and a ``config.json``'s."""
-    attention = d_model * head_dim * (2 * n_heads + 2 * n_kv_heads)
-    mlp = 3 * d_model * d_mlp
+def count_params(architecture: str, dims: Mapping[str, int], *, tied: bool) -> int:
+    """Parameters of a (bias-free) decoder-only model of ``architecture`` (gemma2, gemma3,
+    llama or qwen3) with dimensions ``dims`` (by :data:`DIM_NAMES`). Tied embeddings are
+    counted once, as the nnsight backend stores them. The one count: the random models',
+    the estimator's registry's and a ``config.json``'s."""
+    d_model, head_dim = dims["d_model"], dims["head_dim"]
+    attention = d_model * head_dim * (2 * dims["n_heads"] + 2 * dims["n_kv_heads"])
+    mlp = 3 * d_model * dims["d_mlp"]
     norms = (2 if architecture in ("llama", "qwen3") else 4) * d_model
     if architecture in ("gemma3", "qwen3"):
         norms += 2 * head_dim  # q_norm and k_norm
-    embeddings = vocab_size * d_model * (1 if tied else 2)
-    return n_layers * (attention + mlp + norms) + embeddings + d_model
+    embeddings = dims["vocab_size"] * d_model * (1 if tied else 2)
+    return dims["n_layers"] * (attention + mlp + norms) + embeddings + d_model
 
 
 @dataclass(frozen=True)
@@ -238,11 +229,8 @@ class ModelDims:
     @property
     def n_model_params(self) -> int:
         """Number of parameters of the transformer (embeddings counted once if tied)."""
-        return count_params(
-            architecture=self.architecture,
-            tied=self.ties_embeddings,
-            **{name: getattr(self, name) for name in DIM_NAMES},
-        )
+        dims = {name: getattr(self, name) for name in DIM_NAMES}
+        return count_params(self.architecture, dims, tied=self.ties_embeddings)
 
     @property
     def n_transcoder_params(self) -> int:

@@ -647,7 +647,7 @@ def model_from_config_json(path: str | Path) -> ModelShape:
     if dims["head_dim"] <= 0:  # d_model smaller than n_heads
         raise UnknownShape(f"{where}: head_dim must be positive, got {dims['head_dim']}")
     tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True)))
-    params = catalogue.count_params(architecture=family, tied=tied, **dims)
+    params = catalogue.count_params(family, dims, tied=tied)
     if vision:
         params += _vision_params(dims["d_model"])
     softcap = text.get("final_logit_softcapping")
