@@ -1,9 +1,10 @@
-"""Where the estimator's shapes come from: an offline registry, a config.json, a loaded model.
+"""Shapes by name or path: the models and transcoder sets circuit-tracer 0.5.0 knows, their
+short names and pairings, and a local ``config.json``.
 
-The registry lists the models and transcoder sets circuit-tracer 0.5.0 knows, with the
-dimensions of their Hugging Face ``config.json`` (sources in ``docs/estimator.md``). Nothing
-here downloads anything; :func:`model_from_config_json` reads a local file and
-:func:`shapes_of_loaded` reads a ReplacementModel already in memory.
+The models' dimensions are the catalogue's one table (``bundled/catalogue.py`` ``PUBLISHED``,
+sources in ``docs/registry-sources.md``), shaped here; the transcoder sets are listed here.
+Nothing here downloads anything; :func:`model_from_config_json` reads a local file. A
+ReplacementModel already in memory is read by :mod:`pytest_ctresources.estimator.loaded_model`.
 """
 
 from __future__ import annotations

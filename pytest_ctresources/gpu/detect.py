@@ -13,8 +13,8 @@ Sources, in order:
    (:func:`used_memory_reader`); unset, nothing is in use.
 2. NVML (``pynvml``, from the ``nvidia-ml-py`` distribution). NVML reads the driver's view of
    the hardware without creating a CUDA context, so detection neither costs GPU memory nor
-   breaks later ``fork()``-based workers. ``CUDA_VISIBLE_DEVICES`` is applied here the way the
-   CUDA runtime applies it, because NVML itself ignores that variable.
+   breaks later ``fork()``-based workers. ``CUDA_VISIBLE_DEVICES`` is applied the way the
+   CUDA runtime applies it (gpu/visible_devices.py), because NVML itself ignores that variable.
 3. torch, only when NVML cannot be used. ``torch.cuda`` already honours
    ``CUDA_VISIBLE_DEVICES``, but querying device properties may initialise CUDA.
 

@@ -31,7 +31,7 @@ def parse_visible_devices(value: str | None) -> list[str] | None:
     gives ``[]`` and ``"0,GPU-..."`` gives ``["0"]``.
 
     This is syntax only. Entries that name no existing GPU, and repeated GPUs, are dealt
-    with by :func:`detect_gpus`, which knows the devices.
+    with by :func:`select`, given the devices.
     """
     if value is None:
         return None
