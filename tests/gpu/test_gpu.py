@@ -291,10 +291,13 @@ def test_five_tests_second_runs_out_of_memory(pytester: pytest.Pytester) -> None
         "five_tests.json",
     )
     result.assert_outcomes(passed=4, failed=1)
+    # The OOM section names the card as detection does in the summary's header (any card).
+    card = re.search(r"^GPU 0: (.+), [\d.]+ GiB \(nvml", result.stdout.str(), re.MULTILINE)
+    assert card is not None, result.stdout.str()
     result.stdout.fnmatch_lines(
         [
             "*ctresources: CUDA out of memory*",
-            "GPU 0 (NVIDIA H200): *, emulated capacity 16.0 GiB (--ct-vram-capacity)",
+            f"GPU 0 ({card.group(1)}): *, emulated capacity 16.0 GiB (--ct-vram-capacity)",
             "peak before the failure: 6.00 GiB allocated*",
         ]
     )
