@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 
 import pytest
 
@@ -402,6 +403,53 @@ def test_a_model_the_test_made_resident_is_no_garbage(
     assert log == []
     _finish(between.BetweenTests("auto"), beyond=(9 << 30) + (1 << 20), resident=9 << 30)
     assert log == ["gc"]
+
+
+class _Mediator:
+    """Stands in for nnsight's ``Mediator``: a mediator thread's first argument."""
+
+
+def _pyplot_with(monkeypatch: pytest.MonkeyPatch, figures: list[int]) -> None:
+    pyplot = type(sys)("matplotlib.pyplot")
+    pyplot.get_fignums = lambda: list(figures)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", pyplot)
+
+
+def test_nothing_to_do_with_pyplot_loaded_asks_for_open_figures(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A suite that imported pyplot keeps the shortcut for a test that left no figure open,
+    # and loses it for one that did.
+    monkeypatch.delitem(sys.modules, "nnsight.intervention.interleaver", raising=False)
+    cleaner = between.BetweenTests("auto")
+    figures: list[int] = []
+    _pyplot_with(monkeypatch, figures)
+    start = cleaner.begin(0)
+    assert cleaner.nothing_to_do(start)
+    figures.append(1)
+    assert not cleaner.nothing_to_do(start)
+    assert not cleaner.nothing_to_do(cleaner.begin(0))  # open before the test: not ours to skip
+
+
+def test_nothing_to_do_with_nnsight_loaded_asks_for_a_live_mediator_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _pyplot_with(monkeypatch, [])
+    interleaver = type(sys)("nnsight.intervention.interleaver")
+    interleaver.Mediator = _Mediator  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "nnsight.intervention.interleaver", interleaver)
+    cleaner = between.BetweenTests("auto")
+    start = cleaner.begin(0)
+    assert cleaner.nothing_to_do(start)  # loaded, but no trace left a thread
+    release = threading.Event()
+    thread = threading.Thread(target=lambda mediator: release.wait(10), args=(_Mediator(),))
+    thread.start()
+    try:
+        assert not cleaner.nothing_to_do(start)  # a mediator thread: finish must look
+    finally:
+        release.set()
+        thread.join()
+    assert cleaner.nothing_to_do(start)
 
 
 def test_auto_without_cuda_does_not_collect_and_always_does(

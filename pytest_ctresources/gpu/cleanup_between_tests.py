@@ -130,15 +130,16 @@ class BetweenTests:
 
     def nothing_to_do(self, start: TestStart | None) -> bool:
         """Whether :meth:`finish` would find nothing to undo after a test that did not use
-        CUDA: no figure open then or now, no failed test's frames, no nnsight loaded, under
-        ``auto`` (``always`` collects after every test). Looked up in ``sys.modules`` and
-        ``sys``, so that a test with nothing to clean costs a few look-ups."""
+        CUDA: no figure open then or now, no failed test's frames, no nnsight mediator
+        thread alive, under ``auto`` (``always`` collects after every test). A few look-ups
+        (pyplot's figure numbers, ``sys``, the threads), so that a test with nothing to clean
+        costs little in a suite that imported pyplot or nnsight too."""
         return (
             self.mode != "always"
             and (start is None or not start.figures)
-            and "matplotlib.pyplot" not in sys.modules
             and getattr(sys, "last_value", None) is None
             and getattr(sys, "last_traceback", None) is None
+            and not open_figure_numbers()
             and not may_hold_threads()
         )
 

@@ -125,8 +125,20 @@ def release_nnsight_threads(model: Any = None, *, timeout: float = 1.0) -> int:
 
 
 def may_hold_threads() -> bool:
-    """Whether nnsight's interleaver is loaded: without it no thread can be blocked."""
-    return _INTERLEAVER_MODULE in sys.modules
+    """Whether :func:`release_nnsight_threads` could find a thread to release: nnsight's
+    interleaver is loaded and a thread running a mediator is alive. A few look-ups and one
+    pass over the process's threads, so that the cleanup after a test that ran no trace
+    (in a suite that imported nnsight) stays cheap."""
+    module = sys.modules.get(_INTERLEAVER_MODULE)
+    mediator_type = getattr(module, "Mediator", None)
+    if not isinstance(mediator_type, type):
+        return False  # no nnsight, or one whose threads release_nnsight_threads cannot see
+    for thread in threading.enumerate():
+        # As _orphans reads it: a mediator thread's Thread._args starts with its mediator.
+        args = getattr(thread, "_args", None)
+        if isinstance(args, tuple) and args and isinstance(args[0], mediator_type):
+            return True
+    return False
 
 
 def release_quietly(model: Any = None) -> int:
