@@ -7,7 +7,10 @@ Times, in subprocesses alternating with and without the plugin (``-p no:ctresour
 one-test project writing a pytest-html report. None of these projects asks for the plugin
 (settings/activation.py), so the plugin should cost nothing measurable. A fourth workload is
 the 2,000 trivial tests in a project that asks (``ct_cleanup = auto`` in its ini): there
-the plugin acts around every test, and what a test that uses nothing of it costs shows.
+the plugin acts around every test, and what a test that uses nothing of it costs shows. A
+fifth, where nnsight is installed, is that project with a conftest importing nnsight, as a
+circuit-tracer suite's does (its trivial tests run beside nnsight, torch and
+transformers).
 Prints the fastest and the median wall times, the medians of the ratios of paired runs (wall
 and CPU time, user + system of the pytest process: CPU time moves less with what else loads
 the machine), and which heavy modules loading the plugin imported (must be none). The
@@ -19,6 +22,7 @@ keeps that noise from favouring one.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import resource
 import statistics
@@ -93,12 +97,19 @@ def main() -> None:
         asking.mkdir()
         make_project(asking, args.tests)
         (asking / "pytest.ini").write_text("[pytest]\nct_cleanup = auto\n")
-        workloads = (
+        workloads = [
             ("pytest --co", root, ["--co"]),
             (f"{args.tests} trivial tests", root, []),
             ("1 test, --html", one, ["--html", "report.html", "--self-contained-html"]),
             (f"{args.tests} trivial tests, asking", asking, []),
-        )
+        ]
+        if importlib.util.find_spec("nnsight") is not None:
+            beside = Path(tmp) / "asking-nnsight"
+            beside.mkdir()
+            make_project(beside, args.tests)
+            (beside / "pytest.ini").write_text("[pytest]\nct_cleanup = auto\n")
+            (beside / "conftest.py").write_text("import nnsight  # noqa: F401\n")
+            workloads.append((f"{args.tests} trivial tests, asking, nnsight", beside, []))
         rows = []
         paired: list[tuple[str, float, float]] = []
         for label, where, extra in workloads:
@@ -123,9 +134,9 @@ def main() -> None:
                 )
             )
     print(f"python {sys.version.split()[0]}, {args.repeats} alternating runs each")
-    print(f"{'workload':<32} {'with plugin':>12} {'without':>12} {'ratio':>7}")
+    print(f"{'workload':<46} {'with plugin':>12} {'without':>12} {'ratio':>7}")
     for label, with_s, without_s in rows:
-        print(f"{label:<32} {with_s:>11.3f}s {without_s:>11.3f}s {with_s / without_s:>7.3f}")
+        print(f"{label:<46} {with_s:>11.3f}s {without_s:>11.3f}s {with_s / without_s:>7.3f}")
     for label, wall, cpu in paired:
         print(f"{label}: median of paired ratios, wall {wall:.3f}, CPU {cpu:.3f}")
     heavy = heavy_imports_of_plugin()
