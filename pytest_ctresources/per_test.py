@@ -17,7 +17,7 @@ import pytest
 from pytest_ctresources.core import accounting
 from pytest_ctresources.core.fixtures import one_line_message
 from pytest_ctresources.core.record import TestRecord
-from pytest_ctresources.core.runtime import Runtime, runtime_of
+from pytest_ctresources.core.runtime import Runtime
 from pytest_ctresources.core.state import (
     defer_start,
     drop_deferred,
@@ -26,7 +26,11 @@ from pytest_ctresources.core.state import (
     state_of,
 )
 from pytest_ctresources.gpu.cleanup import cuda_initialised
-from pytest_ctresources.gpu.cleanup_between_tests import TestStart, unraisable_as_warnings
+from pytest_ctresources.gpu.cleanup_between_tests import (
+    BetweenTests,
+    TestStart,
+    unraisable_as_warnings,
+)
 from pytest_ctresources.leases import leases
 from pytest_ctresources.report import snapshots
 from pytest_ctresources.settings import markers
@@ -46,11 +50,17 @@ class PerTestHooks:
     accounting at setup, the OOM explanation at call, the cleanup and its record at teardown;
     a model that cannot load fails any test of the run in one line. Registered only in a run
     the plugin acts in. (The one-line failures ride on its setup and call wrappers rather
-    than on two wrappers of their own: every test of the run would pay for those.)"""
+    than on two wrappers of their own: every test of the run would pay for those.)
+
+    Given what it works with when it is made: the run's ``runtime`` and the between-test
+    ``cleaner`` (None under ``ct_cleanup = never``).
+    """
 
     name = "ctresources-per-test"
 
-    def __init__(self) -> None:
+    def __init__(self, runtime: Runtime, cleaner: BetweenTests | None) -> None:
+        self._runtime = runtime
+        self._cleaner = cleaner
         self._may_skip: bool | None = None  # decided at the first test (_may_skip_accounting)
 
     @pytest.hookimpl(wrapper=True, trylast=True)
@@ -72,7 +82,7 @@ class PerTestHooks:
     def _setup(self, item: pytest.Item) -> None:
         if not activation_of(item.config).acts_for(item):
             return
-        runtime = runtime_of(item.config)
+        runtime, cleaner = self._runtime, self._cleaner
         if runtime.capacity_cap is not None:
             runtime.capacity_cap.arm()
         if self._may_skip_accounting(item) and accounting.nothing_to_measure(item, runtime):
@@ -80,7 +90,7 @@ class PerTestHooks:
             # record until something asks for its state (state_of runs the deferred start)
             # or CUDA is initialised by its teardown. The cleanup's start stays.
             resident, resident_bytes = runtime.model_cache.resident, runtime.resident_bytes()
-            start = runtime.cleaner.begin(resident_bytes) if runtime.cleaner else None
+            start = cleaner.begin(resident_bytes) if cleaner is not None else None
             item.stash[_QUIET_KEY] = start
             defer_start(
                 item,
@@ -96,8 +106,8 @@ class PerTestHooks:
         if written:
             item.user_properties[:] = [p for p in item.user_properties if p not in written]
         state = new_attempt_of(item)
-        if runtime.cleaner is not None:
-            state.cleanup_start = runtime.cleaner.begin(runtime.resident_bytes())
+        if cleaner is not None:
+            state.cleanup_start = cleaner.begin(runtime.resident_bytes())
         try:
             reason = accounting.begin(item, runtime)
         except markers.MarkerError as exc:
@@ -126,7 +136,7 @@ class PerTestHooks:
         try:
             return (yield)
         finally:
-            self._teardown(item, runtime_of(item.config))
+            self._teardown(item)
 
     def _may_skip_accounting(self, item: pytest.Item) -> bool:
         """Whether this run lets a test that asks for nothing skip the accounting until it
@@ -134,25 +144,25 @@ class PerTestHooks:
         snapshot or is placed on a GPU (each its own per-test work)."""
         if self._may_skip is None:
             config = item.config
-            runtime = runtime_of(config)
+            runtime, cleaner = self._runtime, self._cleaner
             self._may_skip = (
                 runtime.settings.default_vram_gib.value <= 0
-                and (runtime.cleaner is None or runtime.cleaner.mode != "always")
+                and (cleaner is None or cleaner.mode != "always")
                 and runtime.binding is None
                 and config.pluginmanager.get_plugin(PlacementWorker.name) is None
                 and not snapshots.registered(config)
             )
         return self._may_skip
 
-    @staticmethod
-    def _teardown(item: pytest.Item, runtime: Runtime) -> None:
+    def _teardown(self, item: pytest.Item) -> None:
+        runtime, cleaner = self._runtime, self._cleaner
         quiet = _QUIET_KEY in item.stash  # its setup skipped the accounting
         if quiet:
             start = item.stash[_QUIET_KEY]
             del item.stash[_QUIET_KEY]
             if (
                 has_deferred(item)
-                and (runtime.cleaner is None or runtime.cleaner.nothing_to_do(start))
+                and (cleaner is None or cleaner.nothing_to_do(start))
                 and not cuda_initialised()
             ):
                 # Nothing asked for its state, and the cleanup has nothing to free (so no
@@ -174,9 +184,9 @@ class PerTestHooks:
             # What the cleanup frees may run ``__del__`` methods that raise: their warnings
             # belong to this test's teardown, not to the next test's setup.
             with unraisable_as_warnings():
-                if runtime.cleaner is not None:
+                if cleaner is not None:
                     # Reported through the teardown report: output written here is captured.
-                    closed = runtime.cleaner.finish(
+                    closed = cleaner.finish(
                         start if quiet else state_of(item).cleanup_start,
                         beyond,
                         runtime.resident_bytes(),
@@ -207,7 +217,7 @@ class PerTestHooks:
             message = one_line_message(exc)
             if message is None:
                 if activation_of(item.config).acts_for(item):
-                    accounting.explain_oom(item, runtime_of(item.config), exc)
+                    accounting.explain_oom(item, self._runtime, exc)
                 raise
         pytest.fail(message, pytrace=False)  # outside the except block, as at setup
 

@@ -344,13 +344,14 @@ def _act_per_test(config: pytest.Config, runtime: Runtime) -> None:
     project that does not ask has none of its hooks on the stack of any test."""
     from pytest_ctresources.gpu.cleanup_between_tests import BetweenTests
 
+    cleaner = None
     if runtime.settings.cleanup.value != "never":
         cache = runtime.model_cache
-        runtime.cleaner = BetweenTests(runtime.settings.cleanup.value, lambda: cache.unfreezes)
-        config.pluginmanager.register(runtime.cleaner, BetweenTests.name)
+        cleaner = BetweenTests(runtime.settings.cleanup.value, lambda: cache.unfreezes)
+        config.pluginmanager.register(cleaner, BetweenTests.name)
     from pytest_ctresources.per_test import PerTestHooks
 
-    config.pluginmanager.register(PerTestHooks(), PerTestHooks.name)
+    config.pluginmanager.register(PerTestHooks(runtime, cleaner), PerTestHooks.name)
     config.stash[_ACTING_KEY] = True
     settings = runtime.settings
     if settings.snapshot.value != "off":  # with off, no recording call at all
@@ -400,8 +401,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     runtime = config.stash.get(_RUNTIME_KEY, None)
     if runtime is not None:
         runtime.model_cache.evict()
-        if runtime.cleaner is not None:
-            runtime.cleaner.close()
+        from pytest_ctresources.gpu.cleanup_between_tests import BetweenTests
+
+        cleaner = config.pluginmanager.get_plugin(BetweenTests.name)
+        if cleaner is not None:
+            cleaner.close()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str] | None:

@@ -17,7 +17,6 @@ from pytest_ctresources.core.state import state_of
 from pytest_ctresources.exceptions import AllocConfIneffectiveWarning
 from pytest_ctresources.gpu.allocator import ALLOC_CONF_ENV, AllocConf, CapacityCap
 from pytest_ctresources.gpu.cleanup import cleanup_python_cuda, cuda_initialised
-from pytest_ctresources.gpu.cleanup_between_tests import BetweenTests
 from pytest_ctresources.gpu.detect import GpuFacts, GpuInfo, detect_gpus
 from pytest_ctresources.gpu.fake import FAKE_GPUS_ENV, parse_fake_gpus
 from pytest_ctresources.session.cache import ModelCache
@@ -47,8 +46,6 @@ class Runtime:
     cache)."""
     binding: Binding | None = None
     """The GPU this xdist worker is bound to (None elsewhere)."""
-    cleaner: BetweenTests | None = None
-    """The between-test cleanup (None under ``ct_cleanup = never``)."""
     vram_capacity: Sourced[float] | None = None
     """``--ct-vram-capacity`` as it applies: the setting, clamped to the card once the card is
     known (:func:`clamped_capacity`). The settings keep what was set."""
