@@ -197,7 +197,7 @@ def _start(config: pytest.Config) -> Runtime:
         if runtime.settings.report_json_path is not None:
             from pytest_ctresources.report.files import on_sigterm
 
-            on_sigterm(config, reporter)
+            on_sigterm(config, lambda signal_name: reporter.finish(None, signal_name))
     # --nbmake exists only where nbmake is loaded, under whatever name: "nbmake" from its
     # entry point, "nbmake.pytest_plugin" from -p or PYTEST_PLUGINS.
     if config.getoption("nbmake", False):

@@ -574,7 +574,8 @@ def test_the_resident_model_is_no_leak_and_strict_still_fails_a_real_one(
 
 def test_no_need_is_learned_from_a_test_that_passed_only_after_halving() -> None:
     from pytest_ctresources.core.record import TestRecord
-    from pytest_ctresources.report.summary import RunSummary, TestResult
+    from pytest_ctresources.report.results import TestResult
+    from pytest_ctresources.report.run_summary import RunSummary
 
     def result(nodeid: str, halvings: str | None) -> TestResult:
         record = TestRecord(

@@ -613,7 +613,8 @@ def test_auto_needs_are_never_learned() -> None:
     # A passed test of such a config, with its peak, teaches the summary nothing either (its
     # record's empty key is not the node id, a key of its own).
     from pytest_ctresources.core.record import TestRecord
-    from pytest_ctresources.report.summary import RunSummary, TestResult
+    from pytest_ctresources.report.results import TestResult
+    from pytest_ctresources.report.run_summary import RunSummary
 
     record = TestRecord(memory_key="", peak_allocated_bytes=1 << 30, peak_reserved_bytes=1 << 30)
     summary = RunSummary(results={"t.py::x": TestResult("t.py::x", record)})
@@ -622,7 +623,7 @@ def test_auto_needs_are_never_learned() -> None:
 
 def test_estimate_low_compares_with_the_most_the_estimate_allows() -> None:
     from pytest_ctresources.core.record import TestRecord
-    from pytest_ctresources.report.summary import TestResult
+    from pytest_ctresources.report.results import TestResult
 
     def result(peak_gib: float) -> TestResult:
         record = TestRecord(

@@ -431,7 +431,7 @@ def _our_json(path: Path) -> None:
 
 def _our_plot(path: Path) -> None:
     from pytest_ctresources.report.files import write_plot
-    from pytest_ctresources.report.summary import RunSummary
+    from pytest_ctresources.report.run_summary import RunSummary
 
     made = path.with_name("made.png")  # the plot's format comes from its extension
     write_plot(made, RunSummary(), None, "no GPU")

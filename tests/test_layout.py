@@ -109,30 +109,33 @@ def upward_imports(package: Path, layers: tuple[tuple[str, ...], ...]) -> list[s
 
 
 def imported_modules(path: Path) -> set[str]:
-    """The package's modules that ``path`` imports, at module level or inside functions
-    (an import moved into a function still ties the two modules), except under
-    ``if TYPE_CHECKING:``, which never runs."""
+    """The package's modules that ``path`` imports: at module level, inside functions (an
+    import moved into a function still ties the two modules) and under ``if TYPE_CHECKING:``
+    (a type is a dependency too)."""
     found: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                visit_all(child.orelse)
-                continue
-            if isinstance(child, ast.Import):
-                found.update(alias.name for alias in child.names)
-            elif isinstance(child, ast.ImportFrom) and child.module is not None:
-                assert child.level == 0, f"{path}: relative import"
-                found.add(child.module)
-                found.update(f"{child.module}.{alias.name}" for alias in child.names)
-            visit(child)
-
-    def visit_all(nodes: list[ast.stmt]) -> None:
-        for node in nodes:
-            visit(ast.Module(body=[node], type_ignores=[]))
-
-    visit(ast.parse(path.read_text(encoding="utf-8")))
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module is not None:
+            assert node.level == 0, f"{path}: relative import"
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
     return {name for name in found if name in MODULES}
+
+
+def test_a_type_checking_import_ties_two_modules(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from pytest_ctresources.report.results import TestResult\n"
+        "def f():\n"
+        "    from pytest_ctresources.units import GIB\n"
+    )
+    assert imported_modules(module) == {
+        "pytest_ctresources.report.results",
+        "pytest_ctresources.units",
+    }
 
 
 def import_graph() -> dict[str, set[str]]:

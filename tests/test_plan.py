@@ -178,7 +178,7 @@ def test_durations_are_the_last_attempts_phases_of_tests_whose_call_ran() -> Non
     # What the plan, shards and the scheduler learn: setup + call + teardown of a test's last
     # attempt (a rerun starts afresh); none for a test skipped in any phase (xfail included)
     # or whose setup failed.
-    from pytest_ctresources.report.summary import RunSummary
+    from pytest_ctresources.report.run_summary import RunSummary
 
     summary = RunSummary()
 

@@ -18,7 +18,8 @@ from matplotlib.figure import Figure
 # record and summary as modules: pytest would try to collect a class named Test* imported here.
 from pytest_ctresources.core import record as record_module
 from pytest_ctresources.report import plot
-from pytest_ctresources.report import summary as summary_module
+from pytest_ctresources.report import results as results_module
+from pytest_ctresources.report import run_summary as summary_module
 from pytest_ctresources.settings.report_paths import PNG_MAGIC
 from pytest_ctresources.units import GIB
 from tests.fake_cuda import FAKE_CUDA_CONFTEST
@@ -30,7 +31,7 @@ RTX = "GPU 0 (NVIDIA GeForce RTX 4090) 23.6 GiB"
 
 def _record(
     nodeid: str, reserved_gib: float, need_gib: float | None = None
-) -> summary_module.TestResult:
+) -> results_module.TestResult:
     record = record_module.TestRecord(
         device=0,
         gpu="NVIDIA GeForce RTX 4090",
@@ -44,10 +45,10 @@ def _record(
         need_gib=need_gib,
         need_kind="marker" if need_gib is not None else None,
     )
-    return summary_module.TestResult(nodeid, record)
+    return results_module.TestResult(nodeid, record)
 
 
-def _summary(*results: summary_module.TestResult) -> summary_module.RunSummary:
+def _summary(*results: results_module.TestResult) -> summary_module.RunSummary:
     return summary_module.RunSummary(results={result.nodeid: result for result in results})
 
 
@@ -138,7 +139,7 @@ def test_a_capacity_far_above_every_peak_is_named_rather_than_squeezing_the_bars
 
 def test_no_cuda_data_says_so_on_the_image() -> None:
     skipped = record_module.TestRecord(vram_skip="needs 40.0 GiB VRAM; ...")
-    summary = _summary(summary_module.TestResult("t.py::test_big", skipped))
+    summary = _summary(results_module.TestResult("t.py::test_big", skipped))
     drawn = plot.figure(summary, None, "no CUDA GPU detected")
     assert not drawn.axes  # no empty chart
     assert [text.get_text() for text in drawn.texts] == [

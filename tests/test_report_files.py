@@ -21,7 +21,8 @@ import pytest
 
 from pytest_ctresources.core import record as record_module
 from pytest_ctresources.report import files as report_files
-from pytest_ctresources.report import summary as summary_module
+from pytest_ctresources.report import results as results_module
+from pytest_ctresources.report import run_summary as summary_module
 from pytest_ctresources.report.files import SigtermReport
 from pytest_ctresources.settings.report_paths import PNG_MAGIC
 from pytest_ctresources.units import GIB
@@ -264,7 +265,7 @@ def test_a_full_disk_keeps_the_old_report_and_leaves_no_png(pytester: pytest.Pyt
     assert "1 passed, 2 warnings" in process.stdout
 
 
-def _result(index: int) -> summary_module.TestResult:
+def _result(index: int) -> results_module.TestResult:
     record = record_module.TestRecord(
         device=0,
         gpu="H200",
@@ -276,7 +277,7 @@ def _result(index: int) -> summary_module.TestResult:
         after_bytes=0,
         leaked_bytes=0,
     )
-    return summary_module.TestResult(f"test_many.py::test_{index}", record)
+    return results_module.TestResult(f"test_many.py::test_{index}", record)
 
 
 def test_a_plot_of_thousands_of_tests_draws_the_highest_peaks(tmp_path: Path) -> None:

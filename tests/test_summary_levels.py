@@ -118,7 +118,7 @@ def test_a_wrong_attribute_keyword_shows_the_test_not_the_session(
 
 def test_quiet_counts_each_flag_by_its_whole_kind() -> None:
     """Kinds of two words are counted by both (``-q``): ``1 ESTIMATE LOW``, not ``1 ESTIMATE``."""
-    from pytest_ctresources.report.summary import RunSummary
+    from pytest_ctresources.report.run_summary import RunSummary
 
     flags = [
         ("ESTIMATE LOW", "ESTIMATE LOW t.py::a: peak 3.00 GiB reserved > 2.0 GiB"),

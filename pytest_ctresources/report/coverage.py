@@ -29,7 +29,7 @@ from pytest_ctresources.core.learned import (
 )
 
 if TYPE_CHECKING:
-    from pytest_ctresources.report.summary import TestResult
+    from pytest_ctresources.report.results import TestResult
 
 CACHE_KEY = "ctresources/gpu-runs"
 WHAT = "last GPU runs of GPU tests"

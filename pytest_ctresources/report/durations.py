@@ -32,8 +32,8 @@ def read(cache: pytest.Cache | None) -> dict[str, float]:
 
 
 class LearnedDurations:
-    """Saves this run's durations (``measured()``: the summary's, report/summary.py, which
-    reads every report once) over the learned ones at the end."""
+    """Saves this run's durations (``measured()``: ``RunSummary.durations``,
+    report/run_summary.py, which reads every report once) over the learned ones at the end."""
 
     name = "ctresources-learned-durations"
 

@@ -44,7 +44,8 @@ from pytest_ctresources.settings.report_paths import (
 
 if TYPE_CHECKING:
     from pytest_ctresources.core.runtime import Runtime
-    from pytest_ctresources.report.summary import RunSummary, SummaryReporter, TestResult
+    from pytest_ctresources.report.results import TestResult
+    from pytest_ctresources.report.run_summary import RunSummary
 
 SCHEMA_VERSION = 2
 
@@ -279,19 +280,25 @@ def _attempt(flag: str, path: Path, write: Callable[[], None]) -> bool:
 
 
 def write_reports(
-    reporter: SummaryReporter, exitstatus: int | None, signal_name: str | None = None
+    config: pytest.Config,
+    runtime: Runtime,
+    summary: RunSummary,
+    capacity_of: Callable[[], tuple[float | None, str]],
+    exitstatus: int | None,
+    signal_name: str | None = None,
 ) -> list[tuple[str, Path]]:
     """Write the report files the run asked for; a failure is one :class:`ReportFileWarning`.
-    Returns what was written: (what, path) pairs.
+    Returns what was written: (what, path) pairs. ``capacity_of()``: the capacity the report
+    compares with, and how it is described.
 
-    Called once by :meth:`SummaryReporter.finish` at session end, and by
+    Called once by ``SummaryReporter.finish`` (report/summary.py) at session end, and by
     :class:`SigtermReport` (``signal_name``) when the run is terminated.
     """
-    settings = reporter.runtime.settings
+    settings = runtime.settings
     written: list[tuple[str, Path]] = []
-    guard = reporter.config.stash.get(SIGTERM_KEY, None)
+    guard = config.stash.get(SIGTERM_KEY, None)
     with guard.deferred() if guard is not None else _nothing():
-        capacity, note = reporter.capacity()
+        capacity, note = capacity_of()
         if settings.report_json_path is not None:
             path = settings.report_json_path
             if _attempt(
@@ -299,17 +306,13 @@ def write_reports(
                 path,
                 lambda: write_json(
                     path,
-                    build_report(
-                        reporter.summary, reporter.runtime, exitstatus, capacity, note, signal_name
-                    ),
+                    build_report(summary, runtime, exitstatus, capacity, note, signal_name),
                 ),
             ):
                 written.append(("JSON report", path))
         if settings.report_plot_path is not None:
             plot = settings.report_plot_path
-            if _attempt(
-                PLOT_FLAG, plot, lambda: write_plot(plot, reporter.summary, capacity, note)
-            ):
+            if _attempt(PLOT_FLAG, plot, lambda: write_plot(plot, summary, capacity, note)):
                 written.append(("VRAM plot", plot))
     return written
 
@@ -429,9 +432,10 @@ class SigtermReport:
 SIGTERM_KEY = pytest.StashKey[SigtermReport]()
 
 
-def on_sigterm(config: pytest.Config, reporter: SummaryReporter) -> None:
-    """Write ``reporter``'s reports on SIGTERM for this run (when a JSON report is asked)."""
-    guard = SigtermReport(lambda: reporter.finish(None, signal.Signals.SIGTERM.name))
+def on_sigterm(config: pytest.Config, finish: Callable[[str], None]) -> None:
+    """Have ``finish(signal_name)`` (the summary's end, which writes the reports) run on
+    SIGTERM for this run (when a JSON report is asked)."""
+    guard = SigtermReport(lambda: finish(signal.Signals.SIGTERM.name))
     if guard.install():
         config.stash[SIGTERM_KEY] = guard
         config.pluginmanager.register(guard, SigtermReport.name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pytest_ctresources.report.summary import wrapped
+from pytest_ctresources.report.run_summary import wrapped
 from pytest_ctresources.settings.sources import printable
 from pytest_ctresources.xdist.binding import plan_line
 

@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_ctresources.report.summary import RERUN_OUTCOME
+from pytest_ctresources.report.results import RERUN_OUTCOME
 from pytest_ctresources.units import GIB
 
 if TYPE_CHECKING:
-    from pytest_ctresources.report.summary import SummaryReporter, TestResult
+    from pytest_ctresources.report.results import TestResult
+    from pytest_ctresources.report.summary import SummaryReporter
 
 #: (column key, heading): a key is what pytest-html sorts the column by (``col-<key>``).
 COLUMNS = (

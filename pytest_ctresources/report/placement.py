@@ -13,7 +13,7 @@ from pytest_ctresources.core.record import PLAIN_RUN_WORKER
 
 if TYPE_CHECKING:
     from pytest_ctresources.core.record import TestRecord
-    from pytest_ctresources.report.summary import TestResult
+    from pytest_ctresources.report.results import TestResult
 
 
 def placement_row(result: TestResult) -> dict[str, Any]:

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from pytest_ctresources.report.summary import RunSummary, TestResult
+    from pytest_ctresources.report.results import TestResult
+    from pytest_ctresources.report.run_summary import RunSummary
 
 #: The most tests the plot draws (the top ones by peak): matplotlib refuses images over
 #: 2**16 pixels a side, which :data:`BAR_INCHES` per bar at :data:`DPI` reaches at about
