@@ -38,12 +38,9 @@ def _orphans(mediator_type: Any, interleaver: Any) -> list[tuple[threading.Threa
     for thread in threading.enumerate():
         if thread is current or not thread.is_alive():
             continue
-        # CPython's Thread.run() keeps (mediator, info, ...) as ``_args`` until the target
-        # returns, so a blocked mediator thread still has it.
-        args = getattr(thread, "_args", None)
-        mediator = args[0] if isinstance(args, tuple) and args else None
+        mediator = _mediator_of(thread, mediator_type)
         if (
-            isinstance(mediator, mediator_type)
+            mediator is not None
             # A mediator still in use keeps its thread as ``worker``; Mediator.cancel sets None.
             and mediator.worker is not thread
             and (interleaver is None or mediator.interleaver is interleaver)
@@ -51,6 +48,15 @@ def _orphans(mediator_type: Any, interleaver: Any) -> list[tuple[threading.Threa
         ):
             found.append((thread, mediator))
     return found
+
+
+def _mediator_of(thread: threading.Thread, mediator_type: type) -> Any:
+    """The mediator ``thread`` runs, or None: CPython's ``Thread.run()`` keeps the target's
+    arguments, (mediator, info, ...), as ``_args`` until it returns, so a blocked mediator
+    thread still has them."""
+    args = getattr(thread, "_args", None)
+    mediator = args[0] if isinstance(args, tuple) and args else None
+    return mediator if isinstance(mediator, mediator_type) else None
 
 
 def _parked_in_send(thread: threading.Thread, mediator_type: type) -> bool:
@@ -133,12 +139,7 @@ def may_hold_threads() -> bool:
     mediator_type = getattr(module, "Mediator", None)
     if not isinstance(mediator_type, type):
         return False  # no nnsight, or one whose threads release_nnsight_threads cannot see
-    for thread in threading.enumerate():
-        # As _orphans reads it: a mediator thread's Thread._args starts with its mediator.
-        args = getattr(thread, "_args", None)
-        if isinstance(args, tuple) and args and isinstance(args[0], mediator_type):
-            return True
-    return False
+    return any(_mediator_of(thread, mediator_type) is not None for thread in threading.enumerate())
 
 
 def release_quietly(model: Any = None) -> int:
