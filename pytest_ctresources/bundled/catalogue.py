@@ -130,16 +130,37 @@ def _tokenizer_vocab() -> list[str]:
     return vocab
 
 
-#: The dimensions that set a model's shape and parameter count (its ``config.json``'s).
-DIM_NAMES: Final = (
-    "n_layers",
-    "d_model",
-    "d_mlp",
-    "vocab_size",
-    "n_heads",
-    "n_kv_heads",
-    "head_dim",
-)
+@dataclass(frozen=True)
+class Dims:
+    """The dimensions that set a decoder-only model's shape and parameter count (its
+    ``config.json``'s): what a model built here (:class:`ModelDims`) and a model the
+    estimator sizes (``estimator.estimate.ModelShape``) both are.
+
+    Attributes:
+        n_layers: Number of transformer blocks (and of transcoders, one per block).
+        d_model: Width of the residual stream.
+        d_mlp: Hidden width of each (gated) MLP.
+        vocab_size: Model vocabulary size.
+        n_heads: Number of attention (query) heads.
+        n_kv_heads: Number of key/value heads (grouped-query attention); divides ``n_heads``.
+        head_dim: Width of each attention head.
+    """
+
+    n_layers: int
+    d_model: int
+    d_mlp: int
+    vocab_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+    def dims(self) -> dict[str, int]:
+        """The dimensions alone, by name (:data:`DIM_NAMES`)."""
+        return {name: getattr(self, name) for name in DIM_NAMES}
+
+
+#: The names of :class:`Dims`' dimensions.
+DIM_NAMES: Final = tuple(spec.name for spec in dataclasses.fields(Dims))
 
 
 def count_params(architecture: str, dims: Mapping[str, int], *, tied: bool) -> int:
@@ -158,19 +179,13 @@ def count_params(architecture: str, dims: Mapping[str, int], *, tied: bool) -> i
 
 
 @dataclass(frozen=True)
-class ModelDims:
-    """Dimensions of a random model and of its per-layer transcoders.
+class ModelDims(Dims):
+    """Dimensions of a random model (:class:`Dims`, in that order) and of its per-layer
+    transcoders. The generated tokenizer is padded with ``<unusedN>`` tokens up to
+    ``vocab_size``, so tokenizer and model agree (circuit-tracer treats logit ids at or above
+    the tokenizer's size as "virtual" targets).
 
     Attributes:
-        n_layers: Number of transformer blocks (and of transcoders, one per block).
-        d_model: Width of the residual stream.
-        d_mlp: Hidden width of each (gated) MLP.
-        vocab_size: Model vocabulary size. The generated tokenizer is padded with
-            ``<unusedN>`` tokens up to this size, so tokenizer and model agree (circuit-tracer
-            treats logit ids at or above the tokenizer's size as "virtual" targets).
-        n_heads: Number of attention (query) heads.
-        n_kv_heads: Number of key/value heads (grouped-query attention); divides ``n_heads``.
-        head_dim: Width of each attention head.
         d_transcoder: Number of features of each transcoder.
         architecture: ``"gemma2"``, ``"gemma3"`` (text-only ``Gemma3ForCausalLM``, nnsight
             backend only), ``"llama"`` or ``"qwen3"`` (nnsight backend only).
@@ -183,13 +198,6 @@ class ModelDims:
             architecture's default (tied for Gemma and Qwen3, untied for Llama).
     """
 
-    n_layers: int
-    d_model: int
-    d_mlp: int
-    vocab_size: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
     d_transcoder: int
     architecture: Architecture
     max_position: int = 512
@@ -229,8 +237,7 @@ class ModelDims:
     @property
     def n_model_params(self) -> int:
         """Number of parameters of the transformer (embeddings counted once if tied)."""
-        dims = {name: getattr(self, name) for name in DIM_NAMES}
-        return count_params(self.architecture, dims, tied=self.ties_embeddings)
+        return count_params(self.architecture, self.dims(), tied=self.ties_embeddings)
 
     @property
     def n_transcoder_params(self) -> int:

@@ -71,6 +71,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Final, Literal
 
+from pytest_ctresources.bundled.catalogue import Dims
 from pytest_ctresources.units import GIB, count_text
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -136,26 +137,19 @@ CUDA_SORT_LIMIT: Final = 2**31 - 1
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    """What the estimate needs to know about a transformer.
+class ModelShape(Dims):
+    """What the estimate needs to know about a transformer: its dimensions (the fields of
+    :class:`Dims`, first) and these.
 
     Attributes:
         name: Hugging Face id (or bundled name).
-        n_layers, d_model, d_mlp, vocab_size, n_heads, n_kv_heads, head_dim: its config.
-        n_params: parameters held on the GPU (tied embeddings counted once).
         family: gemma2, gemma3, llama or qwen3: what the forward pass keeps depends on it.
+        n_params: parameters held on the GPU (tied embeddings counted once).
         final_logit_softcap: Gemma-2's ``final_logit_softcapping`` (None when absent).
     """
 
     name: str
     family: str
-    n_layers: int
-    d_model: int
-    d_mlp: int
-    vocab_size: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
     n_params: int
     final_logit_softcap: float | None = None
 

@@ -66,7 +66,7 @@ def shape_of_dims(name: str, dims: catalogue.ModelDims, *, vision: bool = False)
         family=dims.architecture,
         n_params=dims.n_model_params + (_vision_params(dims.d_model) if vision else 0),
         final_logit_softcap=30.0 if dims.architecture == "gemma2" else None,
-        **{field: getattr(dims, field) for field in catalogue.DIM_NAMES},
+        **dims.dims(),
     )
 
 
