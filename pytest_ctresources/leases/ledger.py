@@ -392,14 +392,19 @@ class _LockFile:
                 os.close(self.fd)
                 self.fd = -1
 
+    def _lock_now(self, byte: int) -> bool:
+        """The record lock on ``byte`` without waiting: False where another process holds
+        it. Called under ``self.lock``, for a byte this process does not hold."""
+        try:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, byte, os.SEEK_SET)
+        except OSError:
+            return False
+        return True
+
     def try_lock(self, byte: int) -> bool:
         """Take ``byte`` without waiting; False if held here or elsewhere."""
         with self.lock:
-            if byte in self.mine:
-                return False
-            try:
-                fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, byte, os.SEEK_SET)
-            except OSError:
+            if byte in self.mine or not self._lock_now(byte):
                 return False
             self.mine.add(byte)
             return True
@@ -434,9 +439,7 @@ class _LockFile:
         with self.lock:
             if byte in self.mine:
                 return False
-            try:
-                fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, byte, os.SEEK_SET)
-            except OSError:
+            if not self._lock_now(byte):
                 return True
             fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, byte, os.SEEK_SET)
             return False
