@@ -34,7 +34,7 @@ from pytest_ctresources.gpu.cleanup_between_tests import (
 from pytest_ctresources.leases import leases
 from pytest_ctresources.report import snapshots
 from pytest_ctresources.settings import markers
-from pytest_ctresources.settings.activation import activation_of
+from pytest_ctresources.settings.activation import Activation
 from pytest_ctresources.xdist.exchange import PlacementWorker
 
 #: The user properties the plugin wrote for the item's last attempt (a rerun replaces them).
@@ -52,13 +52,16 @@ class PerTestHooks:
     the plugin acts in. (The one-line failures ride on its setup and call wrappers rather
     than on two wrappers of their own: every test of the run would pay for those.)
 
-    Given what it works with when it is made: the run's ``runtime`` and the between-test
-    ``cleaner`` (None under ``ct_cleanup = never``).
+    Given what it works with when it is made: the run's ``activation``, its ``runtime`` and
+    the between-test ``cleaner`` (None under ``ct_cleanup = never``).
     """
 
     name = "ctresources-per-test"
 
-    def __init__(self, runtime: Runtime, cleaner: BetweenTests | None) -> None:
+    def __init__(
+        self, activation: Activation, runtime: Runtime, cleaner: BetweenTests | None
+    ) -> None:
+        self._activation = activation
         self._runtime = runtime
         self._cleaner = cleaner
         self._may_skip: bool | None = None  # decided at the first test (_may_skip_accounting)
@@ -80,7 +83,7 @@ class PerTestHooks:
         pytest.fail(message, pytrace=False)
 
     def _setup(self, item: pytest.Item) -> None:
-        if not activation_of(item.config).acts_for(item):
+        if not self._activation.acts_for(item):
             return
         runtime, cleaner = self._runtime, self._cleaner
         if runtime.capacity_cap is not None:
@@ -131,7 +134,7 @@ class PerTestHooks:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, None, None]:
         __tracebackhide__ = True  # a failing fixture's traceback is the project's, not ours
-        if not activation_of(item.config).acts_for(item):
+        if not self._activation.acts_for(item):
             return (yield)
         try:
             return (yield)
@@ -216,7 +219,7 @@ class PerTestHooks:
         except BaseException as exc:
             message = one_line_message(exc)
             if message is None:
-                if activation_of(item.config).acts_for(item):
+                if self._activation.acts_for(item):
                     accounting.explain_oom(item, self._runtime, exc)
                 raise
         pytest.fail(message, pytrace=False)  # outside the except block, as at setup

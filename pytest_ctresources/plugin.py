@@ -351,7 +351,9 @@ def _act_per_test(config: pytest.Config, runtime: Runtime) -> None:
         config.pluginmanager.register(cleaner, BetweenTests.name)
     from pytest_ctresources.per_test import PerTestHooks
 
-    config.pluginmanager.register(PerTestHooks(runtime, cleaner), PerTestHooks.name)
+    config.pluginmanager.register(
+        PerTestHooks(activation_of(config), runtime, cleaner), PerTestHooks.name
+    )
     config.stash[_ACTING_KEY] = True
     settings = runtime.settings
     if settings.snapshot.value != "off":  # with off, no recording call at all

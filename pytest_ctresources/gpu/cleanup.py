@@ -105,8 +105,9 @@ def release_failed_test_frames() -> bool:
     the next test's setup. The traceback itself survives; only its finished frames' locals
     go. Returns whether there was a failure to release.
     """
-    tracebacks = list(_tracebacks_of(getattr(sys, "last_value", None)))
-    last_tb = getattr(sys, "last_traceback", None)
+    kept = vars(sys)
+    tracebacks = list(_tracebacks_of(kept.get("last_value")))
+    last_tb = kept.get("last_traceback")
     if last_tb is not None:
         tracebacks.append(last_tb)
     for tb in tracebacks:
@@ -124,6 +125,15 @@ _GENERATOR_FLAGS = (
     | inspect.CO_ASYNC_GENERATOR
     | inspect.CO_ITERABLE_COROUTINE
 )
+
+
+def failure_kept() -> bool:
+    """Whether pytest keeps a failed test in ``sys.last_value``/``sys.last_traceback`` (what
+    :func:`release_failed_test_frames` releases). Read from the module's dict: after a test
+    that passed they are absent, and ``getattr`` with a default pays for raising and catching
+    an ``AttributeError``, more than the rest of the cleanup's checks together."""
+    kept = vars(sys)
+    return kept.get("last_value") is not None or kept.get("last_traceback") is not None
 
 
 def clear_frames(tb: TracebackType | None) -> None:

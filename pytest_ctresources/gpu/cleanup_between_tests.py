@@ -23,6 +23,7 @@ import pytest
 from pytest_ctresources.gpu.cleanup import (
     close_figures,
     collect_everything,
+    failure_kept,
     open_figure_numbers,
     release_failed_test_frames,
 )
@@ -71,6 +72,10 @@ class TestStart:
 
     figures: frozenset[int]
     resident_bytes: int
+
+
+#: The start of a test before which nothing was open or resident (immutable, so shared).
+_NOTHING_OPEN = TestStart(frozenset(), 0)
 
 
 class BetweenTests:
@@ -126,6 +131,8 @@ class BetweenTests:
         open_now = open_figure_numbers()
         # A wider-scoped figure closed since frees its number for a test's own figure.
         self._wider_figures &= open_now
+        if not open_now and not resident_bytes:
+            return _NOTHING_OPEN  # most tests of most suites: one start, shared
         return TestStart(open_now, resident_bytes)
 
     def nothing_to_do(self, start: TestStart | None) -> bool:
@@ -137,8 +144,7 @@ class BetweenTests:
         return (
             self.mode != "always"
             and (start is None or not start.figures)
-            and getattr(sys, "last_value", None) is None
-            and getattr(sys, "last_traceback", None) is None
+            and not failure_kept()
             and not open_figure_numbers()
             and not may_hold_threads()
         )

@@ -376,11 +376,14 @@ class LeaseHooks:
 
     def __init__(self, book: GpuLeases) -> None:
         self.book = book
+        # Read once: this hook runs before every test of the run.
+        self._every_test_leases = book.runtime.settings.default_vram_gib.value > 0
 
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        state = item.stash.get(STATE_KEY, None)  # none: a test with nothing to measure...
-        if state is None and self.book.runtime.settings.default_vram_gib.value <= 0:
-            return  # ...takes no lease, and nor does one the plugin does not act for
+        # ``in`` and then ``[]``: ``Stash.get`` of a missing key raises and catches a KeyError.
+        state = item.stash[STATE_KEY] if STATE_KEY in item.stash else None
+        if state is None and not self._every_test_leases:
+            return  # a test with nothing to measure takes no lease, nor one not acted for
         if not activation_of(item.config).acts_for(item):
             return
         need = state.need if state is not None else None

@@ -8,7 +8,7 @@ the controller, so a distributed run gets one complete summary), and the text of
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -79,36 +79,40 @@ class RunSummary:
     coverage: GpuCoverage | None = None
     """The skipped GPU tests' last real runs, found at the end of the run."""
 
-    def record(self, report: pytest.TestReport) -> list[list[str]]:
+    def record(self, report: pytest.TestReport) -> Sequence[list[str]]:
         """Take one report in; returns the session-wide settings it shows a test's own marker
-        overriding for the first time (``[field, source, value, the test's value]``)."""
-        nodeid = report.nodeid
-        result = self.results.get(nodeid)
+        overriding for the first time (``[field, source, value, the test's value]``).
+
+        Three times per test of the run: each attribute of the report is read once."""
+        nodeid, when, outcome = report.nodeid, report.when, report.outcome
+        results = self.results
+        result = results.get(nodeid)
         if result is None:
-            result = self.results[nodeid] = TestResult(nodeid)
-        first: list[list[str]] = []
-        if report.when == "setup":  # a new attempt of the test
+            result = results[nodeid] = TestResult(nodeid)
+        if when == "setup":  # a new attempt of the test
             result.outcome = "passed"
             result.rerun_attempt = False
             result.seconds = 0.0
             result.ran = False
         result.seconds += report.duration
-        if report.skipped:
+        if outcome == "skipped":
             result.ran = False
-        elif report.when == "call":
+        elif when == "call":
             result.ran = True
-        if report.outcome == RERUN_OUTCOME:
+        if outcome == RERUN_OUTCOME:
             if not result.rerun_attempt:
                 result.rerun_attempt = True
                 result.reruns += 1
-        elif report.outcome != "passed":
-            result.outcome = worse(result.outcome, report.outcome)
-        if report.when != "teardown":
-            return first
+        elif outcome != "passed":
+            result.outcome = worse(result.outcome, outcome)
+        if when != "teardown":
+            return ()
         if not result.rerun_attempt:
-            self.results[nodeid] = self.results.pop(nodeid)  # finished: the order it did
-        if not TestRecord.carries(report.user_properties):
-            return first  # the common case: a test the plugin had nothing to say about
+            results[nodeid] = results.pop(nodeid)  # finished: the order it did
+        properties = report.user_properties
+        if not properties or not TestRecord.carries(properties):
+            return ()  # the common case: a test the plugin had nothing to say about
+        first: list[list[str]] = []
         result.acted = True
         record = TestRecord.from_properties(report.user_properties)
         for name, source, value, own, own_source in record.own_settings:

@@ -57,14 +57,15 @@ class SummaryReporter:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         first_overrides = self.summary.record(report)
-        if self.verbose:
-            for name, source, value, own, own_source in first_overrides:
-                self.terminal.write_line(
-                    f"ctresources: {report.nodeid} keeps its own {name}={own} ({own_source}) "
-                    f"over {session_value(source, value)}; said once per setting, the summary "
-                    "counts them"
-                )
-        if report.when == "teardown" and self.verbose:
+        if not self.verbose:
+            return
+        for name, source, value, own, own_source in first_overrides:
+            self.terminal.write_line(
+                f"ctresources: {report.nodeid} keeps its own {name}={own} ({own_source}) "
+                f"over {session_value(source, value)}; said once per setting, the summary "
+                "counts them"
+            )
+        if report.when == "teardown":
             closed = TestRecord.from_properties(report.user_properties).figures_closed
             if closed:
                 self.terminal.write_line(

@@ -31,6 +31,8 @@ from pytest_ctresources.settings.sources import Source
 FIXTURES: tuple[str, ...] = ("ct_session", "ct_config")
 #: The plugin's markers: a test that carries one asks.
 MARKERS: tuple[str, ...] = ("vram", "ct_config", "ct_parametrize")
+_FIXTURE_SET = frozenset(FIXTURES)
+_MARKER_SET = frozenset(MARKERS)
 #: Set on an item that asks by what it is (a notebook item the plugin runs its own way).
 ASKED = pytest.StashKey[bool]()
 _ACTS = pytest.StashKey[bool]()
@@ -98,13 +100,20 @@ class Activation:
 
 def item_asks(item: pytest.Item) -> bool:
     """Whether ``item`` asks by itself: a fixture or a marker of the plugin, or :data:`ASKED`."""
-    if item.stash.get(ASKED, False):
+    # Not ``Stash.get``: it raises and catches a KeyError for a missing key, the common case.
+    if ASKED in item.stash and item.stash[ASKED]:  # noqa: RUF019
         return True
-    names = getattr(item, "fixturenames", ())
-    if any(name in names for name in FIXTURES):
+    if not _FIXTURE_SET.isdisjoint(getattr(item, "fixturenames", ())):
         return True
-    # One walk over the item's markers (and its parents'), not one per marker name.
-    return any(mark.name in MARKERS for mark in item.iter_markers())
+    # One walk over the markers of the item and its parents (what ``iter_markers`` yields),
+    # without the lists and tuples it builds: this runs for every test of a run that acts.
+    node: pytest.Item | pytest.Collector | None = item
+    while node is not None:
+        for mark in node.own_markers:
+            if mark.name in _MARKER_SET:
+                return True
+        node = node.parent
+    return False
 
 
 ACTIVATION_KEY = pytest.StashKey[Activation]()
