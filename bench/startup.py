@@ -13,7 +13,9 @@ circuit-tracer suite's does (its trivial tests run beside nnsight, torch and
 transformers).
 Prints the fastest and the median wall times, the medians of the ratios of paired runs (wall
 and CPU time, user + system of the pytest process: CPU time moves less with what else loads
-the machine), and which heavy modules loading the plugin imported (must be none). The
+the machine), how many of the plugin's modules a one-test run imports where the project
+asks and where it does not, with their import time under ``-X importtime`` (self times
+summed), and which heavy modules loading the plugin imported (must be none). The
 fastest run is the estimate of the code's cost (as ``timeit`` uses it): on a shared machine
 the median also carries the noise of whatever else ran, and alternating the two variants
 keeps that noise from favouring one.
@@ -32,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+PACKAGE = "pytest_ctresources"
 HEAVY = ("torch", "matplotlib", "circuit_tracer", "nnsight", "nbformat", "transformers")
 
 
@@ -77,6 +80,31 @@ def heavy_imports_of_plugin() -> list[str]:
     return [m for m in out.stdout.strip().split(",") if m]
 
 
+def plugin_imports(root: Path, runs: int = 5) -> tuple[float, int]:
+    """The plugin's modules a pytest run in ``root`` imports, under ``-X importtime``: the
+    median over ``runs`` of their self times summed, in ms (importtime's own overhead
+    included), and how many they are."""
+    totals: list[float] = []
+    modules: dict[str, int] = {}
+    for _ in range(runs):
+        run = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+            cwd=root,
+            env=_ENV,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        modules = {}
+        for line in run.stderr.splitlines():
+            fields = line.removeprefix("import time:").split("|")
+            name = fields[-1].strip()
+            if len(fields) == 3 and fields[0].strip().isdigit() and name.startswith(PACKAGE):
+                modules[name] = int(fields[0])
+        totals.append(sum(modules.values()) / 1000)
+    return statistics.median(totals), len(modules)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
@@ -93,6 +121,10 @@ def main() -> None:
         one.mkdir()
         (one / "test_one.py").write_text("def test_one():\n    assert True\n")
         (one / "pytest.ini").write_text("[pytest]\n")
+        one_asking = Path(tmp) / "one-test-asking"
+        one_asking.mkdir()
+        (one_asking / "test_one.py").write_text("def test_one():\n    assert True\n")
+        (one_asking / "pytest.ini").write_text("[pytest]\nct_cleanup = auto\n")
         asking = Path(tmp) / "asking"
         asking.mkdir()
         make_project(asking, args.tests)
@@ -133,12 +165,21 @@ def main() -> None:
                     statistics.median(a[1] / b[1] for a, b in pairs),
                 )
             )
+        imports = [
+            (what, *plugin_imports(where))
+            for what, where in (("not asking", one), ("asking", one_asking))
+        ]
     print(f"python {sys.version.split()[0]}, {args.repeats} alternating runs each")
     print(f"{'workload':<46} {'with plugin':>12} {'without':>12} {'ratio':>7}")
     for label, with_s, without_s in rows:
         print(f"{label:<46} {with_s:>11.3f}s {without_s:>11.3f}s {with_s / without_s:>7.3f}")
     for label, wall, cpu in paired:
         print(f"{label}: median of paired ratios, wall {wall:.3f}, CPU {cpu:.3f}")
+    for what, milliseconds, count in imports:
+        print(
+            f"the plugin's modules a one-test run imports, {what}: {count}, "
+            f"{milliseconds:.1f} ms under -X importtime (self times summed, median of 5)"
+        )
     heavy = heavy_imports_of_plugin()
     print("heavy modules imported by loading the plugin:", ", ".join(heavy) or "none")
 
