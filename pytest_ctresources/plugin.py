@@ -205,7 +205,7 @@ def _start(config: pytest.Config) -> Runtime:
 
         config.pluginmanager.register(NotebookSupport(config), NotebookSupport.name)
     elif activation.project_wide:
-        from pytest_ctresources.notebooks.items import NotebookHint
+        from pytest_ctresources.notebooks.configs import NotebookHint
 
         config.pluginmanager.register(NotebookHint(), NotebookHint.name)
     _plan_and_shard(config, runtime)

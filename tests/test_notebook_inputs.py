@@ -26,13 +26,13 @@ from typing import Any
 import nbformat
 import pytest
 
+from pytest_ctresources.notebooks.configs import names_a_notebook
 from pytest_ctresources.notebooks.inputs import (
     MAX_TIMEOUT,
     NotebookUnreadable,
     read_notebook,
     trusted_notebook,
 )
-from pytest_ctresources.notebooks.items import _names_a_notebook
 from pytest_ctresources.notebooks.kernels import fits_socket_path, socket_directory
 from pytest_ctresources.notebooks.params import (
     check_params,
@@ -767,20 +767,20 @@ def test_the_notebook_scan_reads_at_most_what_a_config_may_hold(tmp_path: Path) 
         handle.truncate(16 * MAX_BYTES)  # 16 MiB and no newline: one line read whole before
     tracemalloc.start()
     try:
-        assert _names_a_notebook(big) is False
+        assert names_a_notebook(big) is False
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert peak < 3 * MAX_BYTES, peak
     late = tmp_path / "late.yaml"
     late.write_bytes(b"#" * MAX_BYTES + b"\nNOTEBOOK: nb.ipynb\n")
-    assert _names_a_notebook(late) is False  # beyond what a config may hold: no config
+    assert names_a_notebook(late) is False  # beyond what a config may hold: no config
     early = tmp_path / "early.yaml"
     early.write_bytes(b"BATCH_SIZE: 2\nNOTEBOOK: nb.ipynb\n")
-    assert _names_a_notebook(early) is True
+    assert names_a_notebook(early) is True
     fifo = tmp_path / "fifo.yaml"
     os.mkfifo(fifo)
-    assert _names_a_notebook(fifo) is False  # and returns: never waits for a writer
+    assert names_a_notebook(fifo) is False  # and returns: never waits for a writer
 
 
 def test_sockets_go_where_their_paths_fit(tmp_path: Path) -> None:

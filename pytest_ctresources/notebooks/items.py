@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import os
 import stat
 import warnings
 from collections.abc import Generator, Iterator
@@ -41,6 +40,7 @@ from pytest_ctresources.core.record import AT_TOP
 from pytest_ctresources.core.runtime import runtime_of
 from pytest_ctresources.core.state import state_of
 from pytest_ctresources.exceptions import CtResourcesWarning
+from pytest_ctresources.notebooks.configs import YAML_SUFFIXES, names_a_notebook, shown_path
 from pytest_ctresources.notebooks.inputs import read_notebook, trusted_notebook
 from pytest_ctresources.notebooks.kernels import kernel_environment, kernel_launch
 from pytest_ctresources.notebooks.params import (
@@ -55,7 +55,6 @@ from pytest_ctresources.notebooks.params import (
 from pytest_ctresources.settings.activation import ACTIVATION_KEY, ASKED
 from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig, ConfigError
 from pytest_ctresources.settings.experiment_yaml import (
-    MAX_BYTES,
     ExperimentFile,
     load_experiment_yaml,
 )
@@ -66,9 +65,6 @@ NOTEBOOK_CONFIGS_INI = str(Declared.notebook_configs.ini)
 if TYPE_CHECKING:
     from pytest_ctresources.core.runtime import Runtime
     from pytest_ctresources.estimator.auto import Budget, Room
-
-YAML_SUFFIXES = (".yaml", ".yml")
-NOTEBOOK_LINE = b"NOTEBOOK:"
 
 
 class NotebookWarning(CtResourcesWarning):
@@ -83,14 +79,6 @@ def _item_base() -> type:
     from nbmake.pytest_items import NotebookItem
 
     return NotebookItem  # type: ignore[no-any-return]
-
-
-def shown_path(path: str | Path, config: pytest.Config) -> str:
-    """``path`` as messages show it: relative to the rootdir when it is inside."""
-    try:
-        return Path(path).relative_to(config.rootpath).as_posix()
-    except ValueError:
-        return str(path)
 
 
 def make_item_class() -> type:
@@ -409,7 +397,7 @@ class NotebookSupport:
         # Ours when listed, or named on the command line (as pytest collects a test file
         # named there whatever python_files says); a YAML file that merely has a NOTEBOOK
         # line may be another tool's.
-        if not _names_a_notebook(file_path):
+        if not names_a_notebook(file_path):
             return None
         if not (self.configs.lists(file_path) or parent.session.isinitpath(file_path)):
             self.unlisted.append(shown_path(file_path, parent.config))
@@ -452,32 +440,6 @@ class NotebookSupport:
         return item
 
 
-class NotebookHint:
-    """Without ``--nbmake``, in a project that asks: a ``NOTEBOOK`` config named on the
-    command line says what it needs, instead of pytest's "found no collectors"."""
-
-    name = "ctresources-notebook-hint"
-
-    def pytest_collect_file(self, file_path: Path, parent: pytest.Collector) -> pytest.File | None:
-        if not (
-            file_path.suffix in YAML_SUFFIXES
-            and parent.session.isinitpath(file_path)
-            and _names_a_notebook(file_path)
-        ):
-            return None
-        return NeedsNbmake.from_parent(parent, path=file_path)
-
-
-class NeedsNbmake(pytest.File):
-    """A ``NOTEBOOK`` config named without ``--nbmake``: a collection error saying so."""
-
-    def collect(self) -> Iterator[pytest.Item]:
-        raise self.CollectError(
-            f"{shown_path(self.path, self.config)} names a NOTEBOOK: notebook configs run "
-            "under nbmake: add --nbmake (pip install nbmake, if it is not installed)"
-        )
-
-
 def project_wide(config: pytest.Config) -> bool:
     """Whether the project asks the plugin to act for every test (settings/activation.py)."""
     activation = config.stash.get(ACTIVATION_KEY, None)
@@ -507,25 +469,6 @@ def has_ctresources_metadata(path: Path) -> bool:
         return False
     metadata = nb.get("metadata") if isinstance(nb, dict) else None
     return isinstance(metadata, dict) and METADATA_KEY in metadata
-
-
-def _names_a_notebook(path: Path) -> bool:
-    """Whether the YAML file at ``path`` has a ``NOTEBOOK:`` line in the most a config may
-    hold (:data:`MAX_BYTES`; a larger one is refused when it is read). A FIFO or a device is
-    no config: opened without blocking, it is never read."""
-    try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError:
-        return False
-    if not stat.S_ISREG(os.fstat(descriptor).st_mode):  # os.fdopen refuses a directory
-        os.close(descriptor)
-        return False
-    with os.fdopen(descriptor, "rb") as handle:
-        try:
-            head = handle.read(MAX_BYTES + 1)
-        except OSError:
-            return False
-    return head.startswith(NOTEBOOK_LINE) or b"\n" + NOTEBOOK_LINE in head
 
 
 class ExperimentNotebookFile(pytest.File):
