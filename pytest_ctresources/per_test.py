@@ -11,6 +11,7 @@ these imports.
 from __future__ import annotations
 
 from collections.abc import Generator
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -32,10 +33,12 @@ from pytest_ctresources.gpu.cleanup_between_tests import (
     unraisable_as_warnings,
 )
 from pytest_ctresources.leases import leases
-from pytest_ctresources.report import snapshots
 from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.activation import Activation
-from pytest_ctresources.xdist.exchange import PlacementWorker
+
+if TYPE_CHECKING:
+    from pytest_ctresources.report.snapshots import SnapshotRecorder
+    from pytest_ctresources.xdist.exchange import PlacementWorker
 
 #: The user properties the plugin wrote for the item's last attempt (a rerun replaces them).
 _WRITTEN_KEY = pytest.StashKey[list[tuple[str, object]]]()
@@ -52,18 +55,24 @@ class PerTestHooks:
     the plugin acts in. (The one-line failures ride on its setup and call wrappers rather
     than on two wrappers of their own: every test of the run would pay for those.)
 
-    Given what it works with when it is made: the run's ``activation``, its ``runtime`` and
-    the between-test ``cleaner`` (None under ``ct_cleanup = never``).
+    Given what it works with when it is made: the run's ``activation``, its ``runtime``, the
+    between-test ``cleaner`` (None under ``ct_cleanup = never``) and the snapshot
+    ``recorder`` (None under ``--ct-snapshot off``).
     """
 
     name = "ctresources-per-test"
 
     def __init__(
-        self, activation: Activation, runtime: Runtime, cleaner: BetweenTests | None
+        self,
+        activation: Activation,
+        runtime: Runtime,
+        cleaner: BetweenTests | None,
+        recorder: SnapshotRecorder | None = None,
     ) -> None:
         self._activation = activation
         self._runtime = runtime
         self._cleaner = cleaner
+        self._recorder = recorder
         self._may_skip: bool | None = None  # decided at the first test (_may_skip_accounting)
 
     @pytest.hookimpl(wrapper=True, trylast=True)
@@ -116,7 +125,7 @@ class PerTestHooks:
         except markers.MarkerError as exc:
             failure = str(exc)
         else:
-            placement = item.config.pluginmanager.get_plugin(PlacementWorker.name)
+            placement = _placement_worker(item.config)
             if reason is not None:
                 if placement is not None and state.need is not None:
                     reason = placement.explain_skip(reason, state.need.gib)
@@ -152,8 +161,8 @@ class PerTestHooks:
                 runtime.settings.default_vram_gib.value <= 0
                 and (cleaner is None or cleaner.mode != "always")
                 and runtime.binding is None
-                and config.pluginmanager.get_plugin(PlacementWorker.name) is None
-                and not snapshots.registered(config)
+                and _placement_worker(config) is None
+                and self._recorder is None
             )
         return self._may_skip
 
@@ -202,7 +211,8 @@ class PerTestHooks:
                 leases.give_back(item)  # whatever raised (-W error::CtLeakWarning, ...)
             finally:
                 if measured():
-                    snapshots.finish(item, runtime.settings.leak_threshold.value)
+                    if self._recorder is not None:
+                        self._recorder.finish(item, runtime.settings.leak_threshold.value)
                     _write_record(item, state_of(item).record)
                 else:  # nothing to say but the figures the cleanup closed, if any
                     drop_deferred(item)
@@ -223,6 +233,17 @@ class PerTestHooks:
                     accounting.explain_oom(item, self._runtime, exc)
                 raise
         pytest.fail(message, pytrace=False)  # outside the except block, as at setup
+
+
+def _placement_worker(config: pytest.Config) -> PlacementWorker | None:
+    """The run's placement worker (xdist/exchange.py), in an xdist worker of a run placed by
+    VRAM. Its module is imported only in an xdist worker, the one place it is registered."""
+    if not hasattr(config, "workerinput"):
+        return None
+    from pytest_ctresources.xdist.exchange import PlacementWorker
+
+    worker: PlacementWorker | None = config.pluginmanager.get_plugin(PlacementWorker.name)
+    return worker
 
 
 def _write_record(item: pytest.Item, record: TestRecord) -> None:

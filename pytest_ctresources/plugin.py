@@ -349,19 +349,20 @@ def _act_per_test(config: pytest.Config, runtime: Runtime) -> None:
         cache = runtime.model_cache
         cleaner = BetweenTests(runtime.settings.cleanup.value, lambda: cache.unfreezes)
         config.pluginmanager.register(cleaner, BetweenTests.name)
-    from pytest_ctresources.per_test import PerTestHooks
-
-    config.pluginmanager.register(
-        PerTestHooks(activation_of(config), runtime, cleaner), PerTestHooks.name
-    )
-    config.stash[_ACTING_KEY] = True
     settings = runtime.settings
+    recorder = None
     if settings.snapshot.value != "off":  # with off, no recording call at all
         from pytest_ctresources.report import snapshots
 
-        snapshots.register(
+        recorder = snapshots.register(
             config, settings.snapshot.value, settings.snapshot_directory, settings.report_json_path
         )
+    from pytest_ctresources.per_test import PerTestHooks
+
+    config.pluginmanager.register(
+        PerTestHooks(activation_of(config), runtime, cleaner, recorder), PerTestHooks.name
+    )
+    config.stash[_ACTING_KEY] = True
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

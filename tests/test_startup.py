@@ -9,9 +9,21 @@ from tests.conftest import TINY_YAML
 pytest_plugins = ["pytester"]
 
 HEAVY = ("torch", "matplotlib", "circuit_tracer", "nnsight", "nbformat", "pynvml", "yaml")
-# The plugin's own modules for ct_session and its estimate: a run whose tests use neither
-# imports none of them, also in a project that asks (they are a fixed cost of every run).
-UNUSED = ("pytest_ctresources.estimator", "pytest_ctresources.session.session")
+# The plugin's own modules that a run of trivial tests has no use for, also in a project
+# that asks (each would be a fixed cost of every run): ct_session and its estimate, the
+# features that are off (snapshots, the regression check, notebooks under nbmake, the
+# placement channel of xdist workers), and what only a measured test or an OOM needs.
+UNUSED = (
+    "pytest_ctresources.estimator",
+    "pytest_ctresources.session.session",
+    "pytest_ctresources.report.snapshot",
+    "pytest_ctresources.core.regression",
+    "pytest_ctresources.notebooks.items",
+    "pytest_ctresources.notebooks.kernels",
+    "pytest_ctresources.xdist.exchange",
+    "pytest_ctresources.gpu.measure",
+    "pytest_ctresources.gpu.oom",
+)
 
 
 @pytest.mark.parametrize(

@@ -18,17 +18,12 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_ctresources.core import regression
 from pytest_ctresources.core.learned import memory_key
-from pytest_ctresources.core.regression import Increase
 from pytest_ctresources.core.runtime import Runtime, own_settings
 from pytest_ctresources.core.skips import skip_reason
 from pytest_ctresources.core.state import STATE_KEY, TestState, state_of
 from pytest_ctresources.exceptions import CtLeakWarning
-from pytest_ctresources.gpu import oom
 from pytest_ctresources.gpu.cleanup import cuda_initialised
-from pytest_ctresources.gpu.detect import GpuInfo
-from pytest_ctresources.gpu.measure import VramFigures, VramMeter
 from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.activation import item_asks
 from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig
@@ -36,9 +31,14 @@ from pytest_ctresources.settings.options import DEFAULT_INCREASE_PERCENT
 from pytest_ctresources.settings.sources import Source, Sourced
 from pytest_ctresources.units import GIB
 
-if TYPE_CHECKING:  # imported where used: a run whose tests use no ct_session loads none
+if TYPE_CHECKING:
+    # Imported where used: a run whose tests use no ct_session loads no estimator, and one
+    # whose tests measure nothing no meter, regression check or OOM explanation.
+    from pytest_ctresources.core.regression import Increase
     from pytest_ctresources.estimator.estimate import Estimate
     from pytest_ctresources.gpu.cleanup_between_tests import TestStart
+    from pytest_ctresources.gpu.detect import GpuInfo
+    from pytest_ctresources.gpu.measure import VramFigures
     from pytest_ctresources.session.cache import ResidentModel
     from pytest_ctresources.session.pruning import PruningOom
     from pytest_ctresources.session.session import CtSession
@@ -61,6 +61,8 @@ def begin(item: pytest.Item, runtime: Runtime) -> str | None:
 
     Raises :class:`~pytest_ctresources.settings.markers.MarkerError` for a bad marker.
     """
+    from pytest_ctresources.gpu.measure import VramMeter
+
     state = state_of(item)
     state.meter = meter = VramMeter()
     meter.start()
@@ -110,6 +112,8 @@ def begin_late(
     :func:`nothing_to_measure` at setup (``resident``, ``resident_bytes``,
     ``cleanup_start``: what was resident and open then), once something asks for its state:
     the meter of a test that started without CUDA, no need, its learned-need key."""
+    from pytest_ctresources.gpu.measure import VramMeter
+
     state.meter = VramMeter()  # its start() without CUDA would have recorded nothing
     state.resident_at_start = resident
     state.resident_bytes_at_start = resident_bytes
@@ -309,6 +313,8 @@ def peak_increase(item: pytest.Item, runtime: Runtime, figures: VramFigures) -> 
         return None
     gpu = runtime.gpu_facts().gpu(figures.device)
     limit = runtime.settings.fail_on_increase.value
+    from pytest_ctresources.core import regression
+
     return regression.increase(
         item.nodeid,
         before,
@@ -342,6 +348,8 @@ def leak_message(nodeid: str, figures: VramFigures, threshold: int) -> str:
 
 def explain_oom(item: pytest.Item, runtime: Runtime, exc: BaseException) -> None:
     """Attach the ``ctresources: CUDA out of memory`` section to a test that raised OOM."""
+    from pytest_ctresources.gpu import oom
+
     if not oom.is_oom(exc):
         return
     state = state_of(item)

@@ -17,18 +17,20 @@ from pytest_ctresources.core.state import state_of
 from pytest_ctresources.exceptions import AllocConfIneffectiveWarning
 from pytest_ctresources.gpu.allocator import ALLOC_CONF_ENV, AllocConf, CapacityCap
 from pytest_ctresources.gpu.cleanup import cleanup_python_cuda, cuda_initialised
-from pytest_ctresources.gpu.detect import GpuFacts, GpuInfo, detect_gpus
 from pytest_ctresources.gpu.fake import FAKE_GPUS_ENV, parse_fake_gpus
 from pytest_ctresources.session.cache import ModelCache
 from pytest_ctresources.settings.config import FIELDS, CircuitTracerConfig
 from pytest_ctresources.settings.markers import layer_markers
 from pytest_ctresources.settings.resolve import Settings, settings_from_config
 from pytest_ctresources.settings.sources import Source, Sourced
-from pytest_ctresources.xdist.binding import Binding
 from pytest_ctresources.xdist.learned_exchange import shipped_needs
 
-if TYPE_CHECKING:  # imported where used: a run whose tests use no ct_session loads none
+if TYPE_CHECKING:
+    # Imported where used: a run whose tests use no ct_session loads no estimator, and one
+    # that never asks about the GPU (no capacity set, no test that needs VRAM) no detection.
     from pytest_ctresources.estimator.auto import Budget
+    from pytest_ctresources.gpu.detect import GpuFacts, GpuInfo
+    from pytest_ctresources.xdist.binding import Binding
 from pytest_ctresources.xdist.roles import runs_no_tests
 
 
@@ -61,6 +63,8 @@ class Runtime:
         torch, get NVML's answer with a note instead."""
         if self._gpu_facts is not None:
             return self._gpu_facts
+        from pytest_ctresources.gpu.detect import detect_gpus
+
         if may_import_torch or "torch" in sys.modules:
             self._detected(detect_gpus())
             return self.gpu_facts()

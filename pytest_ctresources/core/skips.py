@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from pytest_ctresources.gpu.detect import GpuInfo
+from typing import TYPE_CHECKING
+
 from pytest_ctresources.settings.sources import Source, Sourced
+
+if TYPE_CHECKING:
+    from pytest_ctresources.gpu.detect import GpuInfo
 
 
 def skip_reason(

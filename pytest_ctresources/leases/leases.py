@@ -36,7 +36,6 @@ from pytest_ctresources.core.state import STATE_KEY, state_of
 from pytest_ctresources.exceptions import CtResourcesWarning
 from pytest_ctresources.settings.activation import activation_of
 from pytest_ctresources.units import GIB
-from pytest_ctresources.xdist.binding import Seats, testrun_id
 
 if TYPE_CHECKING:
     # (imported lazily at run time: fcntl, which ledger uses, is POSIX-only)
@@ -44,6 +43,7 @@ if TYPE_CHECKING:
     from pytest_ctresources.gpu.detect import GpuInfo, UsedMemory
     from pytest_ctresources.leases.ledger import Lease, VramLedger
     from pytest_ctresources.session.cache import ModelCache, ResidentModel
+    from pytest_ctresources.xdist.binding import Seats
 
 #: How often a watcher looks for a waiter while its process holds a resident model's lease.
 WATCH_SECONDS = 0.2
@@ -172,6 +172,7 @@ class GpuLeases:
             )
             return None
         from pytest_ctresources.gpu.detect import used_memory_reader
+        from pytest_ctresources.xdist.binding import testrun_id
 
         capacity = self.runtime.vram_capacity
         budget = min(capacity.value, gpu.total_gib) if capacity else gpu.total_gib
@@ -400,6 +401,8 @@ def give_back(item: pytest.Item) -> None:
 def open_seats(environ: Mapping[str, str] | None = None) -> Seats | None:
     """The run's seat board on this host; None without POSIX record locks or a safe ledger
     directory (then plain round robin; the controller reports an unsafe directory)."""
+    from pytest_ctresources.xdist.binding import testrun_id
+
     try:
         from pytest_ctresources.leases.ledger import LedgerDirError, seat_board
     except ImportError:  # no fcntl

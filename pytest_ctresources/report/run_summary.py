@@ -16,10 +16,7 @@ import pytest
 
 from pytest_ctresources.core.learned import LearnedNeed
 from pytest_ctresources.core.record import AT_TOP, TestRecord
-from pytest_ctresources.core.regression import Increase
-from pytest_ctresources.report.placement import made_wait, placement_lines
 from pytest_ctresources.report.results import RERUN_OUTCOME, TestResult, worse
-from pytest_ctresources.report.snapshot_sites import Site
 from pytest_ctresources.units import GIB, bytes_text
 
 if TYPE_CHECKING:
@@ -231,11 +228,12 @@ class RunSummary:
                 )
             else:
                 out += capped([line for _kind, line in flags], top)
-        increases = [
-            f"  {Increase.from_dict(found).line()}"
-            for found in self.by_test(lambda r: r.peak_increase).values()
-        ]
-        if increases:
+        if found_increases := self.by_test(lambda r: r.peak_increase):
+            from pytest_ctresources.core.regression import Increase
+
+            increases = [
+                f"  {Increase.from_dict(found).line()}" for found in found_increases.values()
+            ]
             out.append(
                 f"VRAM peak increased: {len(increases)} test(s), over the last passing peak on "
                 "the same GPU and config"
@@ -248,9 +246,11 @@ class RunSummary:
                     [f"  {nodeid}: {reason}" for nodeid, reason in sorted(skips.items())], top
                 )
         out += self.coverage_lines(top, quiet=quiet)
-        placed = [result.record for result in self.placed]
-        if made_wait(placed):
-            out += placement_lines(placed) if not quiet else placement_lines(placed)[:1]
+        if placed := [result.record for result in self.placed]:
+            from pytest_ctresources.report.placement import made_wait, placement_lines
+
+            if made_wait(placed):
+                out += placement_lines(placed) if not quiet else placement_lines(placed)[:1]
         out += self.snapshot_lines(top, quiet=quiet)
         return out
 
@@ -265,6 +265,8 @@ class RunSummary:
                 f"memory snapshots: {len(found)} test(s) (open in https://pytorch.org/memory_viz)"
             )
         if found and not quiet:
+            from pytest_ctresources.report.snapshot_sites import Site
+
             lines = []
             for nodeid, record in sorted(found.items()):
                 lines.append(f"  {nodeid} ({record.snapshot_why}): {record.snapshot_file}")
@@ -294,9 +296,11 @@ class RunSummary:
                 f"{len(nodeids)} test(s) keep their own {name} over {session_value(source, value)}"
             )
         out += capped(self.notebook_lines(), top + 1)
-        placed = [result.record for result in self.placed]
-        if not made_wait(placed):
-            out += placement_lines(placed)  # with waits, it is among the actions
+        if placed := [result.record for result in self.placed]:
+            from pytest_ctresources.report.placement import made_wait, placement_lines
+
+            if not made_wait(placed):
+                out += placement_lines(placed)  # with waits, it is among the actions
         out += capped(self.resident_lines(), top + 1)
         # Reruns of tests the plugin said nothing of are another plugin's business.
         reruns = [r.reruns for r in self.results.values() if r.reruns and r.acted]

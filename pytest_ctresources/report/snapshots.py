@@ -189,9 +189,6 @@ def _write(content: bytes, handle: IO[bytes]) -> None:
     handle.write(content)
 
 
-SNAPSHOTS_KEY = pytest.StashKey[SnapshotRecorder]()
-
-
 def default_directory(config: pytest.Config, report_json: Path | None) -> Path:
     """Beside the JSON report (``report.json`` -> ``report-snapshots/``), else in pytest's
     cache directory (else, without the cache plugin, under the rootdir)."""
@@ -203,22 +200,13 @@ def default_directory(config: pytest.Config, report_json: Path | None) -> Path:
     return config.rootpath / "ctresources-snapshots"
 
 
-def register(config: pytest.Config, mode: str, directory: Path | None, report: Path | None) -> None:
-    """Record each test (``mode`` on-failure or always)."""
+def register(
+    config: pytest.Config, mode: str, directory: Path | None, report: Path | None
+) -> SnapshotRecorder:
+    """Record each test (``mode`` on-failure or always); the recorder, registered, whose
+    :meth:`SnapshotRecorder.finish` the per-test teardown calls."""
     recorder = SnapshotRecorder(
         mode, lambda: directory or default_directory(config, report), config.rootpath
     )
     config.pluginmanager.register(recorder, SnapshotRecorder.name)
-    config.stash[SNAPSHOTS_KEY] = recorder
-
-
-def registered(config: pytest.Config) -> bool:
-    """Whether this run records snapshots (``--ct-snapshot`` other than ``off``)."""
-    return SNAPSHOTS_KEY in config.stash
-
-
-def finish(item: pytest.Item, leak_threshold: int) -> None:
-    """The test's snapshot, where snapshots are recorded (else nothing)."""
-    recorder = item.config.stash.get(SNAPSHOTS_KEY, None)
-    if recorder is not None:
-        recorder.finish(item, leak_threshold)
+    return recorder
