@@ -74,17 +74,17 @@ class Driver:
             ]
             for item in items
         }
+
+        def summarise(item: pytest.Item) -> None:
+            for report in reports[item.nodeid]:
+                summary.pytest_runtest_logreport(report)
+
         steps: list[tuple[str, Callable[[pytest.Item], None]]] = [
             ("lease setup", leases.pytest_runtest_setup if leases else lambda item: None),
             ("setup", lambda item: _drive(per_test.pytest_runtest_setup(item))),
             ("call", lambda item: _drive(per_test.pytest_runtest_call(item))),
             ("teardown", lambda item: _drive(per_test.pytest_runtest_teardown(item))),
-            (
-                "summary",
-                lambda item: (
-                    [summary.pytest_runtest_logreport(r) for r in reports[item.nodeid]] and None
-                ),
-            ),
+            ("summary", summarise),
         ]
         for round_ in range(self.rounds):
             spent = dict.fromkeys(PARTS, 0.0)
