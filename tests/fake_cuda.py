@@ -1,8 +1,9 @@
 """A stand-in for torch.cuda's allocator statistics, for CPU tests of the VRAM accounting.
 
 Installed into a pytester project as its conftest (and undone when that run ends, so the
-project can run in-process): it replaces the torch.cuda functions the plugin reads (is_initialized, memory_allocated, max_memory_*, reset_peak_memory_stats,
-memory_stats, current_device, empty_cache) with a small bookkeeping model. Tests then call
+project can run in-process): it replaces the torch.cuda functions the plugin reads (is_initialized,
+memory_stats_as_nested_dict, memory_allocated, max_memory_*, reset_peak_memory_stats,
+current_device, empty_cache) with a small bookkeeping model. Tests then call
 ``conftest.FAKE.alloc(gib)`` / ``free(gib)`` where real code would allocate tensors, and
 ``FAKE.oom(gib)`` for an allocation that fails. It presents figures, not a GPU: skip
 decisions still come from CT_FAKE_GPUS. torch.cuda.memory's ``_record_memory_history`` and
@@ -94,7 +95,11 @@ for name, value in {
     "max_memory_reserved": lambda device=None: FAKE.peak_reserved,
     "memory_reserved": lambda device=None: FAKE.reserved,
     "reset_peak_memory_stats": FAKE.reset_peaks,
-    "memory_stats": lambda device=None: {"allocation.all.allocated": FAKE.count},
+    "memory_stats_as_nested_dict": lambda device=None: {
+        "allocated_bytes": {"all": {"current": FAKE.allocated, "peak": FAKE.peak_allocated}},
+        "reserved_bytes": {"all": {"current": FAKE.reserved, "peak": FAKE.peak_reserved}},
+        "allocation": {"all": {"allocated": FAKE.count}},
+    },
     "empty_cache": FAKE.empty_cache,
 }.items():
     _patch.setattr(torch.cuda, name, value)

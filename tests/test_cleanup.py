@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from typing import Any
 
 import pytest
 
@@ -342,11 +343,11 @@ class _FakeCuda:
     def is_initialized(self) -> bool:
         return True
 
-    def memory_allocated(self, device: object = None) -> int:
-        return self.allocated
-
-    def memory_reserved(self, device: object = None) -> int:
-        return self.reserved
+    def memory_stats_as_nested_dict(self, device: object = None) -> dict[str, Any]:
+        return {
+            "allocated_bytes": {"all": {"current": self.allocated}},
+            "reserved_bytes": {"all": {"current": self.reserved}},
+        }
 
     def empty_cache(self) -> None:
         self.log.append("empty_cache")

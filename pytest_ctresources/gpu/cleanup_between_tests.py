@@ -223,9 +223,13 @@ class BetweenTests:
         self._unfrozen_seen = self._unfreezes()
 
     def _empty_cache(self, policy: CleanupPolicy) -> None:
+        # Imported here: only a test that used CUDA gets this far (the meter, in the same
+        # module, is loaded by then), and a run of tests that never touch CUDA loads neither.
+        from pytest_ctresources.gpu.measure import allocator_stats
+
         cuda = sys.modules["torch"].cuda
         try:
-            cached = cuda.memory_reserved() - cuda.memory_allocated()
+            cached = allocator_stats(cuda).cached
         except (AttributeError, RuntimeError):  # a stand-in torch, a lost device
             return
         if cached >= policy.empty_cache_min_bytes:

@@ -68,6 +68,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pytest_ctresources.gpu.measure import allocator_stats
 from pytest_ctresources.units import GIB
 
 UNITS_PER_GIB = 16
@@ -782,7 +783,7 @@ def own_cached_bytes() -> int:
     try:
         if cuda is None or not cuda.is_initialized():
             return 0
-        return max(0, int(cuda.memory_reserved()) - int(cuda.memory_allocated()))
+        return allocator_stats(cuda).cached
     except (AttributeError, RuntimeError):  # a stand-in torch, a lost device
         return 0
 

@@ -51,6 +51,36 @@ def test_vram_marker_against_the_real_gpu(pytester: pytest.Pytester) -> None:
     )
 
 
+def test_allocator_stats_match_torchs_getters_on_a_real_gpu(pytester: pytest.Pytester) -> None:
+    # The meter reads torch's nested statistics once (gpu/measure.py): the same figures as
+    # torch's getters, on a real allocator, after allocating, freeing and resetting peaks.
+    pytester.makepyfile(
+        """
+        import torch
+        from pytest_ctresources.gpu.measure import AllocatorStats, allocator_stats
+
+        def figures():
+            cuda = torch.cuda
+            return AllocatorStats(
+                cuda.memory_allocated(0), cuda.memory_reserved(0), cuda.max_memory_allocated(0),
+                cuda.max_memory_reserved(0), cuda.memory_stats(0)["allocation.all.allocated"],
+            )
+
+        def test_figures():
+            kept = torch.ones(2**20, device="cuda")
+            big = torch.ones(2**26, device="cuda")
+            assert allocator_stats(torch.cuda, 0) == figures()
+            del big
+            torch.cuda.reset_peak_memory_stats(0)
+            stats = allocator_stats(torch.cuda, 0)
+            assert stats == figures()
+            assert stats.allocated >= kept.numel() * 4 and stats.cached >= 2**28
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:randomly")
+    result.assert_outcomes(passed=1)
+
+
 def test_capacity_option_caps_the_allocator(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """
