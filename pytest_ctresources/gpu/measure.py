@@ -50,10 +50,6 @@ class VramFigures:
         )
 
     @property
-    def peak_allocated_gib(self) -> float:
-        return self.peak_allocated_bytes / GIB
-
-    @property
     def peak_reserved_gib(self) -> float:
         return self.peak_reserved_bytes / GIB
 
