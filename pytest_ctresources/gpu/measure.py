@@ -82,10 +82,10 @@ def allocator_stats(cuda: Any, device: int | None = None) -> AllocatorStats:
 
     ``torch.cuda.memory_allocated``, ``memory_reserved``, ``max_memory_*`` and
     ``memory_stats`` each build the whole statistics dictionary and flatten it into sorted
-    dotted keys in Python: 0.12 to 0.19 ms a call on an H100 host, against 0.01 to 0.03 ms
-    for the nested dictionary they flatten (``docs/benchmarks.md``). The plugin's work around
-    one CUDA test read a figure that way fourteen times. The nested dictionary is public
-    (``memory_stats_as_nested_dict``) and is read here once.
+    dotted keys in Python: 0.14 to 0.19 ms a call on an H100 host, against 0.02 ms for the
+    nested dictionary they flatten (``bench/allocator_reads.py``, ``docs/benchmarks.md``).
+    The plugin's work around one CUDA test read a figure that way fourteen times. The nested
+    dictionary is public (``memory_stats_as_nested_dict``) and is read here once.
     """
     stats = cuda.memory_stats_as_nested_dict(device)
 
