@@ -21,6 +21,10 @@ execute the same tests in the same order. A count repeats to within a few millio
 (the first workload's difference); what a project that asks pays once more (its start, the
 end of the run); what it pays per test (the two asking projects' differences apart, over the
 tests between them); and the count 1.02 would allow on the large project. Needs valgrind.
+
+It measures the plugin as the interpreter running it imports it: run it with the Python of a
+virtual environment where the package is installed from a wheel to see what users pay
+(docs/benchmarks.md says why that differs from an editable checkout).
 """
 
 from __future__ import annotations
@@ -71,18 +75,27 @@ def instructions(root: Path, extra: list[str]) -> int:
     return int(found.group(1).replace(",", ""))
 
 
-def pair(root: Path) -> tuple[int, int]:
-    """The counts with and without the plugin, run side by side."""
-    subprocess.run(_PYTEST, cwd=root, env=_ENV, check=True, stdout=subprocess.DEVNULL)  # bytecode
+def pair(root: Path, extra: list[str]) -> tuple[int, int]:
+    """The counts with and without the plugin, run side by side (``extra``: more pytest
+    arguments for both)."""
+    subprocess.run(  # the bytecode, pytest's rewritten one included, written before counting
+        [*_PYTEST, *extra], cwd=root, env=_ENV, check=True, stdout=subprocess.DEVNULL
+    )
     with ThreadPoolExecutor(2) as pool:
-        with_plugin = pool.submit(instructions, root, [])
-        without = pool.submit(instructions, root, ["-p", "no:ctresources"])
+        with_plugin = pool.submit(instructions, root, extra)
+        without = pool.submit(instructions, root, [*extra, "-p", "no:ctresources"])
         return with_plugin.result(), without.result()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tests", type=int, default=2000)
+    parser.add_argument(
+        "--pytest-arg",
+        action="append",
+        default=[],
+        help="a further argument for every pytest run (repeatable): --pytest-arg=--assert=plain",
+    )
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         raise SystemExit("bench/instructions.py needs valgrind (apt install valgrind)")
@@ -102,7 +115,7 @@ def main() -> None:
                 make_project(root, args.tests)
             ini = "[pytest]\n" if index % 2 == 0 else "[pytest]\nct_cleanup = auto\n"
             (root / "pytest.ini").write_text(ini)
-        counts = [pair(root) for root in roots]
+        counts = [pair(root, args.pytest_arg) for root in roots]
     print(f"python {sys.version.split()[0]}; instructions, millions (valgrind cachegrind)")
     print(f"{'workload':<24} {'with plugin':>12} {'without':>10} {'plugin':>8} {'ratio':>7}")
     for label, (with_plugin, without) in zip(labels, counts, strict=True):
