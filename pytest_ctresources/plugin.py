@@ -23,9 +23,13 @@ import pytest
 
 from pytest_ctresources.core.fixtures import ct_config, ct_session
 from pytest_ctresources.settings import markers
-from pytest_ctresources.settings.activation import ACTIVATION_KEY, activation_of, item_asks
+from pytest_ctresources.settings.activation import (
+    ACTIVATION_KEY,
+    activation_from_config,
+    activation_of,
+    item_asks,
+)
 from pytest_ctresources.settings.options import Declared, add_options
-from pytest_ctresources.settings.resolve import activation_from_config
 from pytest_ctresources.xdist.roles import runs_no_tests
 
 if TYPE_CHECKING:
@@ -129,7 +133,7 @@ def _find_stale_learned(config: pytest.Config) -> None:
     the plugin then acts."""
     if runs_no_tests(config) or not hasattr(config, "cache"):
         return  # the workers collect; without pytest's cache nothing is learned
-    from pytest_ctresources.core.learned import StaleLearnedNeeds, narrowed_files
+    from pytest_ctresources.core.stale_learned import StaleLearnedNeeds, narrowed_files
 
     def learned() -> LearnedNeeds | None:
         runtime = config.stash.get(_RUNTIME_KEY, None)

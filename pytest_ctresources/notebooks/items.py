@@ -444,7 +444,7 @@ def project_wide(config: pytest.Config) -> bool:
     """Whether the project asks the plugin to act for every test (settings/activation.py)."""
     activation = config.stash.get(ACTIVATION_KEY, None)
     if activation is None:  # not decided by the plugin's wiring yet: decide it the same way
-        from pytest_ctresources.settings.resolve import activation_from_config
+        from pytest_ctresources.settings.activation import activation_from_config
 
         activation = activation_from_config(config, config.option)
     return activation.project_wide

@@ -20,11 +20,13 @@ collection found one (before any test runs, while CUDA is not yet initialised).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import pytest
 
+from pytest_ctresources.settings.options import SETTINGS
 from pytest_ctresources.settings.sources import Source
 
 #: The plugin's fixtures: a test that uses one (directly or through another fixture) asks.
@@ -96,6 +98,39 @@ class Activation:
             f"tests that use {' or '.join(FIXTURES)} or carry a "
             f"{' or '.join(MARKERS)} marker"
         )
+
+
+def overridden_ini_keys(config: pytest.Config, namespace: object = None) -> frozenset[str]:
+    """The ini keys given on the command line with pytest's ``-o key=value`` (read from
+    ``namespace`` before the command line is fully parsed: pytest's known arguments)."""
+    given = getattr(namespace or config.option, "override_ini", None) or []
+    return frozenset(entry.split("=", 1)[0].strip() for entry in given if "=" in entry)
+
+
+def activation_from_config(config: pytest.Config, namespace: object) -> Activation:
+    """Whether the project asks the plugin to act (settings/activation.py), from the options
+    in ``namespace`` (pytest's known arguments, before conftests load), the environment and
+    the ini file."""
+    from pytest_ctresources.gpu.fake import FAKE_GPUS_ENV, FAKE_GPUS_USED_ENV
+
+    overridden = overridden_ini_keys(config, namespace)
+    inifile = str(config.inipath) if config.inipath else None
+    # Every option of the plugin defaults to None (options.py): any other value asks.
+    request = project_request(
+        options={
+            setting.option: getattr(namespace, setting.dest, None)
+            for setting in SETTINGS
+            if setting.option
+        },
+        environ=os.environ,
+        variables=[*(s.env for s in SETTINGS if s.env), FAKE_GPUS_ENV, FAKE_GPUS_USED_ENV],
+        ini_value=config.getini,
+        ini_keys=[setting.ini for setting in SETTINGS if setting.ini],
+        ini_source=lambda key: (
+            Source.override(key) if key in overridden else Source.ini(key, inifile)
+        ),
+    )
+    return Activation(request)
 
 
 def item_asks(item: pytest.Item) -> bool:

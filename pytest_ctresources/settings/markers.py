@@ -26,7 +26,6 @@ from pytest_ctresources.settings.config import (
     shown,
     validate_typed,
 )
-from pytest_ctresources.settings.experiment_yaml import load_experiment_yaml
 from pytest_ctresources.settings.parametrize import ParamsReference, split_argnames
 from pytest_ctresources.settings.sources import Source
 
@@ -173,6 +172,10 @@ def layer_markers(item: pytest.Item, below: CircuitTracerConfig) -> CircuitTrace
     ``path=`` YAML files are laid first, then keyword overrides; relative paths are taken
     from the directory of the test's file.
     """
+    # Imported here: the marker functions and their help are read at every pytest start-up,
+    # and a test with a ct_config marker is rare.
+    from pytest_ctresources.settings.experiment_yaml import load_experiment_yaml
+
     marks = list(item.iter_markers("ct_config"))
     cfg = below
     base_dir = Path(str(item.path)).parent
