@@ -19,6 +19,12 @@ summed), and which heavy modules loading the plugin imported (must be none). The
 fastest run is the estimate of the code's cost (as ``timeit`` uses it): on a shared machine
 the median also carries the noise of whatever else ran, and alternating the two variants
 keeps that noise from favouring one.
+
+It measures the plugin as the interpreter running it imports it: run it with the Python of a
+virtual environment where the package is installed from a wheel to see what users pay
+(pytest loads an installed plugin's modules through its assertion-rewriting loader, an
+editable checkout's not: docs/benchmarks.md). ``bench/instructions.py`` counts the same
+workloads' instructions, which the machine's noise does not move.
 """
 
 from __future__ import annotations
