@@ -24,6 +24,17 @@ UNUSED = (
     "pytest_ctresources.gpu.measure",
     "pytest_ctresources.gpu.oom",
 )
+# Nor, in a project that does not ask, what only a run the plugin acts in needs: the settings'
+# resolution and what it checks (the experiment YAML, the report paths, the allocator
+# setting), and the store of learned needs (pytester's projects have pytest's cache on, so the
+# search for stale learned needs is registered).
+UNUSED_UNLESS_ASKED = (
+    "pytest_ctresources.settings.resolve",
+    "pytest_ctresources.settings.experiment_yaml",
+    "pytest_ctresources.settings.report_paths",
+    "pytest_ctresources.gpu.allocator",
+    "pytest_ctresources.core.learned",
+)
 
 
 @pytest.mark.parametrize(
@@ -52,13 +63,15 @@ def test_a_run_that_does_not_use_the_plugin_imports_nothing_heavy(
             print("HEAVY:" + ",".join(loaded) + ":END")
             unused = [m for m in sys.modules if m.startswith({UNUSED!r})]
             print("UNUSED:" + ",".join(unused) + ":END")
+            idle = [m for m in {UNUSED_UNLESS_ASKED!r} if m in sys.modules]
+            print("IDLE:" + ",".join(idle) + ":END")
         """
     )
     pytester.makepyfile("def test_a(): pass")
     args = ["-s", "-p", "no:nbmake", *(["-v"] if verbose else [])]
     result = pytester.runpytest_subprocess(*args)
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*HEAVY::END*", "*UNUSED::END*"])
+    result.stdout.fnmatch_lines(["*HEAVY::END*", "*UNUSED::END*", "*IDLE::END*"])
     if verbose:
         # Not asked, the header says so and nothing more; asked, it names the GPU, from
         # NVML, still without torch.
