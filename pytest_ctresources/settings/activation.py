@@ -108,9 +108,9 @@ def overridden_ini_keys(config: pytest.Config, namespace: object = None) -> froz
 
 
 def activation_from_config(config: pytest.Config, namespace: object) -> Activation:
-    """Whether the project asks the plugin to act (settings/activation.py), from the options
-    in ``namespace`` (pytest's known arguments, before conftests load), the environment and
-    the ini file."""
+    """Whether the project asks the plugin to act (the module's rule), from the options in
+    ``namespace`` (pytest's known arguments, before conftests load), the environment and the
+    ini file, as the settings declare them (options.py)."""
     from pytest_ctresources.gpu.fake import FAKE_GPUS_ENV, FAKE_GPUS_USED_ENV
 
     overridden = overridden_ini_keys(config, namespace)
