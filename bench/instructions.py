@@ -30,7 +30,6 @@ virtual environment where the package is installed from a wheel to see what user
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import subprocess
@@ -39,16 +38,14 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from startup import make_project  # bench/ is the script's directory, so on sys.path
+from startup import _ENV as STARTUP_ENV  # bench/ is the script's directory, so on sys.path
+from startup import make_project
 
 _REFS = re.compile(r"I\s+refs:\s+([\d,]+)")
 
-#: This environment, with bytecode caching on (as ``bench/startup.py`` runs, for its reason)
-#: and a fixed hash seed: sets and dicts of strings iterate alike in every run.
-_ENV = {
-    **{name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"},
-    "PYTHONHASHSEED": "0",
-}
+#: ``bench/startup.py``'s environment (bytecode caching on, for its reason) with a fixed hash
+#: seed: sets and dicts of strings iterate alike in every run.
+_ENV = {**STARTUP_ENV, "PYTHONHASHSEED": "0"}
 _PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
 
 
