@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,27 @@ def layer_unit(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
+def import_nodes(source: str, name: str = PACKAGE.name) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement in ``source``: at module level, inside functions, under ``if
+    TYPE_CHECKING:``, and in a string of code that imports package ``name`` to run it in
+    another process (a notebook kernel's start-up file), given the string's lines."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and (f"import {name}" in node.value or f"from {name}" in node.value)
+        ):
+            try:
+                inner = list(import_nodes(node.value, name))
+            except SyntaxError:  # prose that names the package, not code
+                continue
+            for found in inner:
+                found.lineno += node.lineno - 1
+                yield found
+
+
 def upward_imports(package: Path, layers: tuple[tuple[str, ...], ...]) -> list[str]:
     """One line per import in ``package`` that does not point down ``layers``: the importing
     file and line, the module imported, and both layers."""
@@ -82,10 +104,10 @@ def upward_imports(package: Path, layers: tuple[tuple[str, ...], ...]) -> list[s
     for path in sorted(package.rglob("*.py")):
         parts = path.relative_to(package.parent).with_suffix("").parts
         source = layer_unit(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in import_nodes(path.read_text(encoding="utf-8"), name):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module is not None:
+            elif node.module is not None:
                 # ``from pkg import room`` imports the room; ``from pkg import name``, __init__.
                 targets = [
                     f"{node.module}.{alias.name}"
@@ -113,10 +135,10 @@ def imported_modules(path: Path) -> set[str]:
     import moved into a function still ties the two modules) and under ``if TYPE_CHECKING:``
     (a type is a dependency too)."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in import_nodes(path.read_text(encoding="utf-8")):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module is not None:
+        elif node.module is not None:
             assert node.level == 0, f"{path}: relative import"
             found.add(node.module)
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
@@ -211,12 +233,17 @@ def test_the_layer_check_catches_what_points_up_or_beside(tmp_path: Path) -> Non
     (package / "high" / "b.py").write_text(
         "from pkg.low.a import later\nfrom pkg import side\nfrom pkg.high import b\n"
     )
-    (package / "side" / "c.py").write_text("from pkg.low import a\n")
+    (package / "side" / "c.py").write_text(
+        "from pkg.low import a\n"
+        "DOC = 'from pkg we take nothing'\n"
+        'KERNEL = """\nimport os\nif os:\n    from pkg.high import b\n"""\n'
+    )
     found = upward_imports(package, (("low",), ("high", "side")))
     assert found == [
         "pkg/high/b.py:2: high imports pkg.side, beside it (layers: tests/test_layout.py LAYERS)",
         "pkg/low/a.py:3: low imports pkg.high.b, above it (layers: tests/test_layout.py LAYERS)",
         "pkg/low/a.py:5: low imports pkg.side.c, above it (layers: tests/test_layout.py LAYERS)",
+        "pkg/side/c.py:6: side imports pkg.high, beside it (layers: tests/test_layout.py LAYERS)",
     ]
 
 

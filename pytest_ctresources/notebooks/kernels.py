@@ -30,6 +30,7 @@ import functools
 import json
 import os
 import shutil
+import string
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -37,43 +38,46 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pytest_ctresources.gpu.allocator import ALLOC_CONF_ENV
 from pytest_ctresources.gpu.measure import VramFigures
 from pytest_ctresources.settings.config import CircuitTracerConfig
+from pytest_ctresources.settings.options import Declared
 
 VRAM_FILE_ENV = "CT_NOTEBOOK_VRAM_FILE"
 SNAPSHOT_FILE_ENV = "CT_NOTEBOOK_SNAPSHOT_FILE"
-CAPACITY_ENV = "CT_VRAM_CAPACITY"
-ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+#: ``--ct-vram-capacity``'s variable: the kernel applies it as the pytest process does.
+CAPACITY_ENV = str(Declared.vram_capacity.env)
 
 # Executed by IPython in the kernel process as an extra config file, after the profile's own
 # config files and before the kernel and its shell exist: nothing it defines reaches the
 # notebook, and it sets no config (``c`` is left empty), so the profile's settings all stand.
 # It caps the allocator like the pytest process (importing torch only when a cap is set) and
 # reports the kernel's CUDA figures at exit, using only what the kernel itself loaded. Under
-# --ct-snapshot it records the allocator's history from the start and dumps it at exit.
-KERNEL_STARTUP = """\
+# --ct-snapshot it records the allocator's history from the start and dumps it at exit. The
+# variables' names are this module's constants, filled in below.
+KERNEL_STARTUP = string.Template("""\
 import atexit
 import os
 
-if os.environ.get("CT_VRAM_CAPACITY"):
+if os.environ.get("$capacity"):
     from pytest_ctresources.gpu.allocator import CapacityCap
 
-    CapacityCap(float(os.environ["CT_VRAM_CAPACITY"])).arm(import_torch=True)
-if os.environ.get("CT_NOTEBOOK_SNAPSHOT_FILE"):
-    from pytest_ctresources.report.snapshots import start_recording
+    CapacityCap(float(os.environ["$capacity"])).arm(import_torch=True)
+if os.environ.get("$snapshot"):
+    from pytest_ctresources.gpu.memory_history import start_recording
 
     start_recording()
 
 
 def _ctresources_report_vram():
     import json, sys
-    path = os.environ.get("CT_NOTEBOOK_VRAM_FILE")
+    path = os.environ.get("$vram")
     torch = sys.modules.get("torch")
     if not path or torch is None or not torch.cuda.is_initialized():
         return
     device = torch.cuda.current_device()
-    if os.environ.get("CT_NOTEBOOK_SNAPSHOT_FILE"):
-        torch.cuda.memory._dump_snapshot(os.environ["CT_NOTEBOOK_SNAPSHOT_FILE"])
+    if os.environ.get("$snapshot"):
+        torch.cuda.memory._dump_snapshot(os.environ["$snapshot"])
     with open(path, "w") as handle:
         json.dump({
             "device": device,
@@ -83,7 +87,7 @@ def _ctresources_report_vram():
 
 
 atexit.register(_ctresources_report_vram)
-"""
+""").substitute(capacity=CAPACITY_ENV, snapshot=SNAPSHOT_FILE_ENV, vram=VRAM_FILE_ENV)
 
 #: How the start-up file reaches ipykernel: IPython loads this extra config file after the
 #: profile's (``--config`` is its short form, which a kernelspec may already use).
@@ -103,11 +107,11 @@ def kernel_environment(
     """The variables a notebook's kernel gets from the session, beyond the pytest process's
     own environment."""
     env = {
-        "CT_BATCH_SIZE": str(cfg.batch_size),
-        "CT_MAX_FEATURE_NODES": str(cfg.max_feature_nodes),
+        str(Declared.batch_size.env): str(cfg.batch_size),
+        str(Declared.max_feature_nodes.env): str(cfg.max_feature_nodes),
     }
     if config_path:
-        env["CT_CONFIG"] = config_path
+        env[str(Declared.config.env)] = config_path
     if alloc_conf:
         env[ALLOC_CONF_ENV] = alloc_conf
     if capacity_gib:

@@ -22,7 +22,7 @@ import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import pytest
 
@@ -30,6 +30,7 @@ from pytest_ctresources.core.state import state_of
 from pytest_ctresources.exceptions import CtResourcesWarning, ReportFileWarning
 from pytest_ctresources.gpu import oom
 from pytest_ctresources.gpu.measure import VramFigures
+from pytest_ctresources.gpu.memory_history import start_recording, stop_recording, take_snapshot
 from pytest_ctresources.report import files
 from pytest_ctresources.report.snapshot_sites import alive_at_peak, top_sites
 from pytest_ctresources.settings.activation import activation_of
@@ -80,33 +81,6 @@ def ran_out_of_memory(exc: BaseException) -> bool:
         return True
     error = getattr(exc.args[0] if exc.args else None, "error", None)
     return "OutOfMemoryError" in str(getattr(error, "summary", ""))
-
-
-def start_recording() -> str | None:
-    """Start recording this process's CUDA allocations; the reason it cannot, if it cannot
-    (no torch, or one built without CUDA)."""
-    try:
-        import torch
-
-        torch.cuda.memory._record_memory_history(
-            enabled="all", context="alloc", stacks="python", clear_history=True
-        )
-    except (ImportError, AttributeError, RuntimeError, TypeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
-def stop_recording() -> None:
-    import torch
-
-    torch.cuda.memory._record_memory_history(enabled=None)
-
-
-def take_snapshot() -> dict[str, Any]:
-    import torch
-
-    snapshot: dict[str, Any] = torch.cuda.memory._snapshot()
-    return snapshot
 
 
 class SnapshotRecorder:
