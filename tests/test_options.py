@@ -294,15 +294,6 @@ def test_plugin_can_be_disabled(pytester: pytest.Pytester) -> None:
     assert result.ret == pytest.ExitCode.USAGE_ERROR
 
 
-def test_ini_defaults_that_code_elsewhere_uses_agree() -> None:
-    # The ini table states its defaults as text (pytest's --help shows them); the code that
-    # runs without pytest (ct-resources, CtSession outside a run) has its own constant.
-    from pytest_ctresources.estimator.auto import DEFAULT_AUTO_MARGIN
-    from pytest_ctresources.settings.options import Declared
-
-    assert float(Declared.auto_margin.default or "nan") == DEFAULT_AUTO_MARGIN
-
-
 @pytest.mark.parametrize(
     ("kind", "default", "message"),
     [

@@ -55,12 +55,9 @@ from typing import Any, NamedTuple
 
 from pytest_ctresources.estimator import cgroup, loaded_model, of_config, registry, timing
 from pytest_ctresources.estimator import estimate as est
+from pytest_ctresources.settings.config import DEFAULT_AUTO_MARGIN as DEFAULT_AUTO_MARGIN
 from pytest_ctresources.settings.config import CircuitTracerConfig
 from pytest_ctresources.units import GIB, bytes_text
-
-#: ``ct_auto_margin``'s default: the share of the capacity auto leaves free beyond the
-#: predicted peak (fragmentation, and what the estimator has not seen).
-DEFAULT_AUTO_MARGIN = 0.05
 
 
 @dataclass(frozen=True)

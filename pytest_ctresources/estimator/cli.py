@@ -26,6 +26,7 @@ from pytest_ctresources.estimator import estimate as est
 from pytest_ctresources.estimator.cli_estimate import run_estimate
 from pytest_ctresources.estimator.cli_request import CliError
 from pytest_ctresources.settings.config import (
+    DEFAULT_PROMPT_TOKENS,
     DTYPE_ALIASES,
     DTYPES,
     MAX_COUNT,
@@ -36,7 +37,6 @@ from pytest_ctresources.settings.config import (
 )
 from pytest_ctresources.units import GIB
 
-DEFAULT_PROMPT_TOKENS: Final = 32
 DEFAULT_CEILING: Final = CircuitTracerConfig.defaults().batch_size_max
 
 

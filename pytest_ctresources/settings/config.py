@@ -80,6 +80,14 @@ def _positive_int(value: object) -> int:
 
 #: ``BATCH_SIZE: auto``: ct_session.attribute picks the batch size from the VRAM estimate.
 AUTO = "auto"
+#: ``ct_auto_margin``'s default: the share of the capacity auto leaves free beyond the
+#: predicted peak (fragmentation, and what the estimator has not seen). Here, below both the
+#: setting's declaration and the code that runs without pytest (``ct-resources``,
+#: ``CtSession`` outside a run).
+DEFAULT_AUTO_MARGIN = 0.05
+#: The prompt length, in tokens, an estimate assumes where the prompt is not known yet
+#: (``ct_estimate_prompt_tokens``'s default, and ``ct-resources estimate --prompt-tokens``').
+DEFAULT_PROMPT_TOKENS = 32
 
 
 def _batch_size(value: object) -> int | str:

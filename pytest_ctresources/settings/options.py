@@ -22,7 +22,7 @@ from typing import Generic, TypeVar, cast, overload
 
 import pytest
 
-from pytest_ctresources.settings.config import FIELDS
+from pytest_ctresources.settings.config import DEFAULT_AUTO_MARGIN, DEFAULT_PROMPT_TOKENS, FIELDS
 from pytest_ctresources.settings.parsers import (
     alloc_conf,
     binding_mode,
@@ -405,14 +405,14 @@ class Declared:
         "share of the GPU's capacity that `--ct-batch-size auto` keeps free beyond the "
         "estimate's peak ({default}; reserved margin and CUDA context included)",
         option=False,
-        default="0.05",  # estimator/auto.py DEFAULT_AUTO_MARGIN (tests/test_options.py checks)
+        default=str(DEFAULT_AUTO_MARGIN),
     )
     estimate_prompt_tokens = Setting(
         positive_count,
         "prompt length in tokens assumed by the VRAM estimate of a `ct_session` test with no "
         "declared need, made before its prompt is known (skip decisions and leases; {default})",
         option=False,
-        default="32",
+        default=str(DEFAULT_PROMPT_TOKENS),
     )
     progress_after = Setting(
         seconds_or_off,

@@ -14,11 +14,13 @@ import stat
 from pathlib import Path
 from typing import IO
 
+from pytest_ctresources.settings.options import Declared
 from pytest_ctresources.units import shown
 
 SCHEMA = "pytest-ctresources-report"
-JSON_FLAG = "--ct-report-json"
-PLOT_FLAG = "--ct-report-plot"
+#: The options that name the report files, as their declarations spell them.
+JSON_FLAG = str(Declared.report_json.option)
+PLOT_FLAG = str(Declared.report_plot.option)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 #: How every JSON report begins: an object whose first key is ``schema``, the report's
 #: (``json.dumps`` keeps it first; any spacing, as a tool that rewrites the file may leave).
