@@ -163,6 +163,28 @@ class Dims:
 DIM_NAMES: Final = tuple(spec.name for spec in dataclasses.fields(Dims))
 
 
+def count_transcoder_params(
+    n_layers: int,
+    d_model: int,
+    width: int,
+    *,
+    cross_layer: bool,
+    skip_connection: bool,
+    encoders: bool = True,
+    decoders: bool = True,
+) -> int:
+    """Parameters of a model's transcoders of ``width`` features per layer: the encoders, the
+    decoders (a CLT's layer-l features write to the n - l layers from l on), ``W_skip`` if any,
+    and ``b_enc`` and the threshold per feature and ``b_dec`` per layer. ``encoders`` or
+    ``decoders`` False leaves out those matrices (a lazy load keeps them off the GPU). The
+    one count: the random models' and the estimator's."""
+    n, d, w = n_layers, d_model, width
+    encoder = n * w * d if encoders else 0
+    decoder = (n * (n + 1) // 2 if cross_layer else n) * w * d if decoders else 0
+    skip = n * d * d if skip_connection else 0
+    return encoder + decoder + skip + n * (2 * w + d)
+
+
 def count_params(architecture: str, dims: Mapping[str, int], *, tied: bool) -> int:
     """Parameters of a (bias-free) decoder-only model of ``architecture`` (gemma2, gemma3,
     llama or qwen3) with dimensions ``dims`` (by :data:`DIM_NAMES`). Tied embeddings are
@@ -242,12 +264,13 @@ class ModelDims(Dims):
     @property
     def n_transcoder_params(self) -> int:
         """Number of parameters of all transcoders (encoders, decoders, biases, thresholds)."""
-        n, d_tc, d = self.n_layers, self.d_transcoder, self.d_model
-        # Per layer: encoder, b_enc, threshold, b_dec, and W_skip if any.
-        per_layer = d_tc * d + 2 * d_tc + d + (d * d if self.skip_connection else 0)
-        # Decoders: a CLT's layer-l features write to the n - l layers from l on.
-        decoder_layers = n * (n + 1) // 2 if self.cross_layer else n
-        return n * per_layer + decoder_layers * d_tc * d
+        return count_transcoder_params(
+            self.n_layers,
+            self.d_model,
+            self.d_transcoder,
+            cross_layer=self.cross_layer,
+            skip_connection=self.skip_connection,
+        )
 
 
 #: Tiny Gemma-2: attribution on CPU takes a fraction of a second.

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from pytest_ctresources.core.learned import memory_key
+from pytest_ctresources.core.record import PLAIN_RUN_WORKER, UNKNOWN_GPU
 from pytest_ctresources.core.runtime import Runtime, own_settings
 from pytest_ctresources.core.skips import skip_reason
 from pytest_ctresources.core.state import STATE_KEY, TestState, state_of
@@ -30,6 +31,7 @@ from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig
 from pytest_ctresources.settings.options import DEFAULT_INCREASE_PERCENT
 from pytest_ctresources.settings.sources import Source, Sourced
 from pytest_ctresources.units import GIB
+from pytest_ctresources.xdist.roles import WORKER_ENV
 
 if TYPE_CHECKING:
     # Imported where used: a run whose tests use no ct_session loads no estimator, and one
@@ -276,7 +278,7 @@ def end(item: pytest.Item, runtime: Runtime) -> None:
     gpu = runtime.gpu_facts().gpu(figures.device)
     record = state.record
     record.device = figures.device
-    record.gpu = gpu.name if gpu is not None else "unknown GPU"
+    record.gpu = gpu.name if gpu is not None else UNKNOWN_GPU
     if gpu is not None:
         record.gpu_ran = gpu.name
     record.baseline_bytes = figures.baseline_bytes
@@ -319,7 +321,7 @@ def peak_increase(item: pytest.Item, runtime: Runtime, figures: VramFigures) -> 
         item.nodeid,
         before,
         figures.peak_reserved_gib,
-        gpu.name if gpu is not None else "unknown GPU",
+        gpu.name if gpu is not None else UNKNOWN_GPU,
         datetime.date.today().isoformat(),
         runtime.library_versions(),
         DEFAULT_INCREASE_PERCENT if limit is None else limit,
@@ -332,7 +334,7 @@ def resident_record(resident: ResidentModel, device: int) -> dict[str, object]:
         "model": resident.label,
         "bytes": resident.bytes,
         "device": device,
-        "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+        "worker": os.environ.get(WORKER_ENV, PLAIN_RUN_WORKER),
         "loaded_by": resident.loaded_by,
     }
 

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 PROPERTY_PREFIX = "ct_"
 #: The worker name of a test that a plain (non-xdist) run leased for.
 PLAIN_RUN_WORKER = "main"
+#: The GPU a record names where the run could not tell which (and a worker's record lacks one).
+UNKNOWN_GPU = "unknown GPU"
 #: Where a notebook's injected cell went (``TestRecord.notebook_values``, the JSON report).
 AFTER_PARAMETERS = "after_parameters"
 AT_TOP = "top"

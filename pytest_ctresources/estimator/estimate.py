@@ -71,7 +71,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Final, Literal
 
-from pytest_ctresources.bundled.catalogue import Dims
+from pytest_ctresources.bundled.catalogue import Dims, count_transcoder_params
 from pytest_ctresources.units import GIB, count_text
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -414,14 +414,15 @@ class Estimate:
 
 def transcoder_params_on_gpu(model: ModelShape, tc: TranscoderShape) -> int:
     """Transcoder parameters resident on the GPU (lazily loaded matrices excluded)."""
-    n, d, w = model.n_layers, model.d_model, tc.width
-    encoder = 0 if tc.lazy_encoder else n * w * d
-    decoder_blocks = n * (n + 1) // 2 if tc.cross_layer else n
-    decoder = 0 if tc.lazy_decoder else decoder_blocks * w * d
-    skip = n * d * d if tc.skip_connection else 0
-    # b_enc and threshold per feature, b_dec per layer.
-    small = n * (2 * w + d)
-    return encoder + decoder + skip + small
+    return count_transcoder_params(
+        model.n_layers,
+        model.d_model,
+        tc.width,
+        cross_layer=tc.cross_layer,
+        skip_connection=tc.skip_connection,
+        encoders=not tc.lazy_encoder,
+        decoders=not tc.lazy_decoder,
+    )
 
 
 def decoder_vectors_per_feature(model: ModelShape, tc: TranscoderShape) -> float:

@@ -27,6 +27,7 @@ from pytest_ctresources.estimator.estimate import (
 from pytest_ctresources.reading import Unreadable, read_regular
 from pytest_ctresources.settings.config import shown
 from pytest_ctresources.settings.sources import printable
+from pytest_ctresources.units import MIB
 
 
 class UnknownShape(LookupError):
@@ -545,7 +546,7 @@ _FAMILIES: Final = {
 
 #: The largest ``config.json`` read (a real one is a few KiB; Gemma-3's, with its vision
 #: tower, under 10 KiB).
-MAX_CONFIG_JSON_BYTES: Final = 1 << 20
+MAX_CONFIG_JSON_BYTES: Final = MIB
 #: The largest dimension a ``config.json`` may give (real vocabularies are under 2**19).
 MAX_DIMENSION: Final = 1 << 24
 

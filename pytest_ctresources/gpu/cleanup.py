@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from pytest_ctresources.units import MIB
+
 if TYPE_CHECKING:
     import torch
 
@@ -183,7 +185,7 @@ def _cuda_tensors() -> dict[int, torch.Tensor]:
 
 @contextmanager
 def safe_clean_cuda(
-    model: Any, device: str | torch.device = "cuda", *, min_bytes: int = 1 << 20
+    model: Any, device: str | torch.device = "cuda", *, min_bytes: int = MIB
 ) -> Iterator[CleanScope]:
     """Move ``model`` to ``device`` for the block, then free what the block left behind.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pytest_ctresources.core.record import PLAIN_RUN_WORKER
+from pytest_ctresources.core.record import PLAIN_RUN_WORKER, UNKNOWN_GPU
 
 if TYPE_CHECKING:
     from pytest_ctresources.core.record import TestRecord
@@ -35,7 +35,7 @@ def placement_row(result: TestResult) -> dict[str, Any]:
 
 
 def _gpu_name(record: TestRecord) -> str:
-    return record.gpu_name or "unknown GPU"
+    return record.gpu_name or UNKNOWN_GPU
 
 
 def waited_s(record: TestRecord) -> float:

@@ -12,7 +12,7 @@ import datetime
 from dataclasses import dataclass, field
 
 from pytest_ctresources.core.accounting import UNMARKED_BYTES, suggested_marker
-from pytest_ctresources.core.record import TestRecord
+from pytest_ctresources.core.record import UNKNOWN_GPU, TestRecord
 from pytest_ctresources.units import GIB
 
 #: How bad each phase's outcome is for the test's final outcome; an outcome another plugin
@@ -68,7 +68,7 @@ class TestResult:
 
     @property
     def gpu(self) -> str:
-        return self.record.gpu or "unknown GPU"
+        return self.record.gpu or UNKNOWN_GPU
 
     @property
     def date(self) -> str:

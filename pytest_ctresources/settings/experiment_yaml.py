@@ -33,12 +33,13 @@ from pytest_ctresources.settings.config import (
     validate_typed,
 )
 from pytest_ctresources.settings.sources import Source, printable
+from pytest_ctresources.units import MIB
 
 _FIELD_BY_KEY = {spec.yaml_key: name for name, spec in FIELDS.items()}
 KNOWN_KEYS: tuple[str, ...] = (*_FIELD_BY_KEY, PARAMS_KEY, NOTEBOOK_KEY)
 
 #: The largest experiment config read, in bytes (prompts and layer lists fit many times).
-MAX_BYTES = 1 << 20
+MAX_BYTES = MIB
 #: The deepest nesting of lists and mappings (PARAMS of real experiments nest 2-4 deep).
 MAX_DEPTH = 64
 #: The most values (scalars, lists, mappings) once aliases are expanded: what a report or
