@@ -19,7 +19,7 @@ from pytest_ctresources.settings.resolve import resolve_settings
 from pytest_ctresources.settings.sources import Source
 
 
-def test_defaults_match_the_issue_and_are_sourced_default() -> None:
+def test_defaults_are_circuit_tracers_and_are_sourced_default() -> None:
     cfg = CircuitTracerConfig.defaults()
     assert (cfg.batch_size, cfg.max_feature_nodes, cfg.backend) == (256, 8192, "nnsight")
     assert all(cfg.source_of(name).kind == "default" for name in FIELDS)

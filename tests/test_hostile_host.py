@@ -192,7 +192,7 @@ if role == "wait":
     ledger.acquire(gib, 60, before_waiting=lambda: print("waiting", flush=True))
     print("granted", flush=True)
 else:
-    lease = ledger.acquire(gib, 10)
+    lease = ledger.acquire(gib, 60)
     if role == "hold-resident":
         ledger.move(lease, Lease(0.0, [], 0.0, resident=True), gib)
     print("held", flush=True)
@@ -291,7 +291,7 @@ class QueueRow:
     act: str = "acquire"
     """What this process then does: "acquire" 1 GiB, "resume" (acquire, then the waiter
     resumes and gets its lease too), "wanted" (is a cache wanted elsewhere?), "extend"."""
-    timeout_s: float = 10.0
+    timeout_s: float = 60.0
     expect: str | None = None
     """A pattern for the LeaseTimeout message ({waiter}, {holder}: pids); None: granted."""
     lanes: int | None = None

@@ -63,7 +63,7 @@ class Cache:
 for line in sys.stdin:
     command, *args = line.split()
     if command == "take":
-        lease = ledger.acquire(float(args[0]), timeout_s=10)
+        lease = ledger.acquire(float(args[0]), timeout_s=60)
         if args[1:] == ["resident"]:  # as GpuLeases.model_loaded carves a model's lease
             model = Lease(0.0, [], 0.0, resident=True)
             ledger.move(lease, model, lease.gib)
@@ -237,7 +237,7 @@ def test_a_waiter_gets_another_processes_idle_resident_model_freed(
     assert worker.ask("watch") == "watching"
     ledger = VramLedger(path, 24).open()
     try:
-        lease = ledger.acquire(16, timeout_s=10)
+        lease = ledger.acquire(16, timeout_s=60)
         assert worker.line() == "evicted"
         assert lease.waited_s > 0
     finally:

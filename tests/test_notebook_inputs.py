@@ -886,7 +886,8 @@ RUN_ROWS = [
         "hangs.ipynb",
         _with_kernel("hangs", timeout=3),
         "hangs.ipynb::hangs.ipynb",
-        "hangs.ipynb: its kernel did not start: ",
+        # Waited for as long as its cell timeout, not nbclient's 60 s of start-up.
+        "hangs.ipynb: its kernel did not start: Kernel didn't respond in 3 seconds",
     ),
     RunRow(
         "kernel-exits-at-once",
@@ -933,8 +934,8 @@ BATCH_FILES = {
 
 
 @pytest.fixture(scope="module")
-def batch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str, float]]:
-    """Runs the batch project once: item -> (outcome, its failure text, duration)."""
+def batch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
+    """Runs the batch project once: item -> (outcome, its failure text)."""
     project = tmp_path_factory.mktemp("notebook-inputs")
     tmpdir = project / "t"
     tmpdir = tmpdir / ("x" * (LONG_TMPDIR_LENGTH - len(str(tmpdir)) - 1))
@@ -1000,11 +1001,11 @@ def batch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str,
         problem = next((child for child in case if child.tag in ("failure", "error")), None)
         outcome = "passed" if problem is None else problem.tag
         text = "" if problem is None else (problem.text or problem.get("message", ""))
-        results[item] = (outcome, text.strip(), float(case.get("time", "0")))
+        results[item] = (outcome, text.strip())
     return results
 
 
-def _find(results: dict[str, tuple[str, str, float]], item: str) -> tuple[str, str, float]:
+def _find(results: dict[str, tuple[str, str]], item: str) -> tuple[str, str]:
     # junit's classname is the node id's path with "/" written "."
     wanted = item.replace("/", ".")
     assert wanted in results, (item, sorted(results))
@@ -1013,16 +1014,15 @@ def _find(results: dict[str, tuple[str, str, float]], item: str) -> tuple[str, s
 
 @pytest.mark.parametrize("row", RUN_ROWS, ids=lambda r: r.id)
 def test_each_notebook_input_fails_only_its_own_item_in_one_line(
-    batch: dict[str, tuple[str, str, float]], row: RunRow
+    batch: dict[str, tuple[str, str]], row: RunRow
 ) -> None:
-    outcome, text, duration = _find(batch, row.item)
+    outcome, text = _find(batch, row.item)
     if row.message is None:
         assert outcome == "passed", text
         return
     assert outcome in ("failure", "error"), outcome
     assert "\n" not in text, text
     assert row.message in text, text
-    assert duration < 30  # a kernel that never answers is waited for at most its cell timeout
 
 
 def test_the_tables_are_large_and_their_ids_distinct() -> None:

@@ -763,8 +763,9 @@ def test_unreadable_notebooks_fail_as_under_nbmake_alone(pytester: pytest.Pytest
 
 
 def test_nbmake_notebook_metadata_works_as_without_the_plugin(pytester: pytest.Pytester) -> None:
-    """The runner is nbmake's, with the kernel started the plugin's way: cell mocks,
-    post-cell code, allow_errors and timeout metadata, and failure summaries are nbmake's."""
+    """The runner is nbmake's, with the kernel started the plugin's way (the project asks, so
+    the plugin runs every notebook): cell mocks, post-cell code, allow_errors and timeout
+    metadata, and failure summaries are nbmake's."""
     mock = notebook("answer = 0\nname = ''", "assert (answer, name) == (42, 'x')")
     mock.cells[0].metadata["nbmake"] = {"mock": {"answer": 42, "name": "x"}}
     write(pytester.path / "mock.ipynb", mock)
@@ -777,14 +778,24 @@ def test_nbmake_notebook_metadata_works_as_without_the_plugin(pytester: pytest.P
     )
     write(
         pytester.path / "slow.ipynb",
-        notebook("import time\ntime.sleep(30)", nb_metadata={"execution": {"timeout": 1}}),
+        # The plugin waits for a kernel to start as long as the cell timeout: 10 s is enough
+        # on a loaded machine.
+        notebook("import time\ntime.sleep(600)", nb_metadata={"execution": {"timeout": 10}}),
     )
     write(pytester.path / "failing.ipynb", notebook("x = 1", "raise ValueError('boom')"))
+    pytester.makeconftest(
+        "def pytest_report_collectionfinish(items):\n"
+        "    kinds = {type(item).__name__ for item in items}\n"
+        "    return [f'items: {kind} x{len(items)}' for kind in sorted(kinds)]\n"
+    )
     summaries = {}
-    for name, extra in (("alone", ["-p", "no:ctresources"]), ("plugin", [])):
+    for name, extra in (("alone", ["-p", "no:ctresources"]), ("plugin", ["-o", "ct_cleanup=auto"])):
         result = pytester.runpytest("--nbmake", "-p", "no:randomly", "-rA", *extra)
         result.assert_outcomes(passed=3, failed=2)
         summaries[name] = summary_lines(result)
+        # Which items ran the notebooks: nbmake's alone, the plugin's where it acts.
+        kinds = {"alone": "NotebookItem", "plugin": "CtNotebookItem"}
+        result.stdout.fnmatch_lines([f"items: {kinds[name]} x5"])
     assert summaries["plugin"] == summaries["alone"]
     assert any(
         "failing.ipynb" in line and "ValueError: boom" in line for line in summaries["plugin"]
