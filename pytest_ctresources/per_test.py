@@ -135,8 +135,10 @@ class PerTestHooks:
                 item.add_marker(pytest.mark.skip(reason=reason))
             if runtime.binding is not None:  # a bound xdist worker: its worker and GPU
                 state.record.place(runtime.binding.worker, runtime.binding.gpu)
-            if placement is not None:
-                state.record.placed_because = placement.why(item.nodeid)
+            placed = placement.why(item.nodeid) if placement is not None else None
+            if placed is not None:
+                record = state.record
+                record.placed_kind, record.placed_beside, record.placed_because = placed
             return
         pytest.fail(failure, pytrace=False)
 

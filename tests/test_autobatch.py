@@ -645,7 +645,8 @@ def test_estimate_low_compares_with_the_most_the_estimate_allows() -> None:
 
     assert result(12.0).flags(leak_threshold=1 << 30) == []
     (flag,) = result(25.0).flags(leak_threshold=1 << 30)
-    assert flag.startswith(
+    assert flag.kind == "ESTIMATE LOW"
+    assert str(flag).startswith(
         "ESTIMATE LOW: peak 25.00 GiB reserved > 20.0 GiB, the most it may take (estimated"
     )
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from pytest_ctresources.gpu.detect import detect_gpus
-from pytest_ctresources.xdist.exchange import PlacementWorker, WorkerGpu, worker_gpu
+from pytest_ctresources.xdist.exchange import Placed, PlacementWorker, WorkerGpu, worker_gpu
 from pytest_ctresources.xdist.scheduler import PlacementController, VramScheduling
 
 pytest.importorskip("xdist")
@@ -142,8 +142,11 @@ def test_a_worker_reports_its_gpu_and_its_needs_and_names_the_largest_in_a_skip(
     worker = PlacementWorker(channel, lambda item: 12.0)
     worker.report_gpu(capped)
     assert channel.out == [capped.to_message()]
-    channel.inbox.append({"largest": [gpu.key, gpu.label, 80.0], "why": {"t": "fits"}})
-    assert worker.why("t") == "fits"
+    channel.inbox.append(
+        {"largest": [gpu.key, gpu.label, 80.0], "why": {"t": ["every", 1, "fits"], "u": "old"}}
+    )
+    assert worker.why("t") == Placed("every", 1, "fits")
+    assert worker.why("u") is None  # not a reason this version sends: left out
     assert worker.explain_skip("needs 90.0 GiB VRAM; x", 90.0) == (
         "needs 90.0 GiB VRAM; x; the largest GPU in this run is GPU 1 (Big), 80.0 GiB"
     )

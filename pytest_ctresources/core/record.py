@@ -91,6 +91,10 @@ class TestRecord:
     lease_reused_gib: float | None = None
     placed_because: str | None = None
     """Why the VRAM scheduler sent the test to this worker (xdist/scheduler.py)."""
+    placed_kind: str | None = None
+    """The kind of that reason (xdist/exchange.py's ``Placed.kind``)."""
+    placed_beside: int = 0
+    """How many other workers' tests it was packed beside on its GPU."""
     # -- its CUDA memory snapshot (--ct-snapshot) ----------------------------------------
     snapshot_file: str | None = None
     snapshot_why: str | None = None

@@ -184,7 +184,7 @@ def vram_row(result: TestResult, leak_threshold: int) -> dict[str, Any]:
         "resident_bytes": record.resident_bytes,
         "others_resident_bytes": record.others_resident_bytes,
         "reruns": result.reruns,
-        "flags": result.flags(leak_threshold),
+        "flags": [str(flag) for flag in result.flags(leak_threshold)],
     }
 
 

@@ -92,13 +92,13 @@ def placement_lines(placed: list[TestRecord]) -> list[str]:
 def _placed_by_vram(placed: list[TestRecord]) -> list[str]:
     """One line on the VRAM scheduler's reasons, where it placed the run (the JSON report's
     ``placed_because`` has each test's)."""
-    reasons = [record.placed_because for record in placed if record.placed_because]
-    if not reasons:
+    from pytest_ctresources.xdist.exchange import EVERY, ONLY_SOME, TOO_BIG
+
+    kinds = [record.placed_kind for record in placed if record.placed_kind]
+    if not kinds:
         return []
-    only = sum(1 for r in reasons if " hold(s) it" in r)
-    every = sum(1 for r in reasons if r.startswith("fits every GPU"))
-    too_big = sum(1 for r in reasons if r.startswith("too big"))
-    packed = sum(1 for r in reasons if "packed beside" in r)
+    only, every, too_big = (kinds.count(kind) for kind in (ONLY_SOME, EVERY, TOO_BIG))
+    packed = sum(1 for record in placed if record.placed_beside)
     return [
         f"  placed by VRAM: {only} test(s) on the only GPUs that hold them, {every} that fit "
         f"every GPU, {too_big} too big for every GPU (skipped on the largest); {packed} "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pytest_ctresources.core.accounting import UNMARKED_BYTES, suggested_marker
 from pytest_ctresources.core.record import UNKNOWN_GPU, TestRecord
@@ -86,36 +87,58 @@ class TestResult:
             return "none"
         return _NEED_KIND_NAMES.get(self.record.need_kind, "config")
 
-    def flags(self, leak_threshold: int) -> list[str]:
+    def flags(self, leak_threshold: int) -> list[Flag]:
         """What the report flags of a test that used CUDA: ESTIMATE LOW, UNDER-DECLARED,
         UNMARKED, LEAK and OOM RECOVERED."""
         record, peak = self.record, self.peak_reserved
-        out: list[str] = []
+        out: list[Flag] = []
         write = f"write {suggested_marker(peak, self.nodeid)}"
         most = record.need_most_gib if record.need_most_gib is not None else record.need_gib
         if record.need_kind == "estimate":
             # Against the most the estimate allows (batch_size_max for auto), not the least.
             if most is not None and peak > most * GIB:
                 out.append(
-                    f"ESTIMATE LOW: peak {peak / GIB:.2f} GiB reserved > {most:.1f} GiB, the "
-                    f"most it may take ({record.need_source}); {write}"
+                    Flag(
+                        "ESTIMATE LOW",
+                        f"peak {peak / GIB:.2f} GiB reserved > {most:.1f} GiB, the most it "
+                        f"may take ({record.need_source}); {write}",
+                    )
                 )
         elif most is not None and peak > most * GIB:
             out.append(
-                f"UNDER-DECLARED: peak {peak / GIB:.2f} GiB reserved > declared "
-                f"{most:.1f} GiB ({record.need_source}); {write}"
+                Flag(
+                    "UNDER-DECLARED",
+                    f"peak {peak / GIB:.2f} GiB reserved > declared {most:.1f} GiB "
+                    f"({record.need_source}); {write}",
+                )
             )
         if record.need_gib is None and peak > UNMARKED_BYTES:
             out.append(
-                f"UNMARKED: peak {peak / GIB:.2f} GiB reserved and no declared need; {write}"
+                Flag(
+                    "UNMARKED", f"peak {peak / GIB:.2f} GiB reserved and no declared need; {write}"
+                )
             )
         if self.leaked > leak_threshold:
             out.append(
-                f"LEAK: {self.leaked / GIB:.2f} GiB still allocated after teardown and cleanup"
+                Flag(
+                    "LEAK",
+                    f"{self.leaked / GIB:.2f} GiB still allocated after teardown and cleanup",
+                )
             )
         if record.oom_halvings:
-            out.append(f"OOM RECOVERED: {record.oom_halvings}")
+            out.append(Flag("OOM RECOVERED", record.oom_halvings))
         return out
+
+
+class Flag(NamedTuple):
+    """One finding on a test's memory: its ``kind`` (``LEAK``, ...) and what it says; the
+    JSON report's ``flags`` hold it as ``"KIND: detail"``."""
+
+    kind: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.detail}"
 
 
 def worse(current: str, outcome: str) -> str:

@@ -387,8 +387,8 @@ class RunSummary:
                 f"{headroom:>5} GiB {result.leaked / GIB:>5.2f} GiB  {result.nodeid}"
             )
         flags = [
-            (kind, f"{kind} {result.nodeid}:{rest}")
+            (flag.kind, f"{flag.kind} {result.nodeid}: {flag.detail}")
             for result in ranked
-            for kind, rest in (flag.split(":", 1) for flag in result.flags(leak_threshold))
+            for flag in result.flags(leak_threshold)
         ]
         return out, flags

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -34,6 +34,21 @@ from pytest_ctresources.gpu.fake import FAKE_GPUS_ENV
 
 #: ``workerinput`` key of the channel.
 PLACEMENT_INPUT = "ct_placement_channel"
+
+#: The scheduler's reasons (:attr:`Placed.kind`): the test fits only some of the run's GPUs,
+#: fits every GPU, is too big for every GPU (sent to the largest, which skips it), or the run
+#: has no GPU.
+ONLY_SOME, EVERY, TOO_BIG, NO_GPU = "only some", "every", "too big", "no GPU"
+
+
+class Placed(NamedTuple):
+    """Why the VRAM scheduler sent a test to its worker: its ``kind`` of fit, how many other
+    workers' tests on that GPU it was packed ``beside`` (0: alone), and the sentence a
+    reader gets (``placed_because`` in the JSON report)."""
+
+    kind: str
+    beside: int
+    because: str
 
 
 @dataclass(frozen=True)
@@ -86,7 +101,7 @@ class PlacementWorker:
     def __init__(self, channel: Any, need_of: Callable[[pytest.Item], float | None]) -> None:
         self._channel = channel
         self._need_of = need_of
-        self._why: dict[str, str] = {}
+        self._why: dict[str, Placed] = {}
         self._largest: tuple[str, str, float] | None = None
         self._key: str | None = None
 
@@ -116,12 +131,18 @@ class PlacementWorker:
                 continue
             why = message.get("why")
             if isinstance(why, dict):
-                self._why.update({str(k): str(v) for k, v in why.items()})
+                self._why.update(
+                    {
+                        str(nodeid): Placed(str(placed[0]), int(placed[1]), str(placed[2]))
+                        for nodeid, placed in why.items()
+                        if isinstance(placed, list) and len(placed) == 3
+                    }
+                )
             largest = message.get("largest")
             if isinstance(largest, list) and len(largest) == 3:
                 self._largest = (str(largest[0]), str(largest[1]), float(largest[2]))
 
-    def why(self, nodeid: str) -> str | None:
+    def why(self, nodeid: str) -> Placed | None:
         """Why the controller placed this test here (None: it did not say)."""
         self._drain()
         return self._why.get(nodeid)

@@ -23,7 +23,15 @@ from typing import Any
 
 import pytest
 
-from pytest_ctresources.xdist.exchange import PLACEMENT_INPUT, WorkerGpu
+from pytest_ctresources.xdist.exchange import (
+    EVERY,
+    NO_GPU,
+    ONLY_SOME,
+    PLACEMENT_INPUT,
+    TOO_BIG,
+    Placed,
+    WorkerGpu,
+)
 from pytest_ctresources.xdist.placement import (
     Demand,
     Dispatcher,
@@ -280,29 +288,30 @@ class VramScheduling:
     ) -> None:
         assert self.collection is not None and self.dispatcher is not None
         gpus = self.dispatcher.gpus
-        why: dict[str, str] = {}
+        busy = [max(needs) for needs in others if needs]
+        beside = (
+            f"packed beside {len(busy)} worker(s) holding up to {sum(busy):.1f} GiB"
+            if busy
+            else "alone on its GPU"
+        )
+        why: dict[str, Placed] = {}
         for index in indices:
             fit = self.fits[index]
             nodeid = self.collection[index]
             if fit.skip_reason is not None:
-                why[nodeid] = "too big for every GPU: sent to the largest, which skips it"
+                why[nodeid] = Placed(
+                    TOO_BIG, 0, "too big for every GPU: sent to the largest, which skips it"
+                )
             elif key is None or not gpus:
-                why[nodeid] = "no GPU: any worker"
+                why[nodeid] = Placed(NO_GPU, 0, "no GPU: any worker")
             elif len(fit.gpus) == len(gpus):
-                why[nodeid] = f"fits every GPU; {self._beside(others)}"
+                why[nodeid] = Placed(EVERY, len(busy), f"fits every GPU; {beside}")
             else:
                 names = ", ".join(gpus[k].label for k in fit.gpus)
-                why[nodeid] = (
-                    f"needs {fit.need_gib:.1f} GiB: only {names} hold(s) it; {self._beside(others)}"
-                )
-        self.controller.tell(_worker_id(node), {"why": why})
-
-    @staticmethod
-    def _beside(others: list[list[float]]) -> str:
-        busy = [max(needs) for needs in others if needs]
-        if not busy:
-            return "alone on its GPU"
-        return f"packed beside {len(busy)} worker(s) holding up to {sum(busy):.1f} GiB"
+                because = f"needs {fit.need_gib:.1f} GiB: only {names} hold(s) it; {beside}"
+                why[nodeid] = Placed(ONLY_SOME, len(busy), because)
+        # execnet carries lists, not named tuples.
+        self.controller.tell(_worker_id(node), {"why": {k: list(v) for k, v in why.items()}})
 
     def _same_collections(self) -> bool:
         from xdist.report import report_collection_diff
