@@ -16,7 +16,7 @@ import dataclasses
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 if TYPE_CHECKING:
     from pytest_ctresources.gpu.detect import GpuInfo
@@ -30,6 +30,28 @@ UNKNOWN_GPU = "unknown GPU"
 #: Where a notebook's injected cell went (``TestRecord.notebook_values``, the JSON report).
 AFTER_PARAMETERS = "after_parameters"
 AT_TOP = "top"
+
+
+class OwnSetting(TypedDict):
+    """A setting a test's own marker (or a notebook item's own config) kept over the value
+    the session set: the field, the session's source and value, and the test's."""
+
+    field: str
+    session_source: str
+    session_value: str
+    value: str
+    source: str
+
+
+class NotebookValue(TypedDict):
+    """A value injected into a notebook item, as the JSON report's ``notebook_values`` lists
+    it: its ``name``, the Python literal assigned, where it came from, and where the cell went
+    (:data:`AFTER_PARAMETERS` or :data:`AT_TOP`)."""
+
+    name: str
+    value: str
+    source: str
+    injected: str
 
 
 @dataclass
@@ -69,12 +91,9 @@ class TestRecord:
     oom_halvings: str | None = None
     resident_model: dict[str, Any] | None = None
     """The model this test loaded into ct_session's cache, which stays resident."""
-    own_settings: list[list[str]] = field(default_factory=list)
-    """``[field, session source, session value, own value, own source]`` for each setting
-    the test's own marker (or a notebook's own config) kept over a session-wide one."""
-    notebook_values: list[list[str]] = field(default_factory=list)
-    """A notebook item's injected values: ``[NAME, Python literal, where from, where
-    injected]`` each (:data:`AFTER_PARAMETERS` or :data:`AT_TOP`)."""
+    own_settings: list[OwnSetting] = field(default_factory=list)
+    notebook_values: list[NotebookValue] = field(default_factory=list)
+    """A notebook item's injected values, in its cell's order."""
     # -- cleanup -------------------------------------------------------------------------
     figures_closed: int = 0
     # -- where it ran, and its VRAM lease ------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 
 from pytest_ctresources.core import learned as learned_needs
 from pytest_ctresources.core.learned import LearnedNeeds
+from pytest_ctresources.core.record import OwnSetting
 from pytest_ctresources.core.state import state_of
 from pytest_ctresources.exceptions import AllocConfIneffectiveWarning
 from pytest_ctresources.gpu.allocator import ALLOC_CONF_ENV, AllocConf, CapacityCap
@@ -171,9 +172,8 @@ class Runtime:
         return cfg
 
 
-def own_settings(session: CircuitTracerConfig, cfg: CircuitTracerConfig) -> list[list[str]]:
-    """``[field, session-wide source, session-wide value, the test's value, its source]`` for
-    each field the test's own marker (or a notebook item's own config) set over a value the
+def own_settings(session: CircuitTracerConfig, cfg: CircuitTracerConfig) -> list[OwnSetting]:
+    """Each field the test's own marker (or a notebook item's own config) set over a value the
     session set (not a default)."""
     out = []
     for name in FIELDS:
@@ -183,8 +183,15 @@ def own_settings(session: CircuitTracerConfig, cfg: CircuitTracerConfig) -> list
             and before.kind != "default"
             and getattr(cfg, name) != getattr(session, name)
         ):
-            session_value, own = str(getattr(session, name)), str(getattr(cfg, name))
-            out.append([name, str(before), session_value, own, str(after)])
+            out.append(
+                OwnSetting(
+                    field=name,
+                    session_source=str(before),
+                    session_value=str(getattr(session, name)),
+                    value=str(getattr(cfg, name)),
+                    source=str(after),
+                )
+            )
     return out
 
 

@@ -19,7 +19,7 @@ import unicodedata
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from pytest_ctresources.core.record import AFTER_PARAMETERS, AT_TOP
+from pytest_ctresources.core.record import AFTER_PARAMETERS, AT_TOP, NotebookValue
 from pytest_ctresources.notebooks.inputs import finite_need
 from pytest_ctresources.settings.config import FIELDS, CircuitTracerConfig, ConfigError, shown
 
@@ -148,9 +148,9 @@ def values_with_sources(
     params_from: Mapping[str, str],
     injected: str,
     show: Callable[[str], str] = str,
-) -> list[list[str]]:
-    """What a notebook item received, as the summary shows it: ``[NAME, literal, where,
-    injected]`` per injected value (``where``: the experiment YAML, the option or the
+) -> list[NotebookValue]:
+    """What a notebook item received, as the summary shows it, per injected value (its
+    ``source``: the experiment YAML, the option or the
     variable it came from; ``params_from`` names the YAML each ``PARAMS`` key came from;
     ``injected``: where the cell went, as :func:`inject_parameters` returns it; ``show``
     turns a file's path into how messages show it)."""
@@ -163,7 +163,9 @@ def values_with_sources(
         else:
             source = cfg.source_of(name)
             where = show(source.path) if source.kind == "yaml" and source.path else str(source)
-        out.append([key, python_literal(value), where, injected])
+        out.append(
+            NotebookValue(name=key, value=python_literal(value), source=where, injected=injected)
+        )
     return out
 
 

@@ -139,13 +139,7 @@ def build_report(
         "attribution_timings": summary.by_test(lambda r: r.attribution_timings),
         "pruning_calls": summary.by_test(lambda r: r.pruning_calls),
         "reruns": {nodeid: r.reruns for nodeid, r in summary.results.items() if r.reruns},
-        "notebook_values": {
-            nodeid: [
-                {"name": name, "value": value, "source": where, "injected": injected}
-                for name, value, where, injected in entries
-            ]
-            for nodeid, entries in summary.by_test(lambda r: r.notebook_values).items()
-        },
+        "notebook_values": summary.by_test(lambda r: r.notebook_values),
         "snapshots": [
             {
                 "nodeid": nodeid,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pytest
 
 from pytest_ctresources.core.learned import LearnedNeed
-from pytest_ctresources.core.record import AT_TOP, TestRecord
+from pytest_ctresources.core.record import AT_TOP, OwnSetting, TestRecord
 from pytest_ctresources.report.results import RERUN_OUTCOME, TestResult, worse
 from pytest_ctresources.units import GIB, bytes_text
 
@@ -76,9 +76,9 @@ class RunSummary:
     coverage: GpuCoverage | None = None
     """The skipped GPU tests' last real runs, found at the end of the run."""
 
-    def record(self, report: pytest.TestReport) -> Sequence[list[str]]:
+    def record(self, report: pytest.TestReport) -> Sequence[OwnSetting]:
         """Take one report in; returns the session-wide settings it shows a test's own marker
-        overriding for the first time (``[field, source, value, the test's value]``).
+        overriding for the first time.
 
         Three times per test of the run: each attribute of the report is read once."""
         nodeid, when, outcome = report.nodeid, report.when, report.outcome
@@ -109,13 +109,14 @@ class RunSummary:
         properties = report.user_properties
         if not properties or not TestRecord.carries(properties):
             return ()  # the common case: a test the plugin had nothing to say about
-        first: list[list[str]] = []
+        first: list[OwnSetting] = []
         result.acted = True
         record = TestRecord.from_properties(report.user_properties)
-        for name, source, value, own, own_source in record.own_settings:
-            if (name, source, value) not in self.own_settings:
-                first.append([name, source, value, own, own_source])
-            self.own_settings.setdefault((name, source, value), set()).add(nodeid)
+        for own in record.own_settings:
+            key = (own["field"], own["session_source"], own["session_value"])
+            if key not in self.own_settings:
+                first.append(own)
+            self.own_settings.setdefault(key, set()).add(nodeid)
         if record.resident_model is not None:
             # Even from an attempt run again: the next one reuses the model it loaded.
             self.resident_models.append(dict(record.resident_model))
@@ -341,11 +342,12 @@ class RunSummary:
         out = ["notebook items ran with (injected; the rest as each notebook sets it):"]
         for nodeid, entries in sorted(notebook_values.items()):
             groups: dict[str, list[str]] = {}  # by source, in the order they first appear
-            for name, literal, where, _injected in entries:
+            for entry in entries:
+                literal = entry["value"]
                 shown = literal if len(literal) <= 40 else literal[:37] + "..."
-                groups.setdefault(where, []).append(f"{name}={shown}")
+                groups.setdefault(entry["source"], []).append(f"{entry['name']}={shown}")
             text = "; ".join(f"{', '.join(values)} ({where})" for where, values in groups.items())
-            if entries[0][3] == AT_TOP:
+            if entries[0]["injected"] == AT_TOP:
                 text += " [injected at the top: the notebook may have overwritten them]"
             out.append(f"  {nodeid}: {text}")
         return out

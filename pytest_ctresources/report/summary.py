@@ -59,11 +59,11 @@ class SummaryReporter:
         first_overrides = self.summary.record(report)
         if not self.verbose:
             return
-        for name, source, value, own, own_source in first_overrides:
+        for own in first_overrides:
+            session = session_value(own["session_source"], own["session_value"])
             self.terminal.write_line(
-                f"ctresources: {report.nodeid} keeps its own {name}={own} ({own_source}) "
-                f"over {session_value(source, value)}; said once per setting, the summary "
-                "counts them"
+                f"ctresources: {report.nodeid} keeps its own {own['field']}={own['value']} "
+                f"({own['source']}) over {session}; said once per setting, the summary counts them"
             )
         if report.when == "teardown":
             closed = TestRecord.from_properties(report.user_properties).figures_closed
