@@ -26,7 +26,7 @@ from pytest_ctresources.core.state import STATE_KEY, TestState, state_of
 from pytest_ctresources.exceptions import CtLeakWarning
 from pytest_ctresources.gpu.cleanup import cuda_initialised
 from pytest_ctresources.settings import markers
-from pytest_ctresources.settings.activation import item_asks
+from pytest_ctresources.settings.activation import FIXTURES, item_asks
 from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig
 from pytest_ctresources.settings.options import DEFAULT_INCREASE_PERCENT
 from pytest_ctresources.settings.sources import Source, Sourced
@@ -45,8 +45,9 @@ if TYPE_CHECKING:
     from pytest_ctresources.session.pruning import PruningOom
     from pytest_ctresources.session.session import CtSession
 
-CONFIG_FIXTURES = frozenset({"ct_config", "ct_session"})
-UNMARKED_BYTES = 1 << 30
+#: The plugin's fixtures, each of which gives the test a config.
+_FIXTURES = frozenset(FIXTURES)
+UNMARKED_BYTES = GIB  # a test that used more and declared nothing is flagged
 
 
 def suggested_marker(peak_bytes: int, nodeid: str = "") -> str:
@@ -138,7 +139,7 @@ def resolve_need(item: pytest.Item, runtime: Runtime) -> tuple[str, markers.Vram
     Raises :class:`~pytest_ctresources.settings.markers.MarkerError` for a bad marker.
     """
     cfg = state_of(item).config  # set at collection for notebook items
-    if cfg is None and CONFIG_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+    if cfg is None and not _FIXTURES.isdisjoint(getattr(item, "fixturenames", ())):
         cfg = runtime.config_for(item)
     key = _key(item, cfg, runtime)
     need = markers.vram_need(item)

@@ -26,13 +26,14 @@ from dataclasses import dataclass
 
 import pytest
 
+from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.options import SETTINGS
 from pytest_ctresources.settings.sources import Source
 
 #: The plugin's fixtures: a test that uses one (directly or through another fixture) asks.
 FIXTURES: tuple[str, ...] = ("ct_session", "ct_config")
-#: The plugin's markers: a test that carries one asks.
-MARKERS: tuple[str, ...] = ("vram", "ct_config", "ct_parametrize")
+#: The plugin's markers (settings/markers.py declares them): a test that carries one asks.
+MARKERS: tuple[str, ...] = tuple(markers.MARKERS)
 _FIXTURE_SET = frozenset(FIXTURES)
 _MARKER_SET = frozenset(MARKERS)
 #: Set on an item that asks by what it is (a notebook item the plugin runs its own way).
