@@ -208,8 +208,10 @@ ALIASES: Final[Mapping[str, str]] = MappingProxyType(
 # GemmaScope-2 transcoders: one repo per Gemma-3 model, a subfolder per variant, e.g.
 # mwhanna/gemma-scope-2-4b-it/transcoder_all/width_16k_l0_medium_affine. Width from the
 # name; ``_affine`` adds a skip connection; always loaded fully.
+#: The Gemma-3 models GemmaScope-2 covers: a size and pretrained or instruction-tuned.
+_GEMMA_3_SIZE_KIND = r"(?P<size>1b|4b|12b)-(?P<kind>pt|it)"
 _GEMMA_SCOPE_2 = re.compile(
-    r"gemma-scope-2-(?P<size>1b|4b|12b)-(?P<kind>pt|it)"
+    rf"gemma-scope-2-{_GEMMA_3_SIZE_KIND}"
     r"/(?P<layout>transcoder_all|clt)/width_(?P<width>\d+)k\w*?(?P<affine>_affine)?$"
 )
 
@@ -394,7 +396,7 @@ def resolve_model_name(name: str) -> str:
 _GEMMA_SCOPE_2_VARIANT = re.compile(
     r"(?:(?P<layout>transcoder_all|clt)/)?(?P<variant>width_\d+k\w*)"
 )
-_GEMMA_3_MODEL = re.compile(r"google/gemma-3-(?P<size>1b|4b|12b)-(?P<kind>pt|it)")
+_GEMMA_3_MODEL = re.compile(rf"google/gemma-3-{_GEMMA_3_SIZE_KIND}")
 
 
 def _gemma_scope_2_of(variant: re.Match[str], model: str | None) -> str:
