@@ -28,7 +28,7 @@ from pytest_ctresources.gpu.cleanup import cuda_initialised
 from pytest_ctresources.settings import markers
 from pytest_ctresources.settings.activation import FIXTURES, item_asks
 from pytest_ctresources.settings.config import AUTO, CircuitTracerConfig
-from pytest_ctresources.settings.options import DEFAULT_INCREASE_PERCENT
+from pytest_ctresources.settings.options import DEFAULT_INCREASE_PERCENT, Declared
 from pytest_ctresources.settings.sources import Source, Sourced
 from pytest_ctresources.units import GIB
 from pytest_ctresources.xdist.roles import WORKER_ENV
@@ -458,7 +458,7 @@ class StrictChecks(_FailsPassedPhases):
     """``--ct-strict``: registered only then. Fails, after the test ran, what passed by luck."""
 
     name = "ctresources-strict"
-    option = "--ct-strict"
+    option = str(Declared.strict.option)
 
     def problems(self, item: pytest.Item, when: str) -> list[str]:
         if when == "call":
@@ -496,7 +496,7 @@ class IncreaseGate(_FailsPassedPhases):
     over its last passing peak by more than the percentage given."""
 
     name = "ctresources-fail-on-increase"
-    option = "--ct-fail-on-increase"
+    option = str(Declared.fail_on_increase.option)
 
     def problems(self, item: pytest.Item, when: str) -> list[str]:
         if when != "call":
