@@ -21,7 +21,6 @@ collection found one (before any test runs, while CUDA is not yet initialised).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import pytest
@@ -39,34 +38,6 @@ _MARKER_SET = frozenset(MARKERS)
 #: Set on an item that asks by what it is (a notebook item the plugin runs its own way).
 ASKED = pytest.StashKey[bool]()
 _ACTS = pytest.StashKey[bool]()
-
-
-def project_request(
-    options: Mapping[str, object],
-    environ: Mapping[str, str],
-    variables: Iterable[str],
-    ini_value: Callable[[str], object],
-    ini_keys: Iterable[str],
-    ini_source: Callable[[str], Source],
-) -> Source | None:
-    """What in the project asks the plugin to act for every test, or None.
-
-    ``options``: the plugin's options (``--ct-strict``) and their values (None: not given;
-    every option of the plugin defaults to None for this reason); ``variables``: the plugin's
-    environment variables; ``ini_value(key)``: an ini key's value (None or an empty list:
-    unset); ``ini_source(key)``: how a set key is named (its file, or ``-o``).
-    """
-    for flag, value in options.items():
-        if value is not None:
-            return Source.option(flag)
-    for name in variables:
-        if name in environ:
-            return Source.env(name)
-    for key in ini_keys:
-        value = ini_value(key)
-        if value is not None and value != []:
-            return ini_source(key)
-    return None
 
 
 @dataclass(frozen=True)
@@ -116,22 +87,20 @@ def activation_from_config(config: pytest.Config, namespace: object) -> Activati
 
     overridden = overridden_ini_keys(config, namespace)
     inifile = str(config.inipath) if config.inipath else None
-    # Every option of the plugin defaults to None (options.py): any other value asks.
-    request = project_request(
-        options={
-            setting.option: getattr(namespace, setting.dest, None)
-            for setting in SETTINGS
-            if setting.option
-        },
-        environ=os.environ,
-        variables=[*(s.env for s in SETTINGS if s.env), FAKE_GPUS_ENV, FAKE_GPUS_USED_ENV],
-        ini_value=config.getini,
-        ini_keys=[setting.ini for setting in SETTINGS if setting.ini],
-        ini_source=lambda key: (
-            Source.override(key) if key in overridden else Source.ini(key, inifile)
-        ),
-    )
-    return Activation(request)
+    for setting in SETTINGS:
+        # Every option of the plugin defaults to None (options.py): any other value asks.
+        if setting.option and getattr(namespace, setting.dest, None) is not None:
+            return Activation(Source.option(setting.option))
+    for name in [*(s.env for s in SETTINGS if s.env), FAKE_GPUS_ENV, FAKE_GPUS_USED_ENV]:
+        if name in os.environ:
+            return Activation(Source.env(name))
+    for key in [setting.ini for setting in SETTINGS if setting.ini]:
+        value = config.getini(key)  # None or an empty list: unset
+        if value is not None and value != []:
+            return Activation(
+                Source.override(key) if key in overridden else Source.ini(key, inifile)
+            )
+    return Activation(None)
 
 
 def item_asks(item: pytest.Item) -> bool:

@@ -165,12 +165,6 @@ def _choice(
     return check
 
 
-def _offload(value: object) -> str | None:
-    if value is None:
-        return None
-    return _choice(OFFLOADS)(value)
-
-
 def _text_to_int(text: str) -> object:
     try:
         return int(text.strip())
@@ -209,110 +203,46 @@ def _text_to_optional(text: str) -> object:
 
 @dataclass(frozen=True)
 class FieldSpec:
-    """How one config field is validated, and how its text form (CLI, env, ini) is read."""
+    """How one config field is validated, and how its text form (CLI, env, ini) is read.
+
+    Its default is :class:`CircuitTracerConfig`'s, and a field whose default is None may be
+    null; what each field means is docs/configuration.md's table of YAML keys."""
 
     name: str
-    default: object
     check: Callable[[object], object]
     from_text: Callable[[str], object] = str.strip
-    nullable: bool = False
-    help: str = ""
 
     @property
     def yaml_key(self) -> str:
         return self.name.upper()
 
+    @property
+    def default(self) -> object:
+        return getattr(CircuitTracerConfig, self.name)
+
+    @property
+    def nullable(self) -> bool:
+        return self.default is None
+
 
 FIELDS: Mapping[str, FieldSpec] = {
     spec.name: spec
     for spec in (
-        FieldSpec(
-            "model_family",
-            None,
-            _text,
-            nullable=True,
-            help="model family, e.g. gemma2, gemma3, llama (informational)",
-        ),
-        FieldSpec(
-            "model_name",
-            None,
-            _text,
-            nullable=True,
-            help="Hugging Face model id, or a bundled offline model name",
-        ),
-        FieldSpec(
-            "transcoder_set",
-            None,
-            _text,
-            nullable=True,
-            help="circuit-tracer transcoder set name or config path",
-        ),
-        FieldSpec("backend", "nnsight", _choice(BACKENDS), help="nnsight or transformerlens"),
-        FieldSpec(
-            "dtype",
-            "float32",
-            _choice(DTYPES, DTYPE_ALIASES),
-            help="float32, bfloat16 or float16 (aliases fp32, bf16, fp16)",
-        ),
-        FieldSpec(
-            "batch_size",
-            256,
-            _batch_size,
-            _text_to_int,
-            help="source nodes per backward pass in attribute(); 'auto': the largest the "
-            "VRAM estimate fits on the GPU",
-        ),
-        FieldSpec(
-            "batch_size_max",
-            512,
-            _positive_int,
-            _text_to_int,
-            help="the largest batch size 'auto' chooses",
-        ),
-        FieldSpec(
-            "max_feature_nodes",
-            8192,
-            _positive_int,
-            _text_to_int,
-            help="most feature nodes kept in the graph",
-        ),
-        FieldSpec(
-            "max_n_logits", 10, _positive_int, _text_to_int, help="most logit nodes attributed"
-        ),
-        FieldSpec(
-            "desired_logit_prob",
-            0.95,
-            _probability,
-            _text_to_number,
-            help="cumulative probability of the logits kept",
-        ),
-        FieldSpec(
-            "offload",
-            None,
-            _offload,
-            _text_to_optional,
-            nullable=True,
-            help="offload parameters during attribution: cpu, disk or null",
-        ),
-        FieldSpec(
-            "lazy_encoder",
-            False,
-            _bool,
-            _text_to_bool,
-            help="load transcoder encoder weights lazily",
-        ),
-        FieldSpec(
-            "lazy_decoder", True, _bool, _text_to_bool, help="load transcoder decoder rows lazily"
-        ),
-        FieldSpec("verbose", False, _bool, _text_to_bool, help="circuit-tracer progress output"),
-        FieldSpec(
-            "vram_gib",
-            None,
-            gib_amount,
-            _text_to_number,
-            nullable=True,
-            help="declared peak VRAM need in GiB, used in skip decisions",
-        ),
+        FieldSpec("model_family", _text),
+        FieldSpec("model_name", _text),
+        FieldSpec("transcoder_set", _text),
+        FieldSpec("backend", _choice(BACKENDS)),
+        FieldSpec("dtype", _choice(DTYPES, DTYPE_ALIASES)),
+        FieldSpec("batch_size", _batch_size, _text_to_int),
+        FieldSpec("batch_size_max", _positive_int, _text_to_int),
+        FieldSpec("max_feature_nodes", _positive_int, _text_to_int),
+        FieldSpec("max_n_logits", _positive_int, _text_to_int),
+        FieldSpec("desired_logit_prob", _probability, _text_to_number),
+        FieldSpec("offload", _choice(OFFLOADS), _text_to_optional),
+        FieldSpec("lazy_encoder", _bool, _text_to_bool),
+        FieldSpec("lazy_decoder", _bool, _text_to_bool),
+        FieldSpec("verbose", _bool, _text_to_bool),
+        FieldSpec("vram_gib", gib_amount, _text_to_number),
     )
 }
 
@@ -332,15 +262,7 @@ def validate_typed(name: str, value: object) -> object:
 
 def parse_text(name: str, text: str) -> object:
     """Read and check the text form of field ``name`` (from an option, env var or ini key)."""
-    spec = FIELDS[name]
-    value = spec.from_text(text)
-    if value is None and spec.nullable:
-        return None
-    return spec.check(value)
-
-
-def _defaults() -> dict[str, Any]:
-    return {name: spec.default for name, spec in FIELDS.items()}
+    return validate_typed(name, FIELDS[name].from_text(text))
 
 
 @dataclass(frozen=True)
@@ -373,10 +295,7 @@ class CircuitTracerConfig:
     @classmethod
     def defaults(cls) -> CircuitTracerConfig:
         """The built-in defaults, every field sourced ``default``."""
-        return cls(
-            **_defaults(),
-            sources=MappingProxyType({name: Source.default() for name in FIELDS}),
-        )
+        return cls(sources=MappingProxyType({name: Source.default() for name in FIELDS}))
 
     def layered(
         self,

@@ -104,6 +104,12 @@ class Declaration(Generic[T]):
         self.default = default
 
     def __set_name__(self, owner: type, name: str) -> None:
+        if (self.default is None) != isinstance(self, OptionalSetting):
+            raise TypeError(
+                f"setting {name} has no default: declare it an OptionalSetting"
+                if self.default is None
+                else f"setting {name} has a default: declare it a Setting"
+            )
         self.name = name
 
     @property
@@ -157,11 +163,6 @@ class Declaration(Generic[T]):
 class Setting(Declaration[T]):
     """A setting with a default (its text, parsed as any other value)."""
 
-    def __set_name__(self, owner: type, name: str) -> None:
-        if self.default is None:
-            raise TypeError(f"setting {name} has no default: declare it an OptionalSetting")
-        super().__set_name__(owner, name)
-
     @overload
     def __get__(self, obj: None, owner: type) -> Setting[T]: ...
     @overload
@@ -175,11 +176,6 @@ class Setting(Declaration[T]):
 
 class OptionalSetting(Declaration[T]):
     """A setting that is None (unset) unless something sets it."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        if self.default is not None:
-            raise TypeError(f"setting {name} has a default: declare it a Setting")
-        super().__set_name__(owner, name)
 
     @overload
     def __get__(self, obj: None, owner: type) -> OptionalSetting[T]: ...
@@ -496,25 +492,17 @@ def add_options(parser: pytest.Parser) -> None:
             # the plugin to act (settings/activation.py).
             env = f" [env {setting.env}]" if setting.env else ""
             if setting.flag is not None:
-                group.addoption(
-                    setting.option,
-                    dest=setting.dest,
-                    action="store_const",
-                    const=setting.flag,
-                    default=None,
-                    help=setting.plain() + env,
-                )
+                how: dict[str, object] = {"action": "store_const", "const": setting.flag}
             else:
-                group.addoption(
-                    setting.option,
-                    dest=setting.dest,
-                    metavar=setting.metavar,
-                    type=argparse_text(setting.parse),
-                    nargs="?" if setting.const is not None else None,
-                    const=setting.const,
-                    default=None,
-                    help=setting.plain() + env,
-                )
+                how = {
+                    "metavar": setting.metavar,
+                    "type": argparse_text(setting.parse),
+                    "nargs": "?" if setting.const is not None else None,
+                    "const": setting.const,
+                }
+            group.addoption(
+                setting.option, dest=setting.dest, default=None, help=setting.plain() + env, **how
+            )
         if setting.ini is not None:
             also = f" (also {setting.option})" if setting.option else ""
             # default=None tells "unset" from "set to the default" (or to empty).
