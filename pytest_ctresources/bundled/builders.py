@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -239,23 +239,32 @@ def _random_transcoders(
     directly on ``device`` in ``dtype``.
 
     The initialisation follows circuit-tracer's own tests: He-uniform encoder rows normalised
-    to unit norm, decoder rows normalised to norm 0.01, ``b_enc`` uniform in [-0.5, 0] and
-    ``b_dec`` uniform in [-0.01, 0.01]. Thresholds start at zero and are calibrated later by
-    :func:`_calibrate_thresholds`, once the model can produce the transcoders' inputs.
+    to unit norm, decoder rows normalised to norm 0.01 (every decoder block of a CLT),
+    ``b_enc`` uniform in [-0.5, 0] and ``b_dec`` uniform in [-0.01, 0.01]. Thresholds start at
+    zero and are calibrated later by :func:`_calibrate_thresholds`, once the model can produce
+    the transcoders' inputs.
     """
     import torch
     from circuit_tracer.transcoder import SingleLayerTranscoder, TranscoderSet
     from circuit_tracer.transcoder.activation_functions import JumpReLU
-    from torch import nn
+    from circuit_tracer.transcoder.cross_layer_transcoder import CrossLayerTranscoder
 
+    hooks = {"feature_input_hook": feature_input_hook, "feature_output_hook": feature_output_hook}
     if dims.cross_layer:
-        return _random_clt(
-            dims,
+        clt = CrossLayerTranscoder(
+            dims.n_layers,
+            dims.d_transcoder,
+            dims.d_model,
+            activation_function="jump_relu",
+            skip_connection=dims.skip_connection,
+            lazy_decoder=False,
+            scan=RANDOM_TRANSCODERS,
             device=device,
             dtype=dtype,
-            feature_input_hook=feature_input_hook,
-            feature_output_hook=feature_output_hook,
+            **hooks,
         )
+        _init_random(clt, clt.W_enc, clt.W_dec, dims.d_model)
+        return clt
     transcoders = {}
     for layer in range(dims.n_layers):
         threshold = torch.zeros(dims.d_transcoder, device=device, dtype=dtype)
@@ -268,66 +277,35 @@ def _random_transcoders(
             device=device,
             dtype=dtype,
         )
-        with torch.no_grad():
-            nn.init.kaiming_uniform_(transcoder.W_enc, mode="fan_in", nonlinearity="linear")
-            transcoder.W_enc.div_(transcoder.W_enc.norm(dim=-1, keepdim=True))
-            nn.init.kaiming_uniform_(transcoder.W_dec, mode="fan_in", nonlinearity="linear")
-            transcoder.W_dec.div_(transcoder.W_dec.norm(dim=-1, keepdim=True)).mul_(0.01)
-            nn.init.uniform_(transcoder.b_enc, -0.5, 0.0)
-            nn.init.uniform_(transcoder.b_dec, -0.01, 0.01)
-            if transcoder.W_skip is not None:
-                # A small linear path, like a trained skip connection next to the features.
-                nn.init.normal_(transcoder.W_skip, std=0.01 / dims.d_model**0.5)
+        _init_random(transcoder, [transcoder.W_enc], [transcoder.W_dec], dims.d_model)
         transcoders[layer] = transcoder
-    return TranscoderSet(
-        transcoders,
-        feature_input_hook=feature_input_hook,
-        feature_output_hook=feature_output_hook,
-        # A scan name keeps circuit-tracer from warning that graphs cannot be uploaded.
-        scan=RANDOM_TRANSCODERS,
-    )
+    # A scan name keeps circuit-tracer from warning that graphs cannot be uploaded.
+    return TranscoderSet(transcoders, scan=RANDOM_TRANSCODERS, **hooks)
 
 
-def _random_clt(
-    dims: ModelDims,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    feature_input_hook: str,
-    feature_output_hook: str,
-) -> CrossLayerTranscoder:
-    """A random JumpReLU cross-layer transcoder, initialised as :func:`_random_transcoders`
-    initialises per-layer ones (every decoder block normalised to norm 0.01)."""
+def _init_random(
+    transcoder: Any,
+    encoders: Iterable[torch.Tensor],
+    decoders: Iterable[torch.Tensor],
+    d_model: int,
+) -> None:
+    """Initialise one transcoder's (or a CLT's, a block per layer) weights in place, in this
+    order, so that a seed gives the same weights."""
     import torch
-    from circuit_tracer.transcoder.cross_layer_transcoder import CrossLayerTranscoder
     from torch import nn
 
-    clt = CrossLayerTranscoder(
-        dims.n_layers,
-        dims.d_transcoder,
-        dims.d_model,
-        activation_function="jump_relu",
-        skip_connection=dims.skip_connection,
-        lazy_decoder=False,
-        feature_input_hook=feature_input_hook,
-        feature_output_hook=feature_output_hook,
-        scan=RANDOM_TRANSCODERS,
-        device=device,
-        dtype=dtype,
-    )
     with torch.no_grad():
-        for layer in range(dims.n_layers):
-            encoder = clt.W_enc[layer]
+        for encoder in encoders:
             nn.init.kaiming_uniform_(encoder, mode="fan_in", nonlinearity="linear")
             encoder.div_(encoder.norm(dim=-1, keepdim=True))
-        for decoder in clt.W_dec:
+        for decoder in decoders:
             nn.init.kaiming_uniform_(decoder, mode="fan_in", nonlinearity="linear")
             decoder.div_(decoder.norm(dim=-1, keepdim=True)).mul_(0.01)
-        nn.init.uniform_(clt.b_enc, -0.5, 0.0)
-        nn.init.uniform_(clt.b_dec, -0.01, 0.01)
-        if clt.W_skip is not None:
-            nn.init.normal_(clt.W_skip, std=0.01 / dims.d_model**0.5)
-    return clt
+        nn.init.uniform_(transcoder.b_enc, -0.5, 0.0)
+        nn.init.uniform_(transcoder.b_dec, -0.01, 0.01)
+        if transcoder.W_skip is not None:
+            # A small linear path, like a trained skip connection next to the features.
+            nn.init.normal_(transcoder.W_skip, std=0.01 / d_model**0.5)
 
 
 def _calibrate_thresholds(

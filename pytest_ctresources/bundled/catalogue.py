@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 #: Name of the bundled tiny random Gemma-2 model (for ``MODEL_NAME`` in experiment configs).
 TINY_GEMMA2: Final = "ctresources/tiny-gemma-2"
@@ -289,27 +289,12 @@ TINY_GEMMA2_DIMS: Final = ModelDims(
 TINY_LLAMA_DIMS: Final = dataclasses.replace(TINY_GEMMA2_DIMS, architecture="llama")
 
 
-def _published(
-    architecture: Architecture,
-    n_layers: int,
-    d_model: int,
-    d_mlp: int,
-    vocab_size: int,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    *,
-    tied: bool = True,
-) -> ModelDims:
-    """A published model's dimensions (its ``config.json``) with 16k per-layer transcoders."""
+def _published(architecture: Architecture, *dims: int, tied: bool = True) -> ModelDims:
+    """A published model's dimensions (its ``config.json``, in :data:`DIM_NAMES`' order) with
+    16k per-layer transcoders."""
+    named: dict[str, Any] = dict(zip(DIM_NAMES, dims, strict=True))
     return ModelDims(
-        n_layers=n_layers,
-        d_model=d_model,
-        d_mlp=d_mlp,
-        vocab_size=vocab_size,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
+        **named,
         d_transcoder=16384,
         architecture=architecture,
         max_position=8192,

@@ -245,24 +245,22 @@ def choose_with_setup(
     device = _device_of(model)
     key = _key_of(cfg, tokens)
     correction = correction_for(model, key)
-    if device.type != "cuda":
-        context = model.setup_attribution(input_ids)
-        active = int(context.activation_matrix._nnz())
-        model_shape, transcoders = loaded_model.shapes_of_loaded(model)
-        workload = of_config.workload_of(cfg, tokens, 0.0, 1, counted_features=active)
-        choice = _host_choice(model_shape, transcoders, workload, budget, ceiling, active)
-        return replace(choice, _key=key), context
-    # What is allocated now is what the attribution cannot use. (Garbage an earlier failure
-    # left in reference cycles counts too until the collector runs; ct_session's own OOM
-    # retry collects it, and a full collection here would cost ~0.2 s per call.) Measured
-    # before the setup pass, whose tensors the estimate counts itself.
-    resident = int(torch.cuda.memory_allocated(device))
-    reserved = int(torch.cuda.memory_reserved(device))
-    free, total = (int(value) for value in torch.cuda.mem_get_info(device))
+    cuda = device.type == "cuda"
+    if cuda:
+        # What is allocated now is what the attribution cannot use. (Garbage an earlier failure
+        # left in reference cycles counts too until the collector runs; ct_session's own OOM
+        # retry collects it, and a full collection here would cost ~0.2 s per call.) Measured
+        # before the setup pass, whose tensors the estimate counts itself.
+        resident = int(torch.cuda.memory_allocated(device))
+        reserved = int(torch.cuda.memory_reserved(device))
+        free, total = (int(value) for value in torch.cuda.mem_get_info(device))
     context = model.setup_attribution(input_ids)
     active = int(context.activation_matrix._nnz())
     model_shape, transcoders = loaded_model.shapes_of_loaded(model)
     workload = of_config.workload_of(cfg, tokens, 0.0, 1, counted_features=active)
+    if not cuda:
+        choice = _host_choice(model_shape, transcoders, workload, budget, ceiling, active)
+        return replace(choice, _key=key), context
     refuse_what_cannot_fit(model_shape, transcoders, workload, budget, resident)
     room = device_room(free, reserved, total, budget)
     choice = _choice(

@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: The flag each config field comes from, for the sources error messages name.
+#: The pairs the batch-size table covers (docs/estimator-cli.md): circuit-tracer's own examples.
 TABLE_PAIRS: Final = (
     ("google/gemma-2-2b", "gemma"),
     ("google/gemma-2-2b", "mntss/clt-gemma-2-2b-426k"),

@@ -182,12 +182,10 @@ def run_estimate(args: argparse.Namespace, out: Any) -> int:
         largest = None if found is None else found[0]
     prediction = est.estimate(request.model, request.transcoders, workload)
     marked = [workload.batch_size] + ([] if largest is None else [largest])
-    rows = est.batch_table(
-        request.model,
-        request.transcoders,
-        workload,
-        _table_sizes(request.ceiling, *marked),
-    )
+    rows = [
+        est.estimate(request.model, request.transcoders, est.with_batch(workload, batch))
+        for batch in _table_sizes(request.ceiling, *marked)
+    ]
     if args.json:
         payload = prediction.to_dict() | {
             "model_source": request.model_source,
@@ -309,6 +307,3 @@ def _print_pipeline(out: Any, pipeline: est.Pipeline, gpu_gib: float | None) -> 
             f"{phase.total_bytes / GIB:>10.2f} {phase.host_bytes / GIB:>9.2f}  "
             f"{phase.note}{fits}{mark}\n"
         )
-
-
-#: The pairs the batch-size table covers (docs/estimator-cli.md): circuit-tracer's own examples.

@@ -38,6 +38,7 @@ class Request:
     usual_set: bool = False  # no set was named: the model's usual one
 
 
+#: The flag each config field comes from, for the sources error messages name.
 _FLAGS: Final = {
     "model_name": "--model",
     "transcoder_set": "--transcoders",
@@ -60,14 +61,8 @@ def resolve(args: argparse.Namespace) -> Request:
             cfg = load_experiment_yaml(args.config).apply(cfg)
         except ConfigError as exc:
             raise CliError(str(exc)) from None
-    flags = {
-        "model_name": args.model,
-        "transcoder_set": args.transcoders,
-        "dtype": args.dtype,
-        "batch_size": args.batch_size,
-        "max_feature_nodes": args.max_feature_nodes,
-        "batch_size_max": args.ceiling,
-    }
+    # Each flag's value is argparse's attribute of its name (--batch-size: batch_size).
+    flags = {name: getattr(args, flag[2:].replace("-", "_")) for name, flag in _FLAGS.items()}
     cfg = cfg.layered(
         {name: value for name, value in flags.items() if value is not None},
         lambda name: Source.option(_FLAGS[name]),

@@ -66,7 +66,7 @@ apart), are in ``docs/estimator.md``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Final, Literal
@@ -568,19 +568,9 @@ def estimate(
     peak_reserved = peak_allocated + margin
     total = peak_reserved + cal.context_bytes
 
-    tc_note = (
-        "lazy "
-        + "+".join(
-            part
-            for part, lazy in (
-                ("encoder", transcoders.lazy_encoder),
-                ("decoder", transcoders.lazy_decoder),
-            )
-            if lazy
-        )
-        if (transcoders.lazy_encoder or transcoders.lazy_decoder)
-        else "all on the GPU"
-    )
+    tc = transcoders
+    lazy = [part for part, on in (("encoder", tc.lazy_encoder), ("decoder", tc.lazy_decoder)) if on]
+    tc_note = "lazy " + "+".join(lazy) if lazy else "all on the GPU"
     per_layer = (
         workload.active_per_layer_token
         if workload.counted_features is None
@@ -771,7 +761,6 @@ def largest_fitting_batch(
     ceiling: int,
     resident_bytes: int | None = None,
     counted: Callable[[Estimate], int] | None = None,
-    calibration: Calibration = CALIBRATION,
 ) -> tuple[int, Estimate] | None:
     """The largest batch size <= ``ceiling`` whose predicted total fits ``budget_bytes``.
 
@@ -783,30 +772,14 @@ def largest_fitting_batch(
     """
 
     def need(batch: int) -> tuple[int, Estimate]:
-        est = estimate(
-            model,
-            transcoders,
-            with_batch(workload, batch),
-            calibration,
-        )
+        est = estimate(model, transcoders, with_batch(workload, batch))
         total = est.total_bytes if counted is None else counted(est)
         if resident_bytes is not None:
             total += resident_bytes - est.resident_bytes
         return total, est
 
-    low_total, low_est = need(1)
-    if low_total > budget_bytes:
-        return None
-    best = (1, low_est)
-    lo, hi = 1, ceiling
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        total, est = need(mid)
-        if total <= budget_bytes:
-            lo, best = mid, (mid, est)
-        else:
-            hi = mid - 1
-    return best
+    largest = longest_fitting(lambda batch: need(batch)[0] <= budget_bytes, ceiling)
+    return None if largest == 0 else (largest, need(largest)[1])
 
 
 def balanced_batch(largest: int, rows: int) -> int:
@@ -821,17 +794,3 @@ def balanced_batch(largest: int, rows: int) -> int:
 def with_batch(workload: Workload, batch: int) -> Workload:
     """``workload`` at another batch size."""
     return replace(workload, batch_size=batch)
-
-
-def batch_table(
-    model: ModelShape,
-    transcoders: TranscoderShape,
-    workload: Workload,
-    batch_sizes: Iterable[int],
-    calibration: Calibration = CALIBRATION,
-) -> Sequence[Estimate]:
-    """One estimate per batch size, the rest of ``workload`` unchanged."""
-    return [
-        estimate(model, transcoders, with_batch(workload, batch), calibration)
-        for batch in batch_sizes
-    ]

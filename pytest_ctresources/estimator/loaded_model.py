@@ -68,23 +68,15 @@ def _family_of_architecture(architecture: str) -> str:
 
 def _loaded_transcoders(transcoders: Any) -> TranscoderShape:
     scan = getattr(transcoders, "scan", None)
-    name = scan if isinstance(scan, str) else type(transcoders).__name__
-    if hasattr(transcoders, "transcoders"):  # TranscoderSet: one per layer
-        first = transcoders.transcoders[0]
-        return TranscoderShape(
-            name=name,
-            feature_input_hook=str(getattr(transcoders, "feature_input_hook", "")),
-            width=int(first.d_transcoder),
-            skip_connection=bool(getattr(transcoders, "skip_connection", False)),
-            lazy_encoder=bool(getattr(first, "lazy_encoder", False)),
-            lazy_decoder=bool(getattr(first, "lazy_decoder", False)),
-        )
-    return TranscoderShape(  # CrossLayerTranscoder
-        name=name,
+    per_layer = hasattr(transcoders, "transcoders")  # a TranscoderSet, else a CLT
+    # What sets the width and the lazy flags: a TranscoderSet's first transcoder, or the CLT.
+    part = transcoders.transcoders[0] if per_layer else transcoders
+    return TranscoderShape(
+        name=scan if isinstance(scan, str) else type(transcoders).__name__,
         feature_input_hook=str(getattr(transcoders, "feature_input_hook", "")),
-        width=int(transcoders.d_transcoder),
-        cross_layer=True,
+        width=int(part.d_transcoder),
+        cross_layer=not per_layer,
         skip_connection=bool(getattr(transcoders, "skip_connection", False)),
-        lazy_encoder=bool(getattr(transcoders, "lazy_encoder", False)),
-        lazy_decoder=bool(getattr(transcoders, "lazy_decoder", False)),
+        lazy_encoder=bool(getattr(part, "lazy_encoder", False)),
+        lazy_decoder=bool(getattr(part, "lazy_decoder", False)),
     )

@@ -144,6 +144,15 @@ _GEMMA_SCOPE_L0: Final = 1020 / 26
 
 _GEMMA_2_2B = ("google/gemma-2-2b", "google/gemma-2-2b-it")
 _LLAMA_1B = ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-1B-Instruct")
+#: The Qwen3 models and the one transcoder set circuit-tracer's README lists for each (163840
+#: features per layer, reading the MLP's input): the set made for it and its usual one.
+_QWEN3_SETS: Final = {
+    "Qwen/Qwen3-0.6B": "mwhanna/qwen3-0.6b-transcoders-lowl0",
+    "Qwen/Qwen3-1.7B": "mwhanna/qwen3-1.7b-transcoders-lowl0",
+    "Qwen/Qwen3-4B": "mwhanna/qwen3-4b-transcoders",
+    "Qwen/Qwen3-8B": "mwhanna/qwen3-8b-transcoders",
+    "Qwen/Qwen3-14B": "mwhanna/qwen3-14b-transcoders-lowl0",
+}
 
 TRANSCODER_SETS: Final[Mapping[str, TranscoderSetInfo]] = MappingProxyType(
     {
@@ -161,40 +170,9 @@ TRANSCODER_SETS: Final[Mapping[str, TranscoderSetInfo]] = MappingProxyType(
             _set("mntss/clt-gemma-2-2b-426k", 16384, _GEMMA_2_2B, lazy=True, clt=True),
             _set("mntss/clt-gemma-2-2b-2.5M", 98304, _GEMMA_2_2B, lazy=True, clt=True),
             _set("mntss/clt-llama-3.2-1b-524k", 32768, _LLAMA_1B, lazy=True, clt=True),
-            _set(
-                "mwhanna/qwen3-0.6b-transcoders-lowl0",
-                163840,
-                ("Qwen/Qwen3-0.6B",),
-                lazy=True,
-                hook="mlp.hook_in",
-            ),
-            _set(
-                "mwhanna/qwen3-1.7b-transcoders-lowl0",
-                163840,
-                ("Qwen/Qwen3-1.7B",),
-                lazy=True,
-                hook="mlp.hook_in",
-            ),
-            _set(
-                "mwhanna/qwen3-4b-transcoders",
-                163840,
-                ("Qwen/Qwen3-4B",),
-                lazy=True,
-                hook="mlp.hook_in",
-            ),
-            _set(
-                "mwhanna/qwen3-8b-transcoders",
-                163840,
-                ("Qwen/Qwen3-8B",),
-                lazy=True,
-                hook="mlp.hook_in",
-            ),
-            _set(
-                "mwhanna/qwen3-14b-transcoders-lowl0",
-                163840,
-                ("Qwen/Qwen3-14B",),
-                lazy=True,
-                hook="mlp.hook_in",
+            *(
+                _set(set_name, 163840, (model,), lazy=True, hook="mlp.hook_in")
+                for model, set_name in _QWEN3_SETS.items()
             ),
         )
     }
@@ -471,11 +449,7 @@ USUAL_TRANSCODER_SETS: Final[Mapping[str, str]] = MappingProxyType(
         "google/gemma-2-2b-it": "gemma",
         "meta-llama/Llama-3.2-1B": "llama",
         "meta-llama/Llama-3.2-1B-Instruct": "llama",
-        "Qwen/Qwen3-0.6B": "mwhanna/qwen3-0.6b-transcoders-lowl0",
-        "Qwen/Qwen3-1.7B": "mwhanna/qwen3-1.7b-transcoders-lowl0",
-        "Qwen/Qwen3-4B": "mwhanna/qwen3-4b-transcoders",
-        "Qwen/Qwen3-8B": "mwhanna/qwen3-8b-transcoders",
-        "Qwen/Qwen3-14B": "mwhanna/qwen3-14b-transcoders-lowl0",
+        **_QWEN3_SETS,
     }
 )
 
