@@ -13,7 +13,6 @@ from pytest_ctresources.xdist.placement import (
     fits_of,
     fitted_lower_bound,
     lower_bound,
-    parse_gpu_list,
     parse_shard,
     refill,
     room_for,
@@ -152,16 +151,11 @@ def test_a_shard_runs_each_test_once_on_the_smallest_runner_class_that_fits() ->
     assert shard(tests, [24, 24, 80]) == shares  # stable
 
 
-def test_shard_and_gpu_list_parsing() -> None:
+def test_shard_parsing() -> None:
     assert parse_shard("2/5") == (2, 5)
     for bad in ("0/3", "4/3", "x", "2"):
         with pytest.raises(ValueError, match="K/N"):
             parse_shard(bad)
-    assert parse_gpu_list("2x80, 24") == [80.0, 80.0, 24.0]
-    with pytest.raises(ValueError, match="COUNTxGIB"):
-        parse_gpu_list("2xbig")
-    with pytest.raises(ValueError, match="names no GPU"):
-        parse_gpu_list(" , ")
 
 
 def test_the_fitted_bound_counts_what_cannot_run_beside_a_test_over_half_a_gpu() -> None:

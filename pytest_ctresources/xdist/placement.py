@@ -20,7 +20,6 @@ plan`` / ``pytest --ct-plan``, ``--ct-shard`` and ``bench/placement_sim.py``.
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -497,25 +496,3 @@ def parse_shard(text: str) -> tuple[int, int]:
     if not sep or n < 1 or not 1 <= k <= n:
         raise ValueError(f"{text!r}: expected K/N with 1 <= K <= N")
     return k, n
-
-
-def parse_gpu_list(text: str) -> list[float]:
-    """``"2x80,4x24"`` -> [80, 80, 24, 24, 24, 24]; ValueError naming the bad entry."""
-    out: list[float] = []
-    for raw in text.split(","):
-        entry = raw.strip().lower()
-        if not entry:
-            continue
-        count_text, sep, gib_text = entry.partition("x")
-        if not sep:
-            count_text, gib_text = "1", entry
-        try:
-            count, gib = int(count_text), float(gib_text)
-        except ValueError:
-            raise ValueError(f"{raw.strip()!r} is not GIB or COUNTxGIB (e.g. 2x80)") from None
-        if count < 1 or not math.isfinite(gib) or gib <= 0:
-            raise ValueError(f"{raw.strip()!r}: count and GiB must be positive")
-        out.extend([gib] * count)
-    if not out:
-        raise ValueError(f"{text!r} names no GPU (e.g. 2x80,4x24)")
-    return out
