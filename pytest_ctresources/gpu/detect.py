@@ -429,16 +429,16 @@ def free_bytes(facts: GpuFacts, *, may_use_torch: bool = True) -> list[int | Non
     kernel). Fake GPUs are free but for what ``CT_FAKE_GPUS_USED`` says they use (raises
     ``ValueError`` if it is malformed).
     """
-    if facts.source == "nvml":
-        try:
-            nvml = _load_pynvml()
-            nvml.nvmlInit()
-        except Exception:
-            return [None] * len(facts.gpus)
-        try:
-            return [_nvml_free(nvml, gpu.uuid) for gpu in facts.gpus]
-        finally:
-            _quietly(nvml.nvmlShutdown)
+    if facts.source in ("nvml", "fake"):
+        free: list[int | None] = []
+        for gpu in facts.gpus:
+            reader = used_memory_reader(gpu)
+            used = None
+            if reader is not None:
+                used = reader()
+                reader.close()
+            free.append(None if used is None else max(gpu.total_bytes - used, 0))
+        return free
     if facts.source == "torch" and may_use_torch:
         torch = _load_torch()
 
@@ -446,24 +446,7 @@ def free_bytes(facts: GpuFacts, *, may_use_torch: bool = True) -> list[int | Non
             return _quietly(lambda: int(torch.cuda.mem_get_info(index)[0]))
 
         return [torch_free(gpu.index) for gpu in facts.gpus]
-    if facts.source == "fake":
-        free: list[int | None] = []
-        for gpu in facts.gpus:
-            reader = used_memory_reader(gpu)
-            used = reader() if reader is not None else None
-            free.append(None if used is None else max(gpu.total_bytes - used, 0))
-        return free
     return [None] * len(facts.gpus)
-
-
-def _nvml_free(nvml: Any, uuid: str | None) -> int | None:
-    if uuid is None:
-        return None
-    handle = _quietly(lambda: nvml.nvmlDeviceGetHandleByUUID(uuid))
-    if handle is None:
-        return None
-    info = _quietly(lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
-    return None if info is None else int(info.free)
 
 
 class UsedMemory:
