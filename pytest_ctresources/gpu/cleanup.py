@@ -82,13 +82,17 @@ def close_figures(numbers: Iterable[int]) -> int:
     return closed
 
 
-def _tracebacks_of(exc: BaseException | None) -> Iterator[TracebackType]:
+def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it chains to (its cause, else its context), each once."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if exc.__traceback__ is not None:
-            yield exc.__traceback__
+        yield exc
         exc = exc.__cause__ or exc.__context__
+
+
+def _tracebacks_of(exc: BaseException | None) -> list[TracebackType]:
+    return [link.__traceback__ for link in exception_chain(exc) if link.__traceback__ is not None]
 
 
 def clear_exception_frames(exc: BaseException) -> None:
@@ -108,7 +112,7 @@ def release_failed_test_frames() -> bool:
     go. Returns whether there was a failure to release.
     """
     kept = vars(sys)
-    tracebacks = list(_tracebacks_of(kept.get("last_value")))
+    tracebacks = _tracebacks_of(kept.get("last_value"))
     last_tb = kept.get("last_traceback")
     if last_tb is not None:
         tracebacks.append(last_tb)

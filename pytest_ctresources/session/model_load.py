@@ -10,22 +10,13 @@ built here; later tests of the same model fail at once, pointing at the first.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterator
 
+from pytest_ctresources.gpu.cleanup import exception_chain
 from pytest_ctresources.settings.config import CircuitTracerConfig, shown
 
 
 class ModelLoadError(RuntimeError):
     """A configured model could not be loaded; the message is one line for the user."""
-
-
-def _chain(exc: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        current = current.__cause__ or current.__context__
 
 
 def _known_names() -> list[str]:
@@ -74,7 +65,7 @@ _PERMANENT = frozenset(
 def is_permanent(exc: BaseException) -> bool:
     """Whether a load failure will fail again for the next test of the same model (offline,
     not found, gated, not configured); an out-of-memory error, or anything else, may not."""
-    names = {type(link).__name__ for link in _chain(exc)}
+    names = {type(link).__name__ for link in exception_chain(exc)}
     if "OutOfMemoryError" in names:
         return False
     return bool(names & _PERMANENT) or isinstance(exc, ValueError)
@@ -82,7 +73,7 @@ def is_permanent(exc: BaseException) -> bool:
 
 def cause_of(exc: BaseException) -> str:
     """What went wrong, from the exception chain: offline, not found, gated, or the error."""
-    names = {type(link).__name__ for link in _chain(exc)}
+    names = {type(link).__name__ for link in exception_chain(exc)}
     if "OfflineModeIsEnabled" in names:
         return (
             "offline (HF_HUB_OFFLINE is set) and its files are not in the local Hugging Face cache"
@@ -96,7 +87,7 @@ def cause_of(exc: BaseException) -> str:
         return "not found on the Hugging Face hub (a typo, or a private repository)"
     if "LocalEntryNotFoundError" in names:
         return "not in the local Hugging Face cache, and the hub could not be reached"
-    innermost = list(_chain(exc))[-1]
+    innermost = list(exception_chain(exc))[-1]
     text = str(innermost).strip().splitlines()
     return f"{type(innermost).__name__}: {text[0] if text else '(no message)'}"
 
