@@ -20,7 +20,7 @@ import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Generator, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from pytest_ctresources.core.runtime import Runtime
     from pytest_ctresources.report.results import TestResult
     from pytest_ctresources.report.run_summary import RunSummary
+    from pytest_ctresources.settings.sources import Sourced
 
 SCHEMA_VERSION = 2
 
@@ -81,6 +82,11 @@ def private_directory(path: Path) -> Path:
     return path
 
 
+def _with_source(setting: Sourced[Any]) -> dict[str, Any]:
+    """A setting as the report writes it: its value and where the value came from."""
+    return {"value": setting.value, "source": str(setting.source)}
+
+
 def build_report(
     summary: RunSummary,
     runtime: Runtime,
@@ -113,22 +119,13 @@ def build_report(
         "settings": {
             "config": settings.session_config().to_dict(),
             "experiment_config": settings.experiment.path if settings.experiment else None,
-            "cleanup": {"value": settings.cleanup.value, "source": str(settings.cleanup.source)},
-            "alloc_conf": {
-                "value": settings.alloc_conf.value,
-                "source": str(settings.alloc_conf.source),
-            },
-            "leak_threshold_bytes": {
-                "value": settings.leak_threshold.value,
-                "source": str(settings.leak_threshold.source),
-            },
-            "oom_retry": {
-                "value": settings.oom_retry.value,
-                "source": str(settings.oom_retry.source),
-            },
+            "cleanup": _with_source(settings.cleanup),
+            "alloc_conf": _with_source(settings.alloc_conf),
+            "leak_threshold_bytes": _with_source(settings.leak_threshold),
+            "oom_retry": _with_source(settings.oom_retry),
             "oom_retry_floor": settings.oom_retry_floor.value,
             "strict": settings.strict.value,
-            "snapshot": {"value": settings.snapshot.value, "source": str(settings.snapshot.source)},
+            "snapshot": _with_source(settings.snapshot),
         },
         "tests": [vram_row(result, leak_threshold) for result in summary.used_cuda],
         "placements": [placement_row(result) for result in summary.placed],
@@ -291,7 +288,7 @@ def write_reports(
     settings = runtime.settings
     written: list[tuple[str, Path]] = []
     guard = config.stash.get(SIGTERM_KEY, None)
-    with guard.deferred() if guard is not None else _nothing():
+    with guard.deferred() if guard is not None else nullcontext():
         capacity, note = capacity_of()
         if settings.report_json_path is not None:
             path = settings.report_json_path
@@ -309,11 +306,6 @@ def write_reports(
             if _attempt(PLOT_FLAG, plot, lambda: write_plot(plot, summary, capacity, note)):
                 written.append(("VRAM plot", plot))
     return written
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 class SigtermReport:
