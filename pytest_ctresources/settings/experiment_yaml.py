@@ -14,6 +14,7 @@ typo such as ``BATCH_SIZ`` never silently runs at the default.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -113,11 +114,7 @@ def _check_scalar(loader: Any, node: Any) -> None:
         if (
             "inf" not in text
             and "nan" not in text
-            and loader.construct_yaml_float(node)
-            in (
-                float("inf"),
-                float("-inf"),
-            )
+            and math.isinf(loader.construct_yaml_float(node))
         ):
             raise _TooComplex(
                 f"the number {shown(node.value)} at line {_line(node)} is beyond a float's "
