@@ -133,16 +133,12 @@ def value_id(value: Any, fallback: str) -> str:
         # A number's own text is safe, and keeps its sign, which the rule for strings would
         # drop; str() of an int over 4300 digits raises.
         return str(value)
-    if isinstance(value, int):
+    if not isinstance(value, str):
         return fallback
-    if isinstance(value, str):
-        text = value
-    else:
-        return fallback
-    safe = _UNSAFE.sub("-", text).strip("-")
+    safe = _UNSAFE.sub("-", value).strip("-")
     if not safe:
         return fallback
     if len(safe) <= MAX_ID:
         return safe
-    digest = hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()[:6]
+    digest = hashlib.sha1(value.encode("utf-8", "surrogatepass")).hexdigest()[:6]
     return f"{safe[: MAX_ID - 7].rstrip('-')}-{digest}"
