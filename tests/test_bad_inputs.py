@@ -1170,7 +1170,7 @@ def test_a_bad_learned_needs_cache_is_one_warning(tmp_path: Path, row: CacheRow)
         row.prepare(path)
     before = os.lstat(path)
     cache = cast(pytest.Cache, _Cache(tmp_path))
-    with _Bounded(20), pytest.warns(LearnedNeedsWarning) as warned:
+    with _Bounded(60), pytest.warns(LearnedNeedsWarning) as warned:
         needs = LearnedNeeds(cache)
         for key in needs.keys():
             needs.get(key)

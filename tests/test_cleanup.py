@@ -443,7 +443,7 @@ def test_nothing_to_do_with_nnsight_loaded_asks_for_a_live_mediator_thread(
     start = cleaner.begin(0)
     assert cleaner.nothing_to_do(start)  # loaded, but no trace left a thread
     release = threading.Event()
-    thread = threading.Thread(target=lambda mediator: release.wait(10), args=(_Mediator(),))
+    thread = threading.Thread(target=lambda mediator: release.wait(), args=(_Mediator(),))
     thread.start()
     try:
         assert not cleaner.nothing_to_do(start)  # a mediator thread: finish must look
