@@ -12,6 +12,12 @@ wrappers (each generator run to its end, as pluggy does), and the summary's thre
 neither does pytest's dispatch of these hooks, which any plugin with the same hooks pays.
 Prints, per round, the microseconds per test of each part and their sum, and the median
 sum.
+
+Then what that dispatch adds, timed apart: what pluggy's call of a hook costs with one more
+implementation, plain and new-style wrapper, beside one plain implementation (the fastest
+of 15 ``timeit`` rounds, the three hooks alternating), and the sum over the implementations a trivial test passes
+through in such a run (the plugin's implementations of ``PER_TEST_HOOKS``, counted in
+the run).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import argparse
 import statistics
 import tempfile
 import time
+import timeit
 from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
@@ -28,6 +35,14 @@ import pytest
 from startup import make_project  # bench/ is the script's directory, so on sys.path
 
 PARTS = ("lease setup", "setup", "call", "teardown", "summary")
+#: The hooks a trivial test passes through, with how many times each is called for it.
+PER_TEST_HOOKS = {
+    "pytest_generate_tests": 1,
+    "pytest_runtest_setup": 1,
+    "pytest_runtest_call": 1,
+    "pytest_runtest_teardown": 1,
+    "pytest_runtest_logreport": 3,
+}
 
 
 def _drive(wrapper: Generator[None, Any, Any]) -> None:
@@ -47,6 +62,8 @@ class Driver:
     def __init__(self, rounds: int) -> None:
         self.rounds = rounds
         self.sums: list[float] = []
+        #: The plugin's implementations a trivial test passes through: plain, wrappers.
+        self.implementations = {"plain": 0, "wrapper": 0}
         self.lines: list[str] = []  # printed after the session: pytest captures its output
 
     @pytest.hookimpl(trylast=True)
@@ -58,6 +75,11 @@ class Driver:
         if per_test is None or summary is None:
             raise RuntimeError("the plugin does not act in this project")
         items = list(session.items)
+        for hook, calls in PER_TEST_HOOKS.items():
+            for found in getattr(manager.hook, hook).get_hookimpls():
+                if found.plugin_name.startswith("ctresources"):
+                    kind = "wrapper" if found.wrapper or found.hookwrapper else "plain"
+                    self.implementations[kind] += calls
         reports = {
             item.nodeid: [
                 pytest.TestReport(
@@ -101,6 +123,43 @@ class Driver:
         session.items[:] = []  # timed: nothing left to run
 
 
+def dispatch_costs(number: int = 100_000, repeat: int = 15) -> dict[str, float]:
+    """Microseconds pluggy adds to a hook call for one more implementation, plain and
+    wrapper, beside one plain implementation (as pytest's own hooks always have one)."""
+    import pluggy
+
+    spec, impl = pluggy.HookspecMarker("bench"), pluggy.HookimplMarker("bench")
+
+    class Spec:
+        @spec
+        def hook(self, item: object) -> None: ...
+
+    class Plain:
+        @impl
+        def hook(self, item: object) -> None:
+            pass
+
+    class Wrapper:
+        @impl(wrapper=True)
+        def hook(self, item: object) -> Generator[None, None, None]:
+            return (yield)
+
+    def caller(*extra: object) -> Callable[[], object]:
+        manager = pluggy.PluginManager("bench")
+        manager.add_hookspecs(Spec)
+        for plugin in (Plain(), *extra):
+            manager.register(plugin)
+        call = manager.hook.hook
+        return lambda: call(item=None)
+
+    calls = {"alone": caller(), "plain": caller(Plain()), "wrapper": caller(Wrapper())}
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(repeat):  # the three alternate, so that the machine's noise hits all alike
+        for name, call in calls.items():
+            best[name] = min(best[name], timeit.timeit(call, number=number) / number * 1e6)
+    return {kind: best[kind] - best["alone"] for kind in ("plain", "wrapper")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tests", type=int, default=2000)
@@ -117,6 +176,14 @@ def main() -> None:
         )
     print("\n".join(driver.lines))
     print(f"median of the rounds' sums: {statistics.median(driver.sums):.2f} µs per test")
+    costs = dispatch_costs()
+    counts = driver.implementations
+    dispatch = sum(costs[kind] * count for kind, count in counts.items())
+    print(
+        f"pluggy's dispatch of one more implementation: plain {costs['plain']:.2f} µs, wrapper "
+        f"{costs['wrapper']:.2f} µs; a trivial test passes through {counts['plain']} plain "
+        f"implementations and {counts['wrapper']} wrappers of the plugin: {dispatch:.2f} µs"
+    )
 
 
 if __name__ == "__main__":
