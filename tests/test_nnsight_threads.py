@@ -232,6 +232,7 @@ def test_auto_and_the_retry_after_an_oom_in_the_trace(
 
 
 CAUGHT_OOM_PROJECT = """
+import os
 import threading
 import time
 
@@ -274,16 +275,19 @@ def test_catches_an_oom_itself(model):
 def test_next_test_finds_none(model):
     stuck = [t for t in threading.enumerate() if t.name.startswith("Mediator")]
     for thread in stuck:
-        thread.join(30)  # returns as soon as the released thread ends, however loaded the machine
+        # Returns as soon as a released thread ends, however loaded the machine; one never
+        # released (ct_cleanup=never) stays blocked for good, so a short wait shows it.
+        thread.join(float(os.environ["RELEASE_WAIT_S"]))
     assert not [t.name for t in stuck if t.is_alive()]
 """
 
 
 @pytest.mark.parametrize("cleanup", ["auto", "never"])
 def test_cleanup_after_a_test_frees_threads_even_when_it_passed(
-    pytester: pytest.Pytester, cleanup: str
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, cleanup: str
 ) -> None:
     pytester.makepyfile(test_caught=CAUGHT_OOM_PROJECT)
+    monkeypatch.setenv("RELEASE_WAIT_S", "60" if cleanup == "auto" else "0.5")
     result = pytester.runpytest("-p", "no:randomly", "-o", f"ct_cleanup={cleanup}")
     if cleanup == "auto":
         result.assert_outcomes(passed=2)
