@@ -15,9 +15,9 @@ sum.
 
 Then what that dispatch adds, timed apart: what pluggy's call of a hook costs with one more
 implementation, plain and new-style wrapper, beside one plain implementation (the fastest
-of 15 ``timeit`` rounds, the three hooks alternating), and the sum over the implementations a trivial test passes
-through in such a run (the plugin's implementations of ``PER_TEST_HOOKS``, counted in
-the run).
+of 15 ``timeit`` rounds, the three hooks alternating), and the sum over the implementations
+a trivial test passes through in such a run (the plugin's implementations of
+``PER_TEST_HOOKS``, counted in the run).
 """
 
 from __future__ import annotations
