@@ -779,8 +779,8 @@ def test_nbmake_notebook_metadata_works_as_without_the_plugin(pytester: pytest.P
     write(
         pytester.path / "slow.ipynb",
         # The plugin waits for a kernel to start as long as the cell timeout (at most 60 s),
-        # nbmake alone 60 s: 20 s, so that a kernel slow to start on a loaded machine (a few
-        # seconds idle) still reaches the cell that times out in both runs.
+        # nbmake alone 60 s: 20 s, so that a kernel slow to start on a loaded machine (under a
+        # second idle) still reaches the cell that times out in both runs.
         notebook("import time\ntime.sleep(600)", nb_metadata={"execution": {"timeout": 20}}),
     )
     write(pytester.path / "failing.ipynb", notebook("x = 1", "raise ValueError('boom')"))

@@ -444,8 +444,9 @@ def test_lease_timeout_fails_the_test_and_a_killed_holder_frees_it(
         result.assert_outcomes(errors=1, skipped=1)
         result.stdout.fnmatch_lines(
             [
-                # ("waited * s": the timeout is 1 s, a loaded machine wakes the waiter later.)
-                "*gw* -> GPU 0 (Card), physical 0: waited * s for a VRAM lease of 8.0 GiB; "
+                # ("waited [0-9]* s": the timeout is 1 s; a loaded machine may wake the waiter
+                # ten or more seconds late.)
+                "*gw* -> GPU 0 (Card), physical 0: waited [0-9]* s for a VRAM lease of 8.0 GiB; "
                 "the GPU's budget is 10.0 GiB and 2.0 GiB of it is free (ct_lease_timeout)"
             ]
         )
@@ -622,7 +623,7 @@ def test_a_plain_run_takes_leases_and_waits_for_another_runs(
         result.assert_outcomes(errors=1)
         result.stdout.fnmatch_lines(
             [
-                "*GPU 0 (Card): waited * s for a VRAM lease of 8.0 GiB; the GPU's budget is "
+                "*GPU 0 (Card): waited [0-9]* s for a VRAM lease of 8.0 GiB; the GPU's budget is "
                 "10.0 GiB and 2.0 GiB of it is free (ct_lease_timeout)",
                 "VRAM leases: 1 test(s) on 1 GPU(s)",
                 "  GPU 0 (Card): 1 test(s), 1 with a lease, waited ?.* s in all (longest ?.* s), "
@@ -678,7 +679,7 @@ def test_memory_other_processes_use_counts_against_the_budget(
             result.assert_outcomes(passed=1, errors=1)
         result.stdout.fnmatch_lines(
             [
-                "*waited * s for a VRAM lease of 6.0 GiB; the GPU's budget is 10.0 GiB and "
+                "*waited [0-9]* s for a VRAM lease of 6.0 GiB; the GPU's budget is 10.0 GiB and "
                 "10.0 GiB of it is free, but 6.0 GiB of the card's 10.0 GiB is used beyond the "
                 "leases (other processes, CUDA contexts) (ct_lease_timeout)"
             ]
