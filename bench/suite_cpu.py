@@ -58,6 +58,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def main() -> None:
+    # bench/startup.py's environment: bytecode caching on, as CI runs. (Imported here: this
+    # module is also the plugin every process of the measured run loads.)
+    from startup import _ENV as STARTUP_ENV  # bench/ is the script's directory, so on sys.path
+
     argv = sys.argv[1:]
     top = 25
     if argv[:1] == ["--top"]:
@@ -65,11 +69,10 @@ def main() -> None:
     bench = Path(__file__).resolve().parent
     with tempfile.TemporaryDirectory() as folder:
         env = {
-            **os.environ,
+            **STARTUP_ENV,
             _ROWS_ENV: folder,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(bench), os.environ.get("PYTHONPATH")])),
         }
-        env.pop("PYTHONDONTWRITEBYTECODE", None)  # as CI runs (docs/development.md)
         command = [sys.executable, "-m", "pytest", "-p", "suite_cpu", "-q"]
         subprocess.run([*command, *(argv or ["tests", "-n", "2"])], env=env, check=False)
         rows = [row for path in Path(folder).glob("*.json") for row in json.loads(path.read_text())]
