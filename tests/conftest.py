@@ -18,24 +18,33 @@ import pytest
 # reach the hub, in-process runs included.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-# In-process pytester runs restore sys.modules afterwards, so a C-extension package first
-# imported inside one (torch, when a run uses --ct-vram-capacity or a test imports it) would be
-# imported a second time by the next run and crash ("SystemError: bad call flags"). Importing
-# it once here keeps it in the snapshot; likewise the stack the tiny models use, so that
-# projects running an attribution run in-process (fast) rather than in a subprocess that
-# imports it all again.
-import circuit_tracer
-import circuit_tracer.attribution.attribute
-import circuit_tracer.replacement_model.replacement_model_nnsight  # noqa: F401
-import nnsight  # noqa: F401
-import torch  # noqa: F401
-import transformers
-import transformers.models.gemma2.modeling_gemma2
-import transformers.models.gemma3.modeling_gemma3
-import transformers.models.llama.modeling_llama
-import transformers.models.qwen3.modeling_qwen3  # noqa: F401
+from pytest_ctresources.xdist.roles import runs_no_tests
 
-import pytest_ctresources.testing  # noqa: F401
+
+def pytest_configure(config: pytest.Config) -> None:
+    # In-process pytester runs restore sys.modules afterwards, so a C-extension package first
+    # imported inside one (torch, when a run uses --ct-vram-capacity or a test imports it)
+    # would be imported a second time by the next run and crash ("SystemError: bad call
+    # flags"). Importing it once here, before any test, keeps it in the snapshot; likewise the
+    # stack the tiny models use, so that projects running an attribution run in-process
+    # (fast) rather than in a subprocess that imports it all again. Not in an xdist
+    # controller, which runs no test: the stack (some 5 CPU-s) would only delay its workers'
+    # start.
+    if runs_no_tests(config):
+        return
+    import circuit_tracer
+    import circuit_tracer.attribution.attribute
+    import circuit_tracer.replacement_model.replacement_model_nnsight  # noqa: F401
+    import nnsight  # noqa: F401
+    import torch  # noqa: F401
+    import transformers
+    import transformers.models.gemma2.modeling_gemma2
+    import transformers.models.gemma3.modeling_gemma3
+    import transformers.models.llama.modeling_llama
+    import transformers.models.qwen3.modeling_qwen3  # noqa: F401
+
+    import pytest_ctresources.testing  # noqa: F401
+
 
 CT_ENV_VARS = (
     "CT_BATCH_SIZE",
