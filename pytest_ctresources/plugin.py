@@ -16,7 +16,7 @@ lines that call the room doing the work (docs/architecture.md draws the map):
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -298,7 +298,7 @@ def _plan_and_shard(config: pytest.Config, runtime: Runtime) -> None:
         return
     # Names imported from the modules themselves (not ``from package import module``): the
     # stash key ``ct-resources plan`` reads must be this very module's.
-    from pytest_ctresources.report.durations import read
+    from pytest_ctresources.report.durations import LearnedDurations, read
     from pytest_ctresources.xdist.plan_hooks import (
         PlanGpu,
         PlanReporter,
@@ -307,7 +307,12 @@ def _plan_and_shard(config: pytest.Config, runtime: Runtime) -> None:
         plan_gpus,
     )
 
-    def learned() -> dict[str, float]:
+    def learned() -> Mapping[str, float]:
+        # The run's own, where it learns durations: the cache is read once, so a bad one is
+        # one warning.
+        durations: LearnedDurations | None = config.pluginmanager.get_plugin(LearnedDurations.name)
+        if durations is not None:
+            return durations.known()
         return read(config.cache if hasattr(config, "cache") else None)
 
     capacity = runtime.vram_capacity

@@ -1127,6 +1127,11 @@ class _Cache:
         path.write_text(json.dumps(value))
 
 
+class Hang(Exception):
+    """Raised by :class:`_Bounded`: not an ``OSError`` (as ``TimeoutError`` is), which code
+    around an ``open`` may catch and go on to block again (pytest's ``Cache.get`` does)."""
+
+
 class _Bounded:
     """Fails the test after ``seconds`` instead of letting it hang (a FIFO opened for
     reading without O_NONBLOCK waits for a writer forever)."""
@@ -1138,7 +1143,7 @@ class _Bounded:
         import signal
 
         def expire(signum: int, frame: object) -> None:
-            raise TimeoutError(f"still running after {self.seconds} s: a hang")
+            raise Hang(f"still running after {self.seconds} s: a hang")
 
         self.previous = signal.signal(signal.SIGALRM, expire)
         signal.setitimer(signal.ITIMER_REAL, self.seconds)
@@ -1284,6 +1289,50 @@ def test_a_corrupt_cache_is_one_warning_and_the_run_goes_on(
         assert path.is_symlink() and (path.parent / "victim.txt").read_text() == VICTIM_TEXT
     else:
         assert path.read_text() == "{}"  # the bad entries pruned by the save
+
+
+DURATIONS_PATH = ".pytest_cache/v/ctresources/learned-durations"
+
+
+@pytest.mark.parametrize(
+    ("case", "args"),
+    [
+        ("fifo", ()),
+        ("fifo", ("--ct-shard", "1/1", "--ct-runner-gpus", "80")),  # read by the shard too
+        ("symlink-to-a-victim", ()),
+        ("not-json", ()),
+    ],
+    ids=["fifo", "fifo-sharded", "symlink-to-a-victim", "not-json"],
+)
+def test_a_bad_durations_cache_is_one_warning_and_never_written_through(
+    pytester: pytest.Pytester, case: str, args: tuple[str, ...]
+) -> None:
+    """The learned durations are read and saved as the learned needs are: a FIFO at their
+    path once blocked the end of every run of a project that asks, and a link there was
+    written through. One LearnedNeedsWarning; a regular file that is not JSON is replaced."""
+    path = pytester.path / DURATIONS_PATH
+    path.parent.mkdir(parents=True)
+    if case.startswith("fifo"):
+        os.mkfifo(path)
+    elif case == "symlink-to-a-victim":
+        _victim_beside(path)
+    else:
+        path.write_text("{")
+    pytester.makepyfile(test_it="def test_one():\n    pass\n")
+    pytester.makeini("[pytest]\nct_cleanup = auto\n")
+    with _Bounded(60):
+        result = pytester.runpytest("-p", "no:randomly", *args)
+    output = result.stdout.str() + result.stderr.str()
+    result.assert_outcomes(passed=1, warnings=1)
+    assert output.count("LearnedNeedsWarning") == 1, output
+    assert "not learned test durations; ignored and left alone" in output or case == "not-json"
+    if case.startswith("fifo"):
+        assert stat.S_ISFIFO(os.lstat(path).st_mode)
+    elif case == "symlink-to-a-victim":
+        assert path.is_symlink() and (path.parent / "victim.txt").read_text() == VICTIM_TEXT
+    else:
+        assert "are not valid JSON" in output
+        assert list(json.loads(path.read_text())) == ["test_it.py::test_one"]
 
 
 def test_a_node_id_with_a_bar_keeps_its_learned_need() -> None:

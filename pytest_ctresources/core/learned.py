@@ -145,7 +145,8 @@ class LearnedNeed:
 
 
 class LearnedNeedsWarning(CtResourcesWarning):
-    """The learned needs in pytest's cache could not be read or saved, or some were dropped."""
+    """What the plugin learned in pytest's cache (the VRAM needs, the test durations, the GPU
+    tests' last runs) could not be read or saved, or some of it was dropped."""
 
 
 def _warn(message: str) -> None:
@@ -256,13 +257,24 @@ def read_cache(cache: pytest.Cache, key: str = CACHE_KEY, what: str = WHAT) -> o
         raise UnreadableCache(f"the {what} at {shown_path} are not valid JSON") from None
 
 
+def read_cache_or_warn(cache: pytest.Cache, key: str, what: str) -> tuple[object, bool]:
+    """:func:`read_cache` for a value the run does without when it cannot be used (one
+    warning, read as nothing); and whether saving may replace the entry (not what is left
+    alone)."""
+    try:
+        return read_cache(cache, key, what), True
+    except UnreadableCache as exc:
+        warnings.warn(LearnedNeedsWarning(f"ctresources: {exc}"), stacklevel=3)
+        return {}, not exc.left_alone
+
+
 def write_cache(
-    cache: pytest.Cache, needs: dict[str, dict[str, Any]], key: str = CACHE_KEY, what: str = WHAT
+    cache: pytest.Cache, needs: Mapping[str, Any], key: str = CACHE_KEY, what: str = WHAT
 ) -> None:
     """Save ``needs`` under ``key`` beside nothing of anyone else's: the new content goes to
     a fresh file that replaces the old entry (``rename`` replaces a link, never writes
     through it), and only where the cache holds a regular file or nothing, in real
-    directories."""
+    directories. Every value the plugin keeps in pytest's cache is saved here."""
     path = _value_path(cache, key)
     if path is None:
         cache.set(key, needs)

@@ -12,7 +12,6 @@ gpu/skips.py) is listed with its last real run, or as never having run;
 from __future__ import annotations
 
 import datetime
-import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,9 +21,7 @@ import pytest
 from pytest_ctresources.core.learned import (
     MAX_KEY_CHARS,
     MAX_TEXT_CHARS,
-    LearnedNeedsWarning,
-    UnreadableCache,
-    read_cache,
+    read_cache_or_warn,
     write_cache,
 )
 
@@ -146,11 +143,7 @@ def update(
     raw: object = {}
     writable = cache is not None
     if cache is not None:
-        try:
-            raw = read_cache(cache, CACHE_KEY, WHAT)
-        except UnreadableCache as exc:
-            warnings.warn(LearnedNeedsWarning(f"ctresources: {exc}"), stacklevel=2)
-            writable = not exc.left_alone
+        raw, writable = read_cache_or_warn(cache, CACHE_KEY, WHAT)
     runs = {
         nodeid: last
         for nodeid, entry in (raw.items() if isinstance(raw, dict) else ())

@@ -5,7 +5,8 @@ last attempt's, for a rerun), keyed by node id; a skipped test's is not learned 
 costs nothing and says nothing of its run). The VRAM scheduler orders work by them (LPT),
 ``--ct-shard`` balances shares by them and ``ct-resources plan`` predicts wall time from
 them. Read and written by the controller (or the plain run) only: reports reach it from
-every worker.
+every worker. The cache is read and saved as the learned needs are (core/learned.py): a
+FIFO there does not block the run, and nothing is written through a link.
 """
 
 from __future__ import annotations
@@ -15,20 +16,29 @@ from collections.abc import Callable, Mapping
 
 import pytest
 
+from pytest_ctresources.core.learned import read_cache_or_warn, write_cache
+
 CACHE_KEY = "ctresources/learned-durations"
+WHAT = "learned test durations"
+
+
+def _cached(cache: pytest.Cache | None) -> tuple[dict[str, float], bool]:
+    """The learned durations (a malformed entry is left out; a cache that cannot be read is
+    one warning), and whether saving may replace them."""
+    if cache is None:
+        return {}, False
+    raw, writable = read_cache_or_warn(cache, CACHE_KEY, WHAT)
+    out: dict[str, float] = {}
+    for nodeid, seconds in raw.items() if isinstance(raw, dict) else ():
+        if isinstance(nodeid, str) and isinstance(seconds, int | float):
+            if math.isfinite(seconds) and seconds >= 0:
+                out[nodeid] = float(seconds)
+    return out, writable
 
 
 def read(cache: pytest.Cache | None) -> dict[str, float]:
     """The learned durations (a malformed entry is left out)."""
-    raw = cache.get(CACHE_KEY, {}) if cache is not None else {}
-    if not isinstance(raw, dict):
-        return {}
-    out: dict[str, float] = {}
-    for nodeid, seconds in raw.items():
-        if isinstance(nodeid, str) and isinstance(seconds, int | float):
-            if math.isfinite(seconds) and seconds >= 0:
-                out[nodeid] = float(seconds)
-    return out
+    return _cached(cache)[0]
 
 
 class LearnedDurations:
@@ -43,11 +53,12 @@ class LearnedDurations:
         self._cache = cache
         self._measured = measured
         self._known: dict[str, float] | None = None
+        self._writable = False
 
     def known(self) -> Mapping[str, float]:
         """What earlier runs learned (read once)."""
         if self._known is None:
-            self._known = read(self._cache)
+            self._known, self._writable = _cached(self._cache)
         return self._known
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
@@ -55,5 +66,6 @@ class LearnedDurations:
         if self._cache is None or not measured:
             return
         merged = dict(self.known())
-        merged.update(measured)
-        self._cache.set(CACHE_KEY, merged)
+        if self._writable:
+            merged.update(measured)
+            write_cache(self._cache, merged, CACHE_KEY, WHAT)
