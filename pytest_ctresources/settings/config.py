@@ -260,6 +260,22 @@ def validate_typed(name: str, value: object) -> object:
     return spec.check(value)
 
 
+def checked_fields(values: Mapping[str, object]) -> dict[str, object]:
+    """Check typed values by field name (a marker's, ``CtSession.from_yaml``'s keywords)."""
+    checked: dict[str, object] = {}
+    for name, value in values.items():
+        if name not in FIELDS:
+            raise ConfigError(
+                f"unknown field {shown(name)}{did_you_mean(name, FIELDS)}; "
+                f"fields: {', '.join(FIELDS)}"
+            )
+        try:
+            checked[name] = validate_typed(name, value)
+        except ConfigError as exc:
+            raise ConfigError(f"{name} {exc}") from None
+    return checked
+
+
 def parse_text(name: str, text: str) -> object:
     """Read and check the text form of field ``name`` (from an option, env var or ini key)."""
     return validate_typed(name, FIELDS[name].from_text(text))

@@ -18,13 +18,12 @@ from typing import Any
 import pytest
 
 from pytest_ctresources.settings.config import (
-    FIELDS,
     CircuitTracerConfig,
     ConfigError,
+    checked_fields,
     did_you_mean,
     gib_amount,
     shown,
-    validate_typed,
 )
 from pytest_ctresources.settings.parametrize import ParamsReference, split_argnames
 from pytest_ctresources.settings.sources import Source
@@ -46,18 +45,10 @@ def ct_config(path: str | None = None, **overrides: object) -> tuple[str | None,
     """ct_config(path=None, **fields): experiment YAML and CircuitTracerConfig overrides."""
     if path is not None and not isinstance(path, str):
         raise MarkerError(f"path must be a string, got {shown(path)}")
-    checked: dict[str, Any] = {}
-    for name, value in overrides.items():
-        if name not in FIELDS:
-            raise MarkerError(
-                f"unknown field {shown(name)}{did_you_mean(name, FIELDS)}; "
-                f"fields: {', '.join(FIELDS)}"
-            )
-        try:
-            checked[name] = validate_typed(name, value)
-        except ConfigError as exc:
-            raise MarkerError(f"{name} {exc}") from None
-    return path, checked
+    try:
+        return path, checked_fields(overrides)
+    except ConfigError as exc:
+        raise MarkerError(str(exc)) from None
 
 
 def ct_parametrize(

@@ -1,9 +1,9 @@
 """The parsers of the plugin's setting values: text (an option, an ini key, a variable) in,
 a checked value or a ``ValueError`` with a one-line message out.
 
-Every parser refuses what is not a single string (a legacy ``[tool.pytest.ini_options]``
-hands a TOML list to a string key unchanged), bounds numbers (``nan``, ``inf`` and
-``1e400`` included), and quotes what it was given short and printable.
+Every parser is given text (a TOML list that a legacy ``[tool.pytest.ini_options]`` hands
+to a string key is refused before, where the settings are resolved), bounds numbers
+(``nan``, ``inf`` and ``1e400`` included), and quotes what it was given short and printable.
 """
 
 from __future__ import annotations
@@ -42,18 +42,11 @@ SNAPSHOT_MODES: tuple[str, ...] = ("off", "on-failure", "always")
 MAX_SECONDS = 7 * 24 * 3600.0
 
 
-def _text(value: object) -> str:
-    # Legacy [tool.pytest.ini_options] hands a TOML list to a "string" ini key unchanged.
-    if not isinstance(value, str):
-        raise ValueError(f"must be a single value, got the {type(value).__name__} {shown(value)}")
-    return value
-
-
 def _number(text: str, *, zero_ok: bool, most: float, unit: str, message: str) -> float:
     """Parse a finite float, positive (or 0 when ``zero_ok``), at most ``most``; else
     ``ValueError(message)``."""
     try:
-        value = float(_text(text))
+        value = float(text)
     except ValueError:
         value = -1.0  # nan, too: neither >= 0 nor > 0
     if not (value >= 0 if zero_ok else value > 0):
@@ -75,7 +68,7 @@ def positive_count(text: str) -> int:
     """Parse a positive integer count, at most ``MAX_COUNT``; raise ``ValueError`` with a
     user-facing message."""
     try:
-        value = int(_text(text))  # more than 4300 digits: ValueError too
+        value = int(text)  # more than 4300 digits: ValueError too
     except ValueError:
         raise ValueError(f"must be a positive integer, got {shown(text)}") from None
     if value <= 0:
@@ -97,7 +90,7 @@ def one_of(choices: tuple[str, ...], *, fold_case: bool = False) -> Callable[[st
     case-folded when ``fold_case``); the error names the choices and what was given."""
 
     def parse(text: str) -> str:
-        value = _text(text).strip()
+        value = text.strip()
         if fold_case:
             value = value.lower()
         if value not in choices:
@@ -119,7 +112,7 @@ snapshot_mode = one_of(SNAPSHOT_MODES, fold_case=True)
 
 def directory_path(text: str) -> str:
     """Parse a directory path (checked where it is resolved, against the file system)."""
-    value = _text(text).strip()
+    value = text.strip()
     if not value or "\0" in value:
         raise ValueError(f"must be a directory path, got {shown(text)}")
     return value
@@ -155,7 +148,7 @@ def _or_off(*, most: float, unit: str, what: str) -> Callable[[str], float | Non
     """A parser of ``off`` (None) or a number of ``what``, 0 or more, at most ``most``."""
 
     def parse(text: str) -> float | None:
-        if _text(text).strip().lower() == "off":
+        if text.strip().lower() == "off":
             return None
         return _number(
             text, zero_ok=True, most=most, unit=unit, message=f"must be {what}, 0 or more, or off"
@@ -175,7 +168,7 @@ days_or_off = _or_off(most=MAX_DAYS, unit=" days", what="a number of days")
 def byte_size(text: str) -> int:
     """Parse ``256MiB``, ``1GiB``, ``500MB`` or a bare number of MiB into bytes (at most
     ``MAX_GIB`` GiB)."""
-    cleaned = _text(text).strip().lower().replace(" ", "")
+    cleaned = text.strip().lower().replace(" ", "")
     number = cleaned.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = cleaned[len(number) :] or "mib"
     try:
@@ -196,7 +189,7 @@ def alloc_conf(text: str) -> str:
     """Parse ``ct_alloc_conf``: the allocator options torch would accept, or empty."""
     from pytest_ctresources.gpu.allocator import check_alloc_conf
 
-    return check_alloc_conf(_text(text).strip())
+    return check_alloc_conf(text.strip())
 
 
 def field_parser(field: str) -> Callable[[str], object]:
@@ -204,7 +197,7 @@ def field_parser(field: str) -> Callable[[str], object]:
 
     def parse(text: str) -> object:
         try:
-            return parse_text(field, _text(text))
+            return parse_text(field, text)
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
 
@@ -213,12 +206,12 @@ def field_parser(field: str) -> Callable[[str], object]:
 
 def text(value: str) -> str:
     """A setting's text as given (a path checked where it is resolved)."""
-    return _text(value)
+    return value
 
 
 def boolean(value: str) -> bool:
     """Parse ``true/false``, ``yes/no``, ``on/off``, ``1/0``."""
-    return parse_bool(_text(value))  # a ConfigError is a ValueError
+    return parse_bool(value)  # a ConfigError is a ValueError
 
 
 def plan_gpus(value: str) -> str:
@@ -226,7 +219,7 @@ def plan_gpus(value: str) -> str:
     detected GPUs are known only once the run starts."""
     from pytest_ctresources.xdist.plan import parse_gpus
 
-    if _text(value).strip().lower() != "detected":
+    if value.strip().lower() != "detected":
         parse_gpus(value)
     return value
 
@@ -235,11 +228,11 @@ def shard(value: str) -> tuple[int, int]:
     """Parse ``--ct-shard K/N``."""
     from pytest_ctresources.xdist.placement import parse_shard
 
-    return parse_shard(_text(value))
+    return parse_shard(value)
 
 
 def runner_gpus(value: str) -> tuple[float, ...]:
     """Parse ``--ct-runner-gpus``: each job's GPU capacity in GiB."""
     from pytest_ctresources.xdist.plan import parse_gpus
 
-    return tuple(gpu.capacity_gib for gpu in parse_gpus(_text(value)))
+    return tuple(gpu.capacity_gib for gpu in parse_gpus(value))

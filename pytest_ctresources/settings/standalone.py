@@ -14,12 +14,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from pytest_ctresources.settings.config import (
-    FIELDS,
     CircuitTracerConfig,
     ConfigError,
-    did_you_mean,
-    shown,
-    validate_typed,
+    checked_fields,
 )
 from pytest_ctresources.settings.experiment_yaml import load_experiment_yaml
 from pytest_ctresources.settings.options import SETTINGS, Declared
@@ -62,15 +59,8 @@ def config_outside_pytest(
         except ValueError as exc:  # a ConfigError is one
             raise ConfigError(f"{source}: {exc}") from None
         cfg = cfg.layered({setting.field: value}, source)
-    for name, value in (overrides or {}).items():
-        if name not in FIELDS:
-            raise ConfigError(
-                f"{caller}: unknown field {shown(name)}{did_you_mean(name, FIELDS)}; "
-                f"fields: {', '.join(FIELDS)}"
-            )
-        try:
-            checked = validate_typed(name, value)
-        except ConfigError as exc:
-            raise ConfigError(f"{caller}: {name} {exc}") from None
-        cfg = cfg.layered({name: checked}, Source("option", f"{caller}({name}=...)"))
-    return cfg
+    try:
+        checked = checked_fields(overrides or {})
+    except ConfigError as exc:
+        raise ConfigError(f"{caller}: {exc}") from None
+    return cfg.layered(checked, lambda name: Source("option", f"{caller}({name}=...)"))
