@@ -51,6 +51,13 @@ def printable(text: str) -> str:
     return "".join(char if char.isprintable() else ascii(char)[1:-1] for char in text)
 
 
+def named(value: str) -> str:
+    """A path as a one-line message shows it: as typed, or, holding a control character
+    (a newline, an escape sequence) or too long to read, escaped and shortened as pytest
+    shows a node id."""
+    return value if value.isprintable() and len(value) <= 200 else shown(value)
+
+
 def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     """`` (did you mean X?)`` for the closest candidate, or an empty string. Case does not
     count (``batch_size`` in a YAML file means ``BATCH_SIZE``)."""

@@ -225,15 +225,11 @@ class BetweenTests:
     def _empty_cache(self, policy: CleanupPolicy) -> None:
         # Imported here: only a test that used CUDA gets this far (the meter, in the same
         # module, is loaded by then), and a run of tests that never touch CUDA loads neither.
-        from pytest_ctresources.gpu.measure import allocator_stats
+        from pytest_ctresources.gpu.measure import cached_bytes
 
-        cuda = sys.modules["torch"].cuda
-        try:
-            cached = allocator_stats(cuda).cached
-        except (AttributeError, RuntimeError):  # a stand-in torch, a lost device
-            return
-        if cached >= policy.empty_cache_min_bytes:
-            cuda.empty_cache()
+        cached = cached_bytes()
+        if cached is not None and cached >= policy.empty_cache_min_bytes:
+            sys.modules["torch"].cuda.empty_cache()
 
     def close(self) -> None:
         """At the end of the run: give the garbage collector its usual view back."""

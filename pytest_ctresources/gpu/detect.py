@@ -30,12 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from pytest_ctresources.gpu.fake import (
-    FAKE_GPUS_ENV,
-    FAKE_GPUS_USED_ENV,
-    parse_fake_gpus,
-    parse_fake_used,
-)
+from pytest_ctresources.gpu.fake import FAKE_GPUS_ENV, fake_used_gib, parse_fake_gpus
 from pytest_ctresources.gpu.visible_devices import (
     VISIBLE_DEVICES_ENV,
     Device,
@@ -476,9 +471,8 @@ def used_memory_reader(gpu: GpuInfo, environ: Mapping[str, str] | None = None) -
     torch fallback) there is no reader: torch could only tell by creating a CUDA context.
     """
     env: Mapping[str, str] = os.environ if environ is None else environ
-    if env.get(FAKE_GPUS_ENV) is not None:
-        capacities = [gib for _name, gib in parse_fake_gpus(env[FAKE_GPUS_ENV])]
-        used = parse_fake_used(env.get(FAKE_GPUS_USED_ENV, ""), capacities)
+    used = fake_used_gib(env)
+    if used is not None:
         position = gpu.physical_index if gpu.physical_index is not None else gpu.index
         figure = round(used[position] * GIB) if position < len(used) else 0
         return UsedMemory(lambda: figure)

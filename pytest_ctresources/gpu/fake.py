@@ -10,7 +10,7 @@ settings/activation.py); ``gpu/detect.py`` turns a parsed value into :class:`Gpu
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pytest_ctresources.units import MAX_GIB, printable, shown
 
@@ -57,6 +57,16 @@ def parse_fake_gpus(text: str) -> list[tuple[str, float]]:
         # An escape sequence in a name would rewrite the terminal where the name is shown.
         gpus.append((printable(name), gib))
     return gpus
+
+
+def fake_used_gib(environ: Mapping[str, str]) -> list[float] | None:
+    """GiB in use on each fake GPU, by position, as ``CT_FAKE_GPUS_USED`` says (None without
+    ``CT_FAKE_GPUS``). Raises ``ValueError`` if either variable is malformed."""
+    fake = environ.get(FAKE_GPUS_ENV)
+    if fake is None:
+        return None
+    capacities = [gib for _name, gib in parse_fake_gpus(fake)]
+    return parse_fake_used(environ.get(FAKE_GPUS_USED_ENV, ""), capacities)
 
 
 def parse_fake_used(text: str, capacities: Sequence[float] = ()) -> list[float]:

@@ -101,6 +101,18 @@ def allocator_stats(cuda: Any, device: int | None = None) -> AllocatorStats:
     )
 
 
+def cached_bytes() -> int | None:
+    """CUDA memory this process's caching allocator holds unallocated on its current device:
+    0 when torch has not initialised CUDA here, None when it cannot be read (a stand-in
+    torch, a lost device); never imports torch."""
+    try:
+        if not cuda_initialised():
+            return 0
+        return allocator_stats(sys.modules["torch"].cuda).cached
+    except (AttributeError, RuntimeError):
+        return None
+
+
 class VramMeter:
     """Measures one test: :meth:`start` before setup, :meth:`finish` after teardown and cleanup."""
 

@@ -177,7 +177,6 @@ class GpuLeases:
         capacity = self.runtime.vram_capacity
         budget = min(capacity.value, gpu.total_gib) if capacity else gpu.total_gib
         try:
-            ledger_module.ensure_root()
             ledger_module.prune_old_runs(current=testrun_id(os.environ))
             self._used = used_memory_reader(gpu)
             key = gpu.uuid or f"gpu-index-{gpu.physical_index}"
@@ -446,19 +445,10 @@ def start(config: pytest.Config, runtime: Runtime) -> None:
 
 
 def _check_fake_used() -> None:
-    from pytest_ctresources.gpu.fake import (
-        FAKE_GPUS_ENV,
-        FAKE_GPUS_USED_ENV,
-        parse_fake_gpus,
-        parse_fake_used,
-    )
+    from pytest_ctresources.gpu.fake import fake_used_gib
 
-    fake = os.environ.get(FAKE_GPUS_ENV)
-    if fake is None:
-        return
     try:
-        capacities = [gib for _name, gib in parse_fake_gpus(fake)]
-        parse_fake_used(os.environ.get(FAKE_GPUS_USED_ENV, ""), capacities)
+        fake_used_gib(os.environ)
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
 

@@ -67,9 +67,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar, TypeVar
 
-from pytest_ctresources.gpu.measure import allocator_stats
-from pytest_ctresources.units import GIB
+from pytest_ctresources.gpu.measure import cached_bytes
+from pytest_ctresources.units import GIB, named
 
 UNITS_PER_GIB = 16
 POLL_SECONDS = 0.05
@@ -136,18 +137,9 @@ def ledger_root() -> Path:
     return Path(tempfile.gettempdir()) / f"pytest-ctresources-{_uid()}"
 
 
-def _named(path: Path) -> str:
-    """``path`` as a one-line message shows it: escaped where it holds a control character
-    (a ``TMPDIR`` with a newline or an escape sequence), shortened where it is too long."""
-    from pytest_ctresources.settings.config import shown
-
-    text = str(path)
-    return text if text.isprintable() and len(text) <= 200 else shown(text)
-
-
 def _refuse(path: Path, problem: str) -> LedgerDirError:
     return LedgerDirError(
-        f"pytest-ctresources: the VRAM ledger directory {_named(path)} {problem}; it must be a "
+        f"pytest-ctresources: the VRAM ledger directory {named(str(path))} {problem}; it must be a "
         "directory of your own that only you can use: remove it, or set TMPDIR to a directory "
         "of your own"
     )
@@ -235,18 +227,12 @@ def _open_lock_file(path: Path) -> int:
     if seen is not None and not (stat.S_ISREG(seen.st_mode) or stat.S_ISLNK(seen.st_mode)):
         # Refused before it is opened: opening a device node can have effects of its own.
         # (A link is refused by O_NOFOLLOW below, which names its target.)
-        raise LedgerDirError(
-            f"pytest-ctresources: cannot use the VRAM ledger file {_named(path)}: it is a "
-            f"{_kind(seen.st_mode)}, not a regular file; remove it"
-        )
+        raise _file_error(path, f"it is a {_kind(seen.st_mode)}, not a regular file; remove it")
     try:
         fd = os.open(path, flags, 0o600)
     except OSError as exc:
         remedy = "; remove it" if seen is not None else ""
-        raise LedgerDirError(
-            f"pytest-ctresources: cannot open the VRAM ledger file {_named(path)}: "
-            f"{_what_is_file(path, exc)}{remedy}"
-        ) from None
+        raise _file_error(path, f"{_what_is_file(path, exc)}{remedy}", "open") from None
     info = os.fstat(fd)
     problem = None
     if not stat.S_ISREG(info.st_mode):
@@ -255,11 +241,14 @@ def _open_lock_file(path: Path) -> int:
         problem = f"it belongs to uid {info.st_uid}, not to you (uid {_uid()})"
     if problem is not None:
         os.close(fd)
-        raise LedgerDirError(
-            f"pytest-ctresources: cannot use the VRAM ledger file {_named(path)}: {problem}; "
-            "remove it"
-        )
+        raise _file_error(path, f"{problem}; remove it")
     return fd
+
+
+def _file_error(path: Path, problem: str, verb: str = "use") -> LedgerDirError:
+    return LedgerDirError(
+        f"pytest-ctresources: cannot {verb} the VRAM ledger file {named(str(path))}: {problem}"
+    )
 
 
 def _what_is_file(path: Path, exc: OSError) -> str:
@@ -478,35 +467,18 @@ class Lease:
     """Held for a resident model (marked in the ``RESIDENT`` mirror range)."""
 
 
-@dataclass
-class VramLedger:
-    """One GPU's budget on one host, as this process sees it.
+_Opened = TypeVar("_Opened", bound="_OnLockFile")
 
-    ``budget_gib`` is what this run may lease (the card, or ``--ct-vram-capacity``);
-    ``card_gib`` the whole card (default: the budget); ``used_bytes`` reads the memory used
-    on the card now (NVML; None: unknown), which must leave room for a lease.
-    """
+
+@dataclass
+class _OnLockFile:
+    """Something kept in one lock file, opened once per process (:class:`_LockFile`)."""
 
     path: Path
-    budget_gib: float
-    card_gib: float | None = None
-    used_bytes: Callable[[], int | None] | None = None
-    clock: Callable[[], float] = time.monotonic
-    sleep: Callable[[float], None] = time.sleep
     _file: _LockFile | None = field(default=None, init=False, repr=False)
-    _last_used: int | None = field(default=None, init=False, repr=False)
-    _queue: Queue = field(default_factory=Queue, init=False, repr=False)
+    _what: ClassVar[str] = "lock file"
 
-    @property
-    def units(self) -> int:
-        """Units this run may lease: the first ``units`` of the card."""
-        return min(units_for(self.budget_gib), self.card_units)
-
-    @property
-    def card_units(self) -> int:
-        return units_for(self.card_gib if self.card_gib is not None else self.budget_gib)
-
-    def open(self) -> VramLedger:
+    def open(self: _Opened) -> _Opened:
         """Open the file (once per process; raises :class:`LedgerDirError` if unsafe)."""
         if self._file is None:
             self._file = _LockFile.open(self.path)
@@ -521,8 +493,36 @@ class VramLedger:
     @property
     def file(self) -> _LockFile:
         if self._file is None:
-            raise RuntimeError("the ledger is not open")
+            raise RuntimeError(f"the {self._what} is not open")
         return self._file
+
+
+@dataclass
+class VramLedger(_OnLockFile):
+    """One GPU's budget on one host, as this process sees it.
+
+    ``budget_gib`` is what this run may lease (the card, or ``--ct-vram-capacity``);
+    ``card_gib`` the whole card (default: the budget); ``used_bytes`` reads the memory used
+    on the card now (NVML; None: unknown), which must leave room for a lease.
+    """
+
+    budget_gib: float
+    card_gib: float | None = None
+    used_bytes: Callable[[], int | None] | None = None
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
+    _what: ClassVar[str] = "ledger"
+    _last_used: int | None = field(default=None, init=False, repr=False)
+    _queue: Queue = field(default_factory=Queue, init=False, repr=False)
+
+    @property
+    def units(self) -> int:
+        """Units this run may lease: the first ``units`` of the card."""
+        return min(units_for(self.budget_gib), self.card_units)
+
+    @property
+    def card_units(self) -> int:
+        return units_for(self.card_gib if self.card_gib is not None else self.budget_gib)
 
     def acquire(
         self, gib: float, timeout_s: float, before_waiting: Callable[[], None] | None = None
@@ -632,9 +632,7 @@ class VramLedger:
     def move(self, source: Lease, target: Lease, gib: float) -> None:
         """Move up to ``gib`` of ``source``'s units into ``target`` (a freed model's lease to
         the test that had counted on the model)."""
-        self._move_units(source, target, min(units_for(gib), len(source.units)))
-
-    def _move_units(self, source: Lease, target: Lease, count: int) -> None:
+        count = min(units_for(gib), len(source.units))
         handle = self.file
         with handle.lock:
             moved = source.units[len(source.units) - count :]
@@ -660,25 +658,17 @@ class VramLedger:
 
     def free_gib(self) -> float:
         """The budget not leased by anyone right now (probes each unit)."""
-        return self._free_units() / UNITS_PER_GIB
+        return (self.units - self._held_units(self.units)) / UNITS_PER_GIB
 
     def held_gib(self) -> float:
         """What every process of the user leases on the card now, this one included."""
-        handle = self.file
-        with handle.lock:
-            held = sum(
-                unit in handle.mine or handle.held_elsewhere(unit)
-                for unit in range(self.card_units)
-            )
-        return held / UNITS_PER_GIB
+        return self._held_units(self.card_units) / UNITS_PER_GIB
 
-    def _free_units(self) -> int:
+    def _held_units(self, count: int) -> int:
+        """How many of the first ``count`` units someone holds, this process included."""
         handle = self.file
         with handle.lock:
-            return sum(
-                unit not in handle.mine and not handle.held_elsewhere(unit)
-                for unit in range(self.units)
-            )
+            return sum(unit in handle.mine or handle.held_elsewhere(unit) for unit in range(count))
 
     def _fail_if_late(self, start: float, gib: float, timeout_s: float) -> None:
         waited = self.clock() - start
@@ -753,7 +743,7 @@ class VramLedger:
         self._last_used = used = self.used_bytes() if self.used_bytes is not None else None
         if used is None:
             return True
-        return units_for(max(0, used - own_cached_bytes()) / GIB) + need <= self.card_units
+        return units_for(max(0, used - (cached_bytes() or 0)) / GIB) + need <= self.card_units
 
     def _want_idle_caches(self, need: int) -> None:
         """Hold ``WANTED`` (once) if idle resident models elsewhere would make room."""
@@ -773,21 +763,6 @@ class VramLedger:
                 self._through_gate(WANTED_LANES)
 
 
-def own_cached_bytes() -> int:
-    """CUDA memory this process's caching allocator holds unallocated on its device (0 when
-    torch has not initialised CUDA here); never imports torch."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    cuda = getattr(torch, "cuda", None)
-    try:
-        if cuda is None or not cuda.is_initialized():
-            return 0
-        return allocator_stats(cuda).cached
-    except (AttributeError, RuntimeError):  # a stand-in torch, a lost device
-        return 0
-
-
 # --------------------------------------------------------------------------- seats
 
 SLOTS_PER_GPU = 1024
@@ -795,30 +770,18 @@ BINDING_LOCK = TURNSTILE  # the same gate byte, in the seats file
 
 
 @dataclass
-class SeatBoard:
+class SeatBoard(_OnLockFile):
     """Which of a run's workers on this host sit on which GPU: one exclusive lock byte per
     (GPU position, slot), held by a worker for its life and released by the operating system
     when it exits. A worker that replaces a crashed one (xdist restarts them) sees the freed
     seat, so it can sit where the crashed one sat instead of doubling up elsewhere."""
 
-    path: Path
-    _file: _LockFile | None = field(default=None, init=False, repr=False)
-
-    def open(self) -> SeatBoard:
-        self._file = _LockFile.open(self.path)
-        return self
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+    _what: ClassVar[str] = "seat board"
 
     def choose_and_sit(self, choose: Callable[[list[int]], int], n_gpus: int) -> int:
         """Under an exclusive lock: count the seats taken per GPU, let ``choose`` pick a GPU
         position from those counts, take a free seat there, and return the position."""
-        handle = self._file
-        if handle is None:
-            raise RuntimeError("the seat board is not open")
+        handle = self.file
         handle.lock_waiting(BINDING_LOCK)  # a short wait
         try:
             taken = [

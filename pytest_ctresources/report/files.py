@@ -38,9 +38,9 @@ from pytest_ctresources.settings.report_paths import (
     TargetError,
     existing_ancestor,
     file_kind,
-    named,
     refusal,
 )
+from pytest_ctresources.units import named
 
 if TYPE_CHECKING:
     from pytest_ctresources.core.runtime import Runtime

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO
 
 from pytest_ctresources.settings.options import Declared
-from pytest_ctresources.units import shown
+from pytest_ctresources.units import named, shown
 
 SCHEMA = "pytest-ctresources-report"
 #: The options that name the report files, as their declarations spell them.
@@ -66,13 +66,6 @@ def file_kind(mode: int) -> str:
     if stat.S_ISSOCK(mode):
         return "a socket, not a regular file"
     return "not a regular file"
-
-
-def named(value: str) -> str:
-    """A path as a one-line message shows it: as typed, or, holding a control character
-    (a newline, an escape sequence) or too long to read, escaped and shortened as pytest
-    shows a node id."""
-    return value if value.isprintable() and len(value) <= 200 else shown(value)
 
 
 def _png_marked(head: bytes) -> bool:

@@ -66,27 +66,21 @@ def parse_gpus(text: str) -> list[PlanGpu]:
         count, what = (int(match.group(1)), match.group(2).strip()) if match else (1, entry)
         if count < 1:
             raise ValueError(f"{entry!r}: the count must be at least 1")
-        gib = _capacity(what)
+        name = what.upper()
+        gib = GPU_NAMES.get(name) or _gib(what)
         if gib is None:
             known = ", ".join(GPU_NAMES)
             raise ValueError(
                 f"{entry!r} is neither GiB (e.g. 2x80) nor a GPU name; names known: {known}"
             )
-        name = what.upper() if _named(what) else f"{gib:g} GiB"
+        name = name if name in GPU_NAMES else f"{gib:g} GiB"
         out.extend([PlanGpu(name, gib)] * count)
     if not out:
         raise ValueError(f"{text!r} names no GPU (e.g. 2x80,4x24)")
     return out
 
 
-def _named(text: str) -> bool:
-    return text.strip().upper() in GPU_NAMES
-
-
-def _capacity(text: str) -> float | None:
-    name = text.strip().upper()
-    if name in GPU_NAMES:
-        return GPU_NAMES[name]
+def _gib(text: str) -> float | None:
     try:
         gib = float(text)
     except ValueError:
