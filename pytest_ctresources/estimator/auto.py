@@ -434,46 +434,38 @@ def _host_choice(
     """Without CUDA: the largest batch whose call fits the host's available memory less the
     margin (a ``loaded`` model is already out of what is available; else its weights and
     transcoders count too)."""
-    tokens = workload.prompt_tokens
     where = "the model is not on a CUDA GPU"
+
+    def choice(batch: int, predicted_gib: float | None, why: str) -> AutoChoice:
+        n_layers = model_shape.n_layers
+        tokens = workload.prompt_tokens
+        return AutoChoice(
+            batch, tokens, active_features, predicted_gib, why, n_layers=n_layers, on_host=True
+        )
+
     available = host_available()
     if available is None:
         why = f"{where}, and the host's available memory is unknown: the ceiling {ceiling}"
-        return AutoChoice(
-            ceiling, tokens, active_features, None, why, n_layers=model_shape.n_layers, on_host=True
-        )
+        return choice(ceiling, None, why)
     free, source = available
-    room = int(free * (1 - budget.margin))
     text = (
         f"{where}: it fits the host's available memory, {free / GIB:.1f} GiB ({source}) less "
         f"{100 * budget.margin:g}% margin"
     )
-    found = est.largest_fitting_batch(
+    fitted = fit_batch(
         model_shape,
         transcoders,
         workload,
-        room,
-        ceiling=ceiling,
-        resident_bytes=0 if loaded else None,
+        budget,
+        ceiling,
+        0 if loaded else None,
+        limit_bytes=int(free * (1 - budget.margin)),
         counted=lambda prediction: prediction.peak_allocated_bytes,
+        timed=False,
     )
-    if found is None:
-        why = f"{text}; not even batch size 1 is predicted to fit; trying 1"
-        return AutoChoice(
-            1, tokens, active_features, None, why, n_layers=model_shape.n_layers, on_host=True
-        )
-    largest = found[0]
-    batch, what = within_largest(model_shape, transcoders, workload, largest, ceiling, timed=False)
-    prediction = est.estimate(model_shape, transcoders, est.with_batch(workload, batch))
-    return AutoChoice(
-        batch,
-        tokens,
-        active_features,
-        prediction.call_bytes / GIB,
-        f"{text}; {what}",
-        n_layers=model_shape.n_layers,
-        on_host=True,
-    )
+    if fitted is None:
+        return choice(1, None, f"{text}; not even batch size 1 is predicted to fit; trying 1")
+    return choice(fitted.batch, fitted.prediction.call_bytes / GIB, f"{text}; {fitted.why}")
 
 
 def counted(prediction: est.Estimate, budget: Budget) -> int:
@@ -504,6 +496,8 @@ def fit_batch(
     *,
     limit_bytes: int | None = None,
     extra: Callable[[int], int] | None = None,
+    counted: Callable[[est.Estimate], int] | None = None,
+    timed: bool = True,
 ) -> Fitted | None:
     """auto's choice on a CUDA GPU, or None when not even batch size 1 fits.
 
@@ -511,10 +505,12 @@ def fit_batch(
     ``limit_bytes``), then of those up to it the one predicted fastest
     (:func:`within_largest`). ``resident_bytes``: what is allocated now, measured (None:
     the estimate's weights and transcoders). ``extra(batch)`` adds a correction to each prediction.
+    Without CUDA (:func:`_host_choice`): ``counted`` replaces what a prediction counts against
+    the limit, and ``timed=False`` leaves out the time model, which is a GPU's.
     """
 
     def need(prediction: est.Estimate) -> int:
-        total = counted_for_fit(prediction, budget)
+        total = counted_for_fit(prediction, budget) if counted is None else counted(prediction)
         if extra is not None:
             total += extra(prediction.workload.batch_size)
         return total
@@ -531,7 +527,7 @@ def fit_batch(
     if found is None:
         return None
     largest = found[0]
-    batch, why = within_largest(model_shape, transcoders, workload, largest, ceiling)
+    batch, why = within_largest(model_shape, transcoders, workload, largest, ceiling, timed=timed)
     prediction = est.estimate(model_shape, transcoders, est.with_batch(workload, batch))
     return Fitted(batch, largest, prediction, why)
 

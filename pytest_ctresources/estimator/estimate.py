@@ -220,6 +220,18 @@ class Workload:
             return self.counted_features
         return math.ceil(self.active_per_layer_token * n_layers * max(self.prompt_tokens - 1, 0))
 
+    def per_layer(self, n_layers: int) -> float:
+        """Active features per layer and token: as given, or of the counted ones."""
+        if self.counted_features is None:
+            return self.active_per_layer_token
+        return per_layer_token(self.counted_features, n_layers, self.prompt_tokens)
+
+    def feature_nodes(self, n_layers: int) -> int:
+        """The feature rows ``attribute()`` computes: ``max_feature_nodes``, or every active
+        feature when there are fewer (or no limit)."""
+        active = self.active_features(n_layers)
+        return active if self.max_feature_nodes is None else min(self.max_feature_nodes, active)
+
 
 def per_layer_token(active_features: int, n_layers: int, prompt_tokens: int) -> float:
     """Active features per layer and token from their count over all layers: the inverse of
@@ -372,10 +384,7 @@ class Estimate:
     @property
     def active_per_layer_token(self) -> float:
         """Active features per layer and token: the workload's, or the counted ones'."""
-        work = self.workload
-        if work.counted_features is None:
-            return work.active_per_layer_token
-        return per_layer_token(work.counted_features, self.model.n_layers, work.prompt_tokens)
+        return self.workload.per_layer(self.model.n_layers)
 
     @property
     def resident_bytes(self) -> int:
@@ -540,9 +549,7 @@ def estimate(
     forward = batch_tokens * forward_peak_per_batch_token(model, transcoders, b, tokens, per_pair)
 
     row_size = nnz + (n_layers + 1) * tokens
-    feature_nodes = (
-        nnz if workload.max_feature_nodes is None else min(workload.max_feature_nodes, nnz)
-    )
+    feature_nodes = workload.feature_nodes(n_layers)
     influence = 0
     if feature_nodes < nnz:
         # compute_partial_influences: float32 copy of edge_matrix[:rows] on the GPU.
@@ -571,11 +578,7 @@ def estimate(
     tc = transcoders
     lazy = [part for part, on in (("encoder", tc.lazy_encoder), ("decoder", tc.lazy_decoder)) if on]
     tc_note = "lazy " + "+".join(lazy) if lazy else "all on the GPU"
-    per_layer = (
-        workload.active_per_layer_token
-        if workload.counted_features is None
-        else per_layer_token(nnz, n_layers, tokens)
-    )
+    per_layer = workload.per_layer(n_layers)
     terms = (
         Term("weights", weights, f"{count_text(model.n_params)} parameters, workspaces"),
         Term("transcoders", transcoder_bytes, tc_note),
@@ -636,10 +639,7 @@ def attention_bytes_per_pair(model: ModelShape, workload: Workload) -> float:
 def graph_nodes(model: ModelShape, workload: Workload) -> int:
     """Nodes of the dense graph ``attribute()`` returns: the feature nodes kept, an error node
     per layer and token, the token nodes and the logit nodes."""
-    active = workload.active_features(model.n_layers)
-    features = (
-        active if workload.max_feature_nodes is None else min(workload.max_feature_nodes, active)
-    )
+    features = workload.feature_nodes(model.n_layers)
     return features + (model.n_layers + 1) * workload.prompt_tokens + workload.n_logits
 
 
@@ -709,7 +709,7 @@ def pipeline(prediction: Estimate) -> Pipeline:
     back with its boolean edge mask (nodes^2 x 5 bytes)."""
     model, work, cal = prediction.model, prediction.workload, prediction.calibration
     nodes = graph_nodes(model, work)
-    features = nodes - (model.n_layers + 1) * work.prompt_tokens - work.n_logits
+    features = work.feature_nodes(model.n_layers)
     rows = features + work.n_logits
     columns = prediction.active_features + nodes - features
     edges = 4 * max(rows * (columns + nodes), rows * nodes + nodes * nodes)

@@ -105,9 +105,7 @@ class TimeEstimate:
 def feature_rows(model: est.ModelShape, workload: est.Workload) -> int:
     """The feature rows ``attribute()`` computes: ``max_feature_nodes``, or every active
     feature when there are fewer (or no limit)."""
-    active = workload.active_features(model.n_layers)
-    limit = workload.max_feature_nodes
-    return active if limit is None else min(limit, active)
+    return workload.feature_nodes(model.n_layers)
 
 
 def influence_cells(rows: int, batch: int, n_logits: int) -> int:
