@@ -474,12 +474,7 @@ class StrictChecks(_FailsPassedPhases):
         figures = own_figures(item, self.runtime, finished=False)
         need = state_of(item).need
         problems = []
-        if (
-            figures is not None
-            and need is not None
-            and need.source.kind != "estimate"  # an estimate is not a declaration
-            and figures.peak_reserved_gib > need.lease_gib
-        ):
+        if figures is not None and need is not None and need.exceeded_by(figures.peak_reserved_gib):
             problems.append(
                 f"UNDER-DECLARED: peak {figures.peak_reserved_gib:.2f} GiB reserved exceeds the "
                 f"declared {need.lease_gib:.1f} GiB ({need.source}); write "

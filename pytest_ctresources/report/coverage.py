@@ -79,9 +79,7 @@ class GpuCoverage:
         stale = self.stale()
         if not stale:
             return None
-        named = ", ".join(
-            f"{t.nodeid} ({t.last.text() if t.last else 'never'})" for t in stale[:NAMED]
-        )
+        named = ", ".join(f"{t.nodeid} ({t.text()})" for t in stale[:NAMED])
         more = f" and {len(stale) - NAMED} more" if len(stale) > NAMED else ""
         return (
             f"--ct-require-gpu-run-within {self.within_days:g}: {len(stale)} GPU test(s) have "

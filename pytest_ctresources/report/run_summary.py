@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pytest
 
 from pytest_ctresources.core.learned import LearnedNeed
-from pytest_ctresources.core.record import AT_TOP, OwnSetting, TestRecord
+from pytest_ctresources.core.record import AT_TOP, PLAIN_RUN_WORKER, OwnSetting, TestRecord
 from pytest_ctresources.report.results import RERUN_OUTCOME, TestResult, worse
 from pytest_ctresources.units import GIB, bytes_text
 
@@ -247,13 +247,19 @@ class RunSummary:
                     [f"  {nodeid}: {reason}" for nodeid, reason in sorted(skips.items())], top
                 )
         out += self.coverage_lines(top, quiet=quiet)
-        if placed := [result.record for result in self.placed]:
-            from pytest_ctresources.report.placement import made_wait, placement_lines
-
-            if made_wait(placed):
-                out += placement_lines(placed) if not quiet else placement_lines(placed)[:1]
+        placement = self._placement_lines(waited=True)
+        out += placement if not quiet else placement[:1]
         out += self.snapshot_lines(top, quiet=quiet)
         return out
+
+    def _placement_lines(self, *, waited: bool) -> list[str]:
+        """How the tests were placed on GPUs (report/placement.py): among the actions where
+        it made a test wait (``waited``), else among the details."""
+        if not (placed := [result.record for result in self.placed]):
+            return []
+        from pytest_ctresources.report.placement import made_wait, placement_lines
+
+        return placement_lines(placed) if made_wait(placed) == waited else []
 
     def snapshot_lines(self, top: int, *, quiet: bool) -> list[str]:
         """The tests whose memory snapshot was kept for a finding, each with its file and the
@@ -297,11 +303,7 @@ class RunSummary:
                 f"{len(nodeids)} test(s) keep their own {name} over {session_value(source, value)}"
             )
         out += capped(self.notebook_lines(), top + 1)
-        if placed := [result.record for result in self.placed]:
-            from pytest_ctresources.report.placement import made_wait, placement_lines
-
-            if not made_wait(placed):
-                out += placement_lines(placed)  # with waits, it is among the actions
+        out += self._placement_lines(waited=False)  # with waits, it is among the actions
         out += capped(self.resident_lines(), top + 1)
         # Reruns of tests the plugin said nothing of are another plugin's business.
         reruns = [r.reruns for r in self.results.values() if r.reruns and r.acted]
@@ -360,7 +362,7 @@ class RunSummary:
         for model in self.resident_models:
             loaded_by = f", loaded by {model['loaded_by']}" if model.get("loaded_by") else ""
             out.append(
-                f"  {model.get('worker', 'main')} GPU {model.get('device', '?')}: "
+                f"  {model.get('worker', PLAIN_RUN_WORKER)} GPU {model.get('device', '?')}: "
                 f"{model.get('model')} {int(model.get('bytes', 0)) / GIB:.2f} GiB{loaded_by}"
             )
         return out

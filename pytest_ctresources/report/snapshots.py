@@ -64,12 +64,7 @@ def reasons(
     found = ["out of memory"] if out_of_memory else []
     if figures is not None and figures.leaked_bytes > leak_threshold:
         found.append("leak")
-    if (
-        figures is not None
-        and need is not None
-        and need.source.kind != "estimate"
-        and figures.peak_reserved_gib > need.lease_gib
-    ):
+    if figures is not None and need is not None and need.exceeded_by(figures.peak_reserved_gib):
         found.append("over its declared need")
     return found
 

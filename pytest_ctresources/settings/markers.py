@@ -124,6 +124,12 @@ class VramNeed:
     def lease_gib(self) -> float:
         return self.gib if self.most_gib is None else self.most_gib
 
+    def exceeded_by(self, peak_reserved_gib: float) -> bool:
+        """Whether a test's peak went over its declared need (UNDER-DECLARED with
+        ``--ct-strict``, a snapshot kept under ``on-failure``): an estimate is not a
+        declaration, so going over one is not counted."""
+        return self.source.kind != "estimate" and peak_reserved_gib > self.lease_gib
+
 
 def vram_need(item: pytest.Item) -> VramNeed | None:
     """The test's ``vram`` marker (closest wins), or None."""
