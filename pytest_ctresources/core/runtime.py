@@ -241,20 +241,18 @@ def start_runtime(
             ),
             stacklevel=3,
         )
+    capacity = settings.vram_capacity
     runtime = Runtime(
         settings=settings,
         alloc_conf=alloc,
-        capacity_cap=None,
+        capacity_cap=None if capacity is None else CapacityCap(capacity.value),
         cache=getattr(config, "cache", None),  # None under -p no:cacheprovider
         shipped_learned=shipped_needs(config),
-        vram_capacity=settings.vram_capacity,
+        vram_capacity=capacity,
+        binding=binding,
     )
-    capacity = settings.vram_capacity
     if capacity is not None:
-        runtime.capacity_cap = CapacityCap(capacity.value)
         runtime.gpu_facts(may_import_torch=False)  # clamps the capacity if NVML sees the card
-    if binding is not None:
-        runtime.binding = binding
     if runtime.capacity_cap is not None and not runs_no_tests(config):
         # The emulated card must bind from the first CUDA allocation, whoever imports torch
         # and whenever: importing torch here does not initialise CUDA.

@@ -97,9 +97,7 @@ def activation_from_config(config: pytest.Config, namespace: object) -> Activati
     for key in [setting.ini for setting in SETTINGS if setting.ini]:
         value = config.getini(key)  # None or an empty list: unset
         if value is not None and value != []:
-            return Activation(
-                Source.override(key) if key in overridden else Source.ini(key, inifile)
-            )
+            return Activation(Source.ini(key, inifile, overridden))
     return Activation(None)
 
 

@@ -163,7 +163,7 @@ def resolve_settings(
     """
 
     def ini_source(key: str) -> Source:
-        return Source.override(key) if key in overridden else Source.ini(key, inifile)
+        return Source.ini(key, inifile, overridden)
 
     ini_dir = Path(inifile).parent if inifile else invocation_dir
     values: dict[str, Sourced[object]] = {}

@@ -6,6 +6,7 @@ way, so the formatting lives here and nowhere else.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
@@ -42,13 +43,12 @@ class Source:
         return cls("env", f"env {name}")
 
     @classmethod
-    def ini(cls, key: str, inifile: str | None) -> Source:
+    def ini(cls, key: str, inifile: str | None, overridden: Collection[str] = ()) -> Source:
+        """An ini key: from the ini file, or from the command line (``-o key=value``: the
+        keys in ``overridden``)."""
+        if key in overridden:
+            return cls("ini", f"-o {key}")
         return cls("ini", f"ini {key}" + (f" in {printable(inifile)}" if inifile else ""))
-
-    @classmethod
-    def override(cls, key: str) -> Source:
-        """An ini key given on the command line (``-o key=value``)."""
-        return cls("ini", f"-o {key}")
 
     @classmethod
     def yaml(cls, path: str, key: str) -> Source:
