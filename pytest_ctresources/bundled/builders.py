@@ -45,6 +45,7 @@ from pytest_ctresources.bundled.catalogue import (
     _UNK,
     BUNDLED_TRANSCODER_SETS,
     DEFAULT_FEATURES_PER_TOKEN,
+    GEMMA_2_FINAL_SOFTCAP,
     RANDOM_TRANSCODERS,
     ModelDims,
     _tokenizer_vocab,
@@ -197,7 +198,7 @@ def _hf_config(dims: ModelDims, tokenizer_dir: str, dtype: torch.dtype) -> Any:
             # gemma-2-2b's values (query_pre_attn_scalar equals its head_dim, 256).
             query_pre_attn_scalar=dims.head_dim,
             sliding_window=4096,
-            final_logit_softcapping=30.0,
+            final_logit_softcapping=GEMMA_2_FINAL_SOFTCAP,
             attn_logit_softcapping=50.0,
             hidden_activation="gelu_pytorch_tanh",
             rms_norm_eps=1e-6,
@@ -555,7 +556,7 @@ def _tl_config(
             "attn_types": ["global", "local"] * (dims.n_layers // 2)
             + ["global"] * (dims.n_layers % 2),
             "attn_scores_soft_cap": 50.0,
-            "output_logits_soft_cap": 30.0,
+            "output_logits_soft_cap": GEMMA_2_FINAL_SOFTCAP,
             "use_normalization_before_and_after": True,
         }
     else:

@@ -114,6 +114,10 @@ _CALIBRATION_TEXT: Final = (
 #: (:func:`build_replacement_model`'s ``features_per_token``); about what random prompts get.
 DEFAULT_FEATURES_PER_TOKEN: Final = 16
 
+#: Gemma-2's final logit softcapping (``Gemma2Config``'s default, every published Gemma-2's):
+#: the bundled Gemma-2 models are built with it, and the estimator counts the logits' copy.
+GEMMA_2_FINAL_SOFTCAP: Final = 30.0
+
 #: Vocabulary size of the bundled tiny models: a power of two above the word list's size, so
 #: every token the tokenizer can produce is a valid model id.
 _TINY_VOCAB_SIZE: Final = 512

@@ -21,6 +21,8 @@ from typing import Any, Final
 from pytest_ctresources.bundled import catalogue
 from pytest_ctresources.estimator.estimate import (
     DEFAULT_ACTIVE_PER_LAYER_TOKEN,
+    NORMALIZED_HOOK,
+    RESID_MID_HOOK,
     ModelShape,
     TranscoderShape,
 )
@@ -66,7 +68,9 @@ def shape_of_dims(name: str, dims: catalogue.ModelDims, *, vision: bool = False)
         name=name,
         family=dims.architecture,
         n_params=dims.n_model_params + (_vision_params(dims.d_model) if vision else 0),
-        final_logit_softcap=30.0 if dims.architecture == "gemma2" else None,
+        final_logit_softcap=catalogue.GEMMA_2_FINAL_SOFTCAP
+        if dims.architecture == "gemma2"
+        else None,
         **dims.dims(),
     )
 
@@ -128,7 +132,7 @@ def _set(
     lazy: bool,
     clt: bool = False,
     skip: bool = False,
-    hook: str = "hook_resid_mid",
+    hook: str = RESID_MID_HOOK,
     l0: float | None = None,
 ) -> TranscoderSetInfo:
     shape = TranscoderShape(
@@ -163,7 +167,7 @@ TRANSCODER_SETS: Final[Mapping[str, TranscoderSetInfo]] = MappingProxyType(
                 16384,
                 _GEMMA_2_2B,
                 lazy=False,
-                hook="ln2.hook_normalized",
+                hook=NORMALIZED_HOOK,
                 l0=_GEMMA_SCOPE_L0,
             ),
             _set("mntss/transcoder-Llama-3.2-1B", 131072, _LLAMA_1B, lazy=True, skip=True),
@@ -630,7 +634,7 @@ def model_from_config_json(path: str | Path) -> ModelShape:
         params += _vision_params(dims["d_model"])
     softcap = text.get("final_logit_softcapping")
     if family == "gemma2" and "final_logit_softcapping" not in text:
-        softcap = 30.0  # Gemma2Config's default
+        softcap = catalogue.GEMMA_2_FINAL_SOFTCAP  # Gemma2Config's default
     if softcap is not None and (
         isinstance(softcap, bool)
         or not isinstance(softcap, int | float)
