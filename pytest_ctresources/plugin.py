@@ -308,8 +308,9 @@ def _plan_and_shard(config: pytest.Config, runtime: Runtime) -> None:
     )
 
     def learned() -> Mapping[str, float]:
-        # The run's own, where it learns durations: the cache is read once, so a bad one is
-        # one warning.
+        # Where the run learns durations (the controller or the plain run), its own reader:
+        # the cache is read once there, so a bad entry is one warning. (Each xdist worker of a
+        # sharded run reads it again, and warns again.)
         durations: LearnedDurations | None = config.pluginmanager.get_plugin(LearnedDurations.name)
         if durations is not None:
             return durations.known()

@@ -460,7 +460,7 @@ def _host_choice(
         ceiling,
         0 if loaded else None,
         limit_bytes=int(free * (1 - budget.margin)),
-        counted=lambda prediction: prediction.peak_allocated_bytes,
+        counted_as=lambda prediction: prediction.peak_allocated_bytes,
         timed=False,
     )
     if fitted is None:
@@ -496,21 +496,24 @@ def fit_batch(
     *,
     limit_bytes: int | None = None,
     extra: Callable[[int], int] | None = None,
-    counted: Callable[[est.Estimate], int] | None = None,
+    counted_as: Callable[[est.Estimate], int] | None = None,
     timed: bool = True,
 ) -> Fitted | None:
-    """auto's choice on a CUDA GPU, or None when not even batch size 1 fits.
+    """auto's choice, or None when not even batch size 1 fits.
 
-    The largest batch size up to ``ceiling`` whose estimate fits ``budget`` (or the tighter
-    ``limit_bytes``), then of those up to it the one predicted fastest
+    The largest batch size up to ``ceiling`` whose estimate fits ``budget`` (or
+    ``limit_bytes`` in its place), then of those up to it the one predicted fastest
     (:func:`within_largest`). ``resident_bytes``: what is allocated now, measured (None:
     the estimate's weights and transcoders). ``extra(batch)`` adds a correction to each prediction.
-    Without CUDA (:func:`_host_choice`): ``counted`` replaces what a prediction counts against
-    the limit, and ``timed=False`` leaves out the time model, which is a GPU's.
+    Without CUDA (:func:`_host_choice`), the limit is the host's available memory,
+    ``counted_as`` replaces what a prediction counts against it, and ``timed=False`` leaves
+    out the time model, which is a GPU's.
     """
 
     def need(prediction: est.Estimate) -> int:
-        total = counted_for_fit(prediction, budget) if counted is None else counted(prediction)
+        total = (
+            counted_for_fit(prediction, budget) if counted_as is None else counted_as(prediction)
+        )
         if extra is not None:
             total += extra(prediction.workload.batch_size)
         return total

@@ -4,9 +4,11 @@ A test's duration is the sum of its setup, call and teardown as its reports give
 last attempt's, for a rerun), keyed by node id; a skipped test's is not learned (a skip
 costs nothing and says nothing of its run). The VRAM scheduler orders work by them (LPT),
 ``--ct-shard`` balances shares by them and ``ct-resources plan`` predicts wall time from
-them. Read and written by the controller (or the plain run) only: reports reach it from
-every worker. The cache is read and saved as the learned needs are (core/learned.py): a
-FIFO there does not block the run, and nothing is written through a link.
+them. Written by the controller (or the plain run) only, which reports reach from every
+worker; read there, and by each xdist worker of a ``--ct-shard`` run, which selects its share
+as it collects. The cache is read and saved as the learned needs are (core/learned.py): a
+FIFO there does not block the run, nothing is written through a link, and what cannot be
+used is a warning (``LearnedNeedsWarning``) and taken as nothing learned.
 """
 
 from __future__ import annotations
@@ -37,13 +39,15 @@ def _cached(cache: pytest.Cache | None) -> tuple[dict[str, float], bool]:
 
 
 def read(cache: pytest.Cache | None) -> dict[str, float]:
-    """The learned durations (a malformed entry is left out)."""
+    """The learned durations (a malformed entry is left out; a cache that cannot be read is
+    one warning)."""
     return _cached(cache)[0]
 
 
 class LearnedDurations:
     """Saves this run's durations (``measured()``: ``RunSummary.durations``,
-    report/run_summary.py, which reads every report once) over the learned ones at the end."""
+    report/run_summary.py, which reads every report once) over the learned ones at the end,
+    unless what is at the cache's path is left alone (a link, a FIFO: ``read_cache``)."""
 
     name = "ctresources-learned-durations"
 
