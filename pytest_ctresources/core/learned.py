@@ -269,15 +269,15 @@ def read_cache_or_warn(cache: pytest.Cache, key: str, what: str) -> tuple[object
 
 
 def write_cache(
-    cache: pytest.Cache, needs: Mapping[str, Any], key: str = CACHE_KEY, what: str = WHAT
+    cache: pytest.Cache, value: Mapping[str, Any], key: str = CACHE_KEY, what: str = WHAT
 ) -> None:
-    """Save ``needs`` under ``key`` beside nothing of anyone else's: the new content goes to
+    """Save ``value`` under ``key`` beside nothing of anyone else's: the new content goes to
     a fresh file that replaces the old entry (``rename`` replaces a link, never writes
     through it), and only where the cache holds a regular file or nothing, in real
     directories. Every value the plugin keeps in pytest's cache is saved here."""
     path = _value_path(cache, key)
     if path is None:
-        cache.set(key, needs)
+        cache.set(key, value)
         return
     shown_path = printable(str(path))
     for directory in (path.parent.parent, path.parent):
@@ -285,7 +285,7 @@ def write_cache(
             mode = os.lstat(directory).st_mode
         except FileNotFoundError:
             # Nothing there to write through: pytest creates its directories itself.
-            cache.set(key, needs)
+            cache.set(key, value)
             return
         except OSError as exc:
             _warn(f"{what} not saved: {shown_path}: {exc.strerror}")
@@ -309,7 +309,7 @@ def write_cache(
             "FIFO, a directory); left alone"
         )
         return
-    data = json.dumps(needs, ensure_ascii=False, indent=2).encode("utf-8")
+    data = json.dumps(value, ensure_ascii=False, indent=2).encode("utf-8")
     try:
         descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     except OSError as exc:

@@ -69,7 +69,6 @@ class LearnedDurations:
         measured = self._measured()
         if self._cache is None or not measured:
             return
-        merged = dict(self.known())
+        known = self.known()
         if self._writable:
-            merged.update(measured)
-            write_cache(self._cache, merged, CACHE_KEY, WHAT)
+            write_cache(self._cache, {**known, **measured}, CACHE_KEY, WHAT)
