@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from types import ModuleType
 
@@ -343,6 +344,21 @@ def test_gemma_scope_2_names(name: str, width: int, skip: bool, model: str) -> N
     assert info.shape.skip_connection is skip
     assert info.models == (f"google/gemma-3-{model}",)
     assert not info.lazy_capable
+
+
+def test_the_gemma_scope_2_pattern_shown_is_what_is_recognised() -> None:
+    """``ct-resources models`` and the unknown-set message list the GemmaScope-2 sets as one
+    pattern: every set it spells out is recognised, per-layer and cross-layer alike."""
+    pattern = registry.GEMMA_SCOPE_2_PATTERN
+    assert pattern in registry.known_transcoder_sets()
+    stem = pattern.removesuffix("_...")
+    names = [""]
+    for literal, choices in re.findall(r"([^{]*)(?:\{([^}]*)\})?", stem):
+        names = [name + literal + choice for name in names for choice in choices.split(",")]
+    assert len(names) == 3 * 2 * 2 * 2, names
+    for name in names:
+        info = registry.transcoder_info(name + "_l0_small")
+        assert info.shape.cross_layer is ("/clt/" in name), name
 
 
 def test_influence_ranking_counts_when_features_are_capped() -> None:

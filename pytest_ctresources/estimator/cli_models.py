@@ -145,15 +145,9 @@ def models_payload() -> dict[str, Any]:
     return {
         "models": models,
         "transcoder_sets": sets,
-        "transcoder_set_patterns": [GEMMA_SCOPE_2_PATTERN],
+        "transcoder_set_patterns": [registry.GEMMA_SCOPE_2_PATTERN],
         "bundled_transcoder_sets": sorted(catalogue.BUNDLED_TRANSCODER_SETS),
     }
-
-
-#: GemmaScope-2: one repository per Gemma-3 model, the variant in the name (registry.py).
-GEMMA_SCOPE_2_PATTERN = (
-    "mwhanna/gemma-scope-2-{1b,4b,12b}-{pt,it}/{transcoder_all,clt}/width_{16k,262k}_..."
-)
 
 
 def run_models(args: argparse.Namespace, out: Any) -> int:
@@ -193,7 +187,7 @@ def run_models(args: argparse.Namespace, out: Any) -> int:
     ]
     out.write("\ntranscoder sets\n")
     _columns(out, ("name", "kind", "features", "skip", "L0", "made for"), sets)
-    out.write(f"also: {GEMMA_SCOPE_2_PATTERN} (GemmaScope-2, for Gemma-3)\n")
+    out.write(f"also: {registry.GEMMA_SCOPE_2_PATTERN} (GemmaScope-2, for Gemma-3)\n")
     out.write(
         f"also: {', '.join(payload['bundled_transcoder_sets'])} (random, for the bundled models)\n"
     )

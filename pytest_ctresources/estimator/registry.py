@@ -192,6 +192,10 @@ ALIASES: Final[Mapping[str, str]] = MappingProxyType(
 # name; ``_affine`` adds a skip connection; always loaded fully.
 #: The Gemma-3 models GemmaScope-2 covers: a size and pretrained or instruction-tuned.
 _GEMMA_3_SIZE_KIND = r"(?P<size>1b|4b|12b)-(?P<kind>pt|it)"
+#: The GemmaScope-2 sets :data:`_GEMMA_SCOPE_2` recognises, as listings and messages show them.
+GEMMA_SCOPE_2_PATTERN: Final = (
+    "mwhanna/gemma-scope-2-{1b,4b,12b}-{pt,it}/{transcoder_all,clt}/width_{16k,262k}_..."
+)
 _GEMMA_SCOPE_2 = re.compile(
     rf"gemma-scope-2-{_GEMMA_3_SIZE_KIND}"
     r"/(?P<layout>transcoder_all|clt)/width_(?P<width>\d+)k\w*?(?P<affine>_affine)?$"
@@ -232,13 +236,7 @@ def known_models() -> list[str]:
 
 
 def known_transcoder_sets() -> list[str]:
-    return sorted(
-        [
-            *ALIASES,
-            *TRANSCODER_SETS,
-            "mwhanna/gemma-scope-2-{1b,4b,12b}-{pt,it}/transcoder_all/width_{16k,262k}_...",
-        ]
-    )
+    return sorted([*ALIASES, *TRANSCODER_SETS, GEMMA_SCOPE_2_PATTERN])
 
 
 def model_shape(name: str) -> ModelShape:
