@@ -1337,6 +1337,39 @@ def test_a_bad_durations_cache_is_one_warning_and_never_written_through(
         assert list(json.loads(path.read_text())) == ["test_it.py::test_one"]
 
 
+@pytest.mark.parametrize(
+    ("case", "content"),
+    [
+        ("huge-int", '{"test_it.py::test_one": 1' + "0" * 400 + "}"),
+        ("nan", '{"test_it.py::test_one": NaN}'),
+        ("lone-surrogate-key", '{"gone\\ud800.py::test": 1.0}'),
+    ],
+    ids=["huge-int", "nan", "lone-surrogate-key"],
+)
+def test_malformed_durations_are_left_out_and_saved_over(
+    pytester: pytest.Pytester, case: str, content: str
+) -> None:
+    """JSON that reads but is no duration (an int over a float's range once ended every run
+    in an OverflowError, and ``--ct-plan`` in an INTERNALERROR) is left out, as a malformed
+    learned need is; a key UTF-8 cannot encode (a lone surrogate, valid JSON) once ended every
+    run in a UnicodeEncodeError at the save, and is saved as it was read."""
+    path = pytester.path / DURATIONS_PATH
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    pytester.makepyfile(test_it="def test_one():\n    pass\n")
+    pytester.makeini("[pytest]\nct_cleanup = auto\n")
+    planned = pytester.runpytest("-p", "no:randomly", "--ct-plan", "80")
+    result = pytester.runpytest("-p", "no:randomly")
+    for run in (planned, result):
+        output = run.stdout.str() + run.stderr.str()
+        assert "Traceback" not in output and "INTERNALERROR" not in output, output
+    assert planned.ret == pytest.ExitCode.OK
+    result.assert_outcomes(passed=1)
+    saved = json.loads(path.read_text())
+    assert isinstance(saved.pop("test_it.py::test_one"), float)
+    assert saved == ({"gone\ud800.py::test": 1.0} if case == "lone-surrogate-key" else {})
+
+
 def test_a_node_id_with_a_bar_keeps_its_learned_need() -> None:
     """A key is a JSON array, not text joined by a separator: a parameter id holding a
     ``|`` (``test[a|b]``) once made its need stale, so it was pruned at every run and never

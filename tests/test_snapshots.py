@@ -252,6 +252,42 @@ def test_passing_tests_leave_nothing_and_the_default_is_the_cache(
     result.stdout.fnmatch_lines([f"  {nodeid} (leak): {folder / file_name(nodeid)}"])
 
 
+LEAKS = "from conftest import FAKE\n\ndef test_b():\n    FAKE.alloc(1)\n"
+
+
+@pytest.mark.parametrize("case", ["earlier-snapshot", "not-a-snapshot", "fifo-for-the-directory"])
+def test_only_its_own_snapshot_is_replaced_and_a_bad_directory_is_a_warning(
+    project: pytest.Pytester, case: str
+) -> None:
+    """A snapshot replaces an earlier one (a pickle of this user's) and nothing else: a file
+    of another kind with its name is left as it is. A FIFO where the default directory goes
+    (in pytest's cache) once errored every test's teardown with a traceback. Each is one
+    warning, and the test's outcome is its own."""
+    project.makepyfile(test_cache=LEAKS)
+    folder = project.path / ".pytest_cache/d/ctresources-snapshots"
+    path = folder / file_name("test_cache.py::test_b")
+    folder.parent.mkdir(parents=True)
+    if case == "fifo-for-the-directory":
+        os.mkfifo(folder)
+    else:
+        folder.mkdir(mode=0o700)
+        path.write_bytes(pickle.dumps("earlier") if case == "earlier-snapshot" else b"mine")
+    result = project.runpytest("-p", "no:randomly", "--ct-snapshot=on-failure")
+    output = result.stdout.str()
+    assert "Traceback" not in output and "INTERNALERROR" not in output
+    if case == "earlier-snapshot":
+        result.assert_outcomes(passed=1, warnings=1)  # (the leak's)
+        assert "segments" in pickle.loads(path.read_bytes())
+        return
+    result.assert_outcomes(passed=1, warnings=2)
+    result.stdout.fnmatch_lines(["*the memory snapshot of test_cache.py::test_b was not written*"])
+    if case == "not-a-snapshot":
+        assert "exists and is not a memory snapshot (a pickle)" in output
+        assert path.read_bytes() == b"mine"
+    else:
+        assert stat.S_ISFIFO(os.lstat(folder).st_mode)
+
+
 @pytest.mark.nbmake
 def test_a_notebooks_kernel_snapshot_is_kept(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch

@@ -309,7 +309,9 @@ def write_cache(
             "FIFO, a directory); left alone"
         )
         return
-    data = json.dumps(value, ensure_ascii=False, indent=2).encode("utf-8")
+    # ASCII, escapes included: a key read from the cache may hold a lone surrogate
+    # (``"\\ud800"`` is valid JSON), which UTF-8 cannot encode.
+    data = json.dumps(value, indent=2).encode("ascii")
     try:
         descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     except OSError as exc:

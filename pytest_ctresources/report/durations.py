@@ -13,15 +13,16 @@ used is a warning (``LearnedNeedsWarning``) and taken as nothing learned.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 
 import pytest
 
-from pytest_ctresources.core.learned import read_cache_or_warn, write_cache
+from pytest_ctresources.core.learned import MAX_KEY_CHARS, read_cache_or_warn, write_cache
 
 CACHE_KEY = "ctresources/learned-durations"
 WHAT = "learned test durations"
+#: The longest duration taken from the cache (a week): a larger one is no test's run.
+MAX_SECONDS = 7 * 24 * 3600
 
 
 def _cached(cache: pytest.Cache | None) -> tuple[dict[str, float], bool]:
@@ -32,8 +33,12 @@ def _cached(cache: pytest.Cache | None) -> tuple[dict[str, float], bool]:
     raw, writable = read_cache_or_warn(cache, CACHE_KEY, WHAT)
     out: dict[str, float] = {}
     for nodeid, seconds in raw.items() if isinstance(raw, dict) else ():
-        if isinstance(nodeid, str) and isinstance(seconds, int | float):
-            if math.isfinite(seconds) and seconds >= 0:
+        if not isinstance(nodeid, str) or len(nodeid) > MAX_KEY_CHARS:
+            continue
+        # Compared before float(): float() of an int over a float's range raises; NaN and
+        # infinity fail the comparison.
+        if isinstance(seconds, int | float) and not isinstance(seconds, bool):
+            if 0 <= seconds <= MAX_SECONDS:
                 out[nodeid] = float(seconds)
     return out, writable
 

@@ -179,16 +179,16 @@ def vram_row(result: TestResult, leak_threshold: int) -> dict[str, Any]:
     }
 
 
-def write_file(path: Path, write: Callable[[IO[bytes]], None], flag: str | None = None) -> None:
+def write_file(path: Path, write: Callable[[IO[bytes]], None], flag: str) -> None:
     """Write ``path`` without ever destroying what is there if it fails or is not ours.
 
     ``write`` fills a temporary file created exclusively (``O_EXCL``, mode 0600, never
     through a link) in the same directory; it is synced, then renamed over ``path`` only if
-    ``path`` is still a regular file or absent, and, for a report of ``flag``, one the plugin
-    wrote for this user (:func:`refusal`: what another user put there during the run is
-    theirs). A reader never sees a half-written file, a failure (disk full, directory gone,
-    read-only file system) leaves the old file intact and no temporary behind, and a device
-    node or a link planted at ``path`` during the run is left alone. Raises ``OSError`` or
+    nothing is there or a file of ``flag``'s kind (a report, a snapshot) that the plugin
+    wrote for this user (:func:`refusal`: what another user put there is theirs). A reader
+    never sees a half-written file, a failure (disk full, directory gone, read-only file
+    system) leaves the old file intact and no temporary behind, and a device node or a link
+    planted at ``path`` during the run is left alone. Raises ``OSError`` or
     :class:`TargetError`.
     """
     private = _make_directories(path.parent)
@@ -211,7 +211,7 @@ def write_file(path: Path, write: Callable[[IO[bytes]], None], flag: str | None 
             mode = stat.S_IFREG
         if not stat.S_ISREG(mode):
             raise TargetError(f"{named(str(path))} is now {file_kind(mode)}; it is left alone")
-        if flag is not None and (problem := refusal(path, named(str(path)), flag)) is not None:
+        if (problem := refusal(path, named(str(path)), flag)) is not None:
             raise TargetError(f"{problem}; it is left alone")
         os.replace(temporary, path)
     except BaseException:

@@ -35,7 +35,7 @@ from pytest_ctresources.report import files
 from pytest_ctresources.report.snapshot_sites import alive_at_peak, top_sites
 from pytest_ctresources.settings.activation import activation_of
 from pytest_ctresources.settings.markers import VramNeed
-from pytest_ctresources.settings.report_paths import TargetError
+from pytest_ctresources.settings.report_paths import SNAPSHOT_FLAG, TargetError
 
 SNAPSHOT_SUFFIX = ".pickle"
 #: How much of a node id a file name keeps (its hash keeps names of longer ones apart).
@@ -128,12 +128,15 @@ class SnapshotRecorder:
             if not found and self.mode != "always":
                 return
             data = state.kernel_snapshot
-            path = self._directory() / file_name(item.nodeid)
+            path = Path(file_name(item.nodeid))
             try:
+                # The directory is made here, inside the warning's reach: the default one,
+                # in pytest's cache, may be a FIFO or a file someone left there.
+                path = self._directory() / path
                 snapshot = pickle.loads(data) if data is not None else take_snapshot()
                 content = data or pickle.dumps(snapshot)
                 files.private_directory(path.parent)
-                files.write_file(path, functools.partial(_write, content))
+                files.write_file(path, functools.partial(_write, content), SNAPSHOT_FLAG)
             except (OSError, RuntimeError, pickle.UnpicklingError, TargetError) as exc:
                 # A snapshot that cannot be written never changes the test's outcome.
                 warnings.warn(

@@ -21,6 +21,10 @@ SCHEMA = "pytest-ctresources-report"
 #: The options that name the report files, as their declarations spell them.
 JSON_FLAG = str(Declared.report_json.option)
 PLOT_FLAG = str(Declared.report_plot.option)
+SNAPSHOT_FLAG = str(Declared.snapshot.option)
+#: How a pickle of protocol 2 or later begins (its ``PROTO`` opcode), as every memory
+#: snapshot does: torch's and the kernels' are written with ``pickle``'s default protocol.
+PICKLE_MARK = b"\x80"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 #: How every JSON report begins: an object whose first key is ``schema``, the report's
 #: (``json.dumps`` keeps it first; any spacing, as a tool that rewrites the file may leave).
@@ -92,6 +96,8 @@ def _recognised(handle: IO[bytes], size: int, path: Path, flag: str) -> bool:
     head = handle.read(HEAD_BYTES)
     if flag == JSON_FLAG:
         return JSON_MARK.match(head) is not None
+    if flag == SNAPSHOT_FLAG:
+        return head.startswith(PICKLE_MARK)
     suffix = path.suffix.lower()
     if suffix == ".svg":
         mark = f"<dc:description>{MARK_TEXT}</dc:description>"
@@ -135,7 +141,9 @@ def refusal(path: Path, value: str, flag: str) -> str | None:
         if info.st_size == 0 or _recognised(handle, info.st_size, path, flag):
             return None
     what = "a pytest-ctresources JSON report"
-    if flag == PLOT_FLAG:
+    if flag == SNAPSHOT_FLAG:
+        what = "a memory snapshot (a pickle)"
+    elif flag == PLOT_FLAG:
         kind = PLOT_FORMATS.get(path.suffix.lower(), (None, "a VRAM plot"))[1]
         what = f"{kind} that pytest-ctresources wrote (its VRAM plot)"
     return f"{value} exists and is not {what}"
