@@ -42,6 +42,10 @@ DEEP = "[" * 20_000 + "]" * 20_000
 BOMB = "  l0: &l0 [x, x, x, x, x, x, x, x, x]\n" + "".join(
     f"  l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in range(1, 9)
 )
+# Few values, much text: 1,000 aliases of one 100,000-character string.
+TEXT_BOMB = f"  s: &s {'x' * 100_000}\n  b: &b [{', '.join(['*s'] * 10)}]\n" + "".join(
+    f"  {name}: &{name} [{', '.join([f'*{below}'] * 10)}]\n" for below, name in ("bc", "cd")
+)
 GOOD_TEST = "def test_good():\n    pass\n"
 VICTIM_TEXT = "precious\n"
 
@@ -466,8 +470,15 @@ ROWS: list[Row] = [
     yaml("yaml-vram-2000", "VRAM_GIB: 2000\n", "at most 1024 GiB"),
     yaml("yaml-params-not-mapping", "PARAMS: 3\n", "PARAMS must be a mapping"),
     yaml("yaml-params-5000-digits", f"PARAMS:\n  seed: {BIG_INT}\n", "line 2 has 5000 digits"),
+    # Base 60: built by multiplication, in time quadratic in its length (a MiB took minutes).
+    yaml(
+        "yaml-params-base-60",
+        f"PARAMS:\n  seed: {'1:' * 2200}1\n",
+        "line 2 is 4401 characters, more",
+    ),
     yaml("yaml-params-20000-deep", f"PARAMS: {DEEP}\n", "nested deeper than 64 levels"),
     yaml("yaml-params-billion-laughs", "PARAMS:\n" + BOMB, "more than 100000 values"),
+    yaml("yaml-params-laughs-of-text", "PARAMS:\n" + TEXT_BOMB, "more than 16777216 characters"),
     yaml("yaml-params-recursive-alias", "PARAMS:\n  a: &a [1, *a]\n", "recursive alias"),
     yaml("yaml-notebook-not-a-path", "NOTEBOOK: 3\n", "NOTEBOOK must be a notebook path"),
     yaml("yaml-not-utf8", "BATCH_SIZE: \udcff\n", "not UTF-8 text"),

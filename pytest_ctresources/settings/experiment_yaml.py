@@ -1,14 +1,15 @@
 """Flat experiment YAML files: ``MODEL_NAME``, ``BATCH_SIZE``, ... and a ``PARAMS`` mapping.
 
 Read with PyYAML's safe loader only, and bounded (:data:`MAX_BYTES`, :data:`MAX_DEPTH`,
-:data:`MAX_VALUES`): a config is user input that pytest reads before any test runs, and
-a hostile one (nested 20,000 deep, a billion-laughs alias bomb, an alias that contains
-itself, a 5000-digit integer) must be one clear error, not a ``RecursionError``, a hang or
-an ``INTERNALERROR``. Every top-level key is one of ours (a
-:data:`~pytest_ctresources.settings.config.FIELDS` name in upper case) or ``PARAMS``, the one home
-for the experiment's own parameters (prompts, layer lists a notebook uses); anything else
-is a :class:`~pytest_ctresources.settings.config.ConfigError` with a did-you-mean suggestion, so a
-typo such as ``BATCH_SIZ`` never silently runs at the default.
+:data:`MAX_VALUES`, :data:`MAX_CHARS`, :data:`MAX_INT_CHARS`): a config is user input that
+pytest reads before any test runs, and a hostile one (nested 20,000 deep, a billion-laughs
+alias bomb, an alias that contains itself, a 5000-digit integer) must be one clear error,
+not a ``RecursionError``, a hang, a ``MemoryError`` or an ``INTERNALERROR``. Every top-level
+key is one of ours (a :data:`~pytest_ctresources.settings.config.FIELDS` name in upper case)
+or ``PARAMS``, the one home for the experiment's own parameters (prompts, layer lists a
+notebook uses); anything else is a :class:`~pytest_ctresources.settings.config.ConfigError`
+with a did-you-mean suggestion, so a typo such as ``BATCH_SIZ`` never silently runs at the
+default.
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ MAX_DEPTH = 64
 #: a notebook's injected cell will hold. Aliases are legal YAML and stay allowed; a
 #: billion-laughs document (9 aliases of 9 aliases ...) expands to 10**9 and is refused.
 MAX_VALUES = 100_000
+#: The most characters the scalars hold once aliases are expanded: a few aliases of aliases
+#: of one long string are few values and gigabytes of text.
+MAX_CHARS = 16 * MIB
+#: The longest integer Python reads from text (``sys.int_info.default_max_str_digits``): a
+#: longer one is refused before PyYAML builds it (a base-60 ``1:1:1:...`` is built by
+#: repeated multiplication, which no digit limit stops, in time quadratic in its length).
+MAX_INT_CHARS = 4300
 _INT_TAG = "tag:yaml.org,2002:int"
 _FLOAT_TAG = "tag:yaml.org,2002:float"
 _MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -103,11 +111,15 @@ def _check_scalar(loader: Any, node: Any) -> None:
         return
     if node.tag == _INT_TAG:
         try:
+            if len(node.value) > MAX_INT_CHARS:
+                raise ValueError
             loader.construct_yaml_int(node)
         except ValueError:  # over sys.get_int_max_str_digits() (4300) digits
+            text = node.value
+            size = f"has {len(text)} digits" if text.isdigit() else f"is {len(text)} characters"
             raise _TooComplex(
-                f"the integer at line {_line(node)} has {len(node.value)} digits, more than "
-                "Python reads (4300)"
+                f"the integer at line {_line(node)} {size}, more than Python reads "
+                f"({MAX_INT_CHARS})"
             ) from None
     elif node.tag == _FLOAT_TAG:
         text = node.value.lower()
@@ -139,12 +151,14 @@ def _check_mapping_keys(node: Any) -> None:
 
 
 def _check_graph(loader: Any, root: Any) -> None:
-    """Walk the composed node graph once (aliases are shared nodes): count the values and
-    the depth it expands to, find an alias inside the value it names, and check scalars.
+    """Walk the composed node graph once (aliases are shared nodes): count the values, the
+    characters and the depth it expands to, find an alias inside the value it names, and
+    check scalars.
 
     Iterative, memoised per node: a chain of aliases can be deeper than Python's stack,
     and the walk costs the size of the document, not of its expansion."""
     values: dict[int, int] = {}
+    chars: dict[int, int] = {}
     depths: dict[int, int] = {}
     on_path: set[int] = set()
     stack: list[tuple[Any, bool]] = [(root, False)]
@@ -155,10 +169,16 @@ def _check_graph(loader: Any, root: Any) -> None:
             on_path.discard(key)
             children = _children(node)
             values[key] = 1 + sum(values[id(child)] for child in children)
+            own = len(node.value) if isinstance(node.value, str) else 0  # a scalar's text
+            chars[key] = own + sum(chars[id(child)] for child in children)
             depths[key] = 1 + max((depths[id(child)] for child in children), default=0)
             if values[key] > MAX_VALUES:
                 raise _TooComplex(
                     f"its aliases expand it to more than {MAX_VALUES} values (the limit)"
+                )
+            if chars[key] > MAX_CHARS:
+                raise _TooComplex(
+                    f"its aliases expand it to more than {MAX_CHARS} characters (the limit)"
                 )
             if depths[key] > MAX_DEPTH:
                 raise _TooComplex(
