@@ -229,6 +229,23 @@ ROWS: list[Row] = [
     option("capacity-nan", "--ct-vram-capacity", "nan", message="positive number of GiB"),
     option("capacity-2000", "--ct-vram-capacity", "2000", message="at most 1024 GiB"),
     option("report-top-zero", "--ct-report-top", "0", message="positive integer"),
+    # --- --ct-plan, --ct-runner-gpus, --ct-shard, --ct-plan-workers: bounded, quoted short --
+    # (10**20 GPUs was an OverflowError traceback, 10**6 a hang; 10**20 jobs an INTERNALERROR,
+    # 10**9 a MemoryError; 3,000,000 workers a hang; a 5000-character value quoted whole.)
+    option("plan-10**20-gpus", "--ct-plan", f"{10**20}x80", message="more than 1024 GPUs"),
+    option("plan-million-gpus", "--ct-plan", "1000000x80", message="more than 1024 GPUs"),
+    option("plan-5000-characters", "--ct-plan", "x" * 5000, message="(5000 characters) is"),
+    option(
+        "runner-gpus-10**20",
+        "--ct-runner-gpus",
+        f"{10**20}x80",
+        "--ct-shard",
+        "1/2",
+        message="more than 1024 GPUs",
+    ),
+    option("shard-10**20-jobs", "--ct-shard", f"1/{10**20}", message="at most 1024 jobs"),
+    option("shard-5000-characters", "--ct-shard", "1/" + "x" * 5000, message="is not K/N"),
+    option("plan-workers-3000000", "--ct-plan-workers", "3000000", message="at most 64"),
     option("fail-on-increase-word", "--ct-fail-on-increase", "lots", message="a percentage"),
     option(
         "fail-on-increase-1e400",

@@ -123,6 +123,9 @@ def test_empty_fake_gpus_means_no_gpu() -> None:
         ("-1", [], []),
         ("", [], []),
         ("1gpu", ["B"], [1]),  # CUDA reads indices like strtoul
+        ("1\u00b2", ["B"], [1]),  # ... whose digits are ASCII: not '²' (an INTERNALERROR once)
+        ("\u0661", [], []),  # nor ARABIC-INDIC DIGIT ONE, once read as GPU 1
+        ("0," + "9" * 5000, ["A"], [0]),  # beyond a C long: strtol clamps, out of range
         ("GPU-fake-2,GPU-fake-0", ["C", "A"], [2, 0]),
         ("GPU-fake-2,0", ["C"], [2]),  # the first entry fixes the kind of the list
         ("0,GPU-fake-2", ["A"], [0]),
@@ -179,6 +182,8 @@ def test_exact_fake_uuid_beats_longer_prefix_match() -> None:
         ("MIG-ab,MIG-cd,3", ["MIG-ab", "MIG-cd"]),
         ("0,GPU-ab", ["0"]),
         ("0gpu,1 2", ["0", "1"]),
+        ("1," + "9" * 5000, ["1", str(2**63 - 1)]),
+        ("-" + "9" * 30, []),
     ],
 )
 def test_parse_visible_devices(value: str | None, expected: list[str] | None) -> None:

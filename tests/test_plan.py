@@ -105,6 +105,18 @@ def test_ct_plan_collects_only_and_prints_where_each_test_runs(pytester: pytest.
     )
 
 
+def test_a_plan_on_a_detected_gpu_of_a_sliver_of_a_gib(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The detected GPUs are rounded as the plan shows them, never to nothing: a capacity of
+    1e-4 GiB (a valid --ct-vram-capacity) was a ZeroDivisionError, an INTERNALERROR."""
+    monkeypatch.setenv("CT_FAKE_GPUS", "H200=80")
+    pytester.makepyfile(SUITE)
+    result = pytester.runpytest("--ct-plan", "--ct-vram-capacity", "1e-4", "-p", "no:randomly")
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(["ctresources plan: 6 test(s) on 1 GPU(s)*"])
+
+
 def test_ct_resources_plan_prints_json(
     pytester: pytest.Pytester, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -43,7 +43,7 @@ DEFAULT_CEILING: Final = CircuitTracerConfig.defaults().batch_size_max
 def _dtype(text: str) -> str:
     value = DTYPE_ALIASES.get(text, text)
     if value not in DTYPES:
-        raise argparse.ArgumentTypeError(f"must be one of {', '.join(DTYPES)}; got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(DTYPES)}; got {shown(text)}")
     return value
 
 

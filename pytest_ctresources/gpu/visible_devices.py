@@ -80,12 +80,20 @@ def _strtoul(text: str) -> int | None:
     do we, so that all three agree on which GPUs a process gets.
     """
     end = 1 if text[:1] in ("+", "-") else 0
-    while end < len(text) and text[end].isdigit():
+    while end < len(text) and text[end] in _ASCII_DIGITS:  # str.isdigit() takes '²' too
         end += 1
     digits = text[:end]
     if not digits.lstrip("+-"):
         return None
+    if end > _LONG_DIGITS:  # beyond a C long: strtol clamps
+        return -_LONG_MAX - 1 if digits.startswith("-") else _LONG_MAX
     return int(digits)
+
+
+_ASCII_DIGITS = "0123456789"
+#: The largest C ``long`` (64-bit), and the digits beyond which a number is surely over it.
+_LONG_MAX = 2**63 - 1
+_LONG_DIGITS = 20
 
 
 # --------------------------------------------------------------------------- selection

@@ -45,6 +45,7 @@ from pytest_ctresources.settings.parsers import (
     shard,
     snapshot_mode,
     text,
+    workers_per_gpu,
 )
 from pytest_ctresources.settings.sources import Sourced
 
@@ -354,7 +355,7 @@ class Declared:
         const="detected",
     )
     plan_workers = Setting(
-        positive_count,
+        workers_per_gpu,
         "workers per GPU in `--ct-plan`",
         metavar="N",
         ini=False,

@@ -78,6 +78,19 @@ def positive_count(text: str) -> int:
     return value
 
 
+#: The most xdist workers ``--ct-plan`` puts on one GPU: more than a GPU's memory divides
+#: among, few enough that simulating them stays instant.
+MAX_WORKERS_PER_GPU = 64
+
+
+def workers_per_gpu(text: str) -> int:
+    """Parse ``--ct-plan-workers``: a positive count, at most :data:`MAX_WORKERS_PER_GPU`."""
+    value = positive_count(text)
+    if value > MAX_WORKERS_PER_GPU:
+        raise ValueError(f"must be at most {MAX_WORKERS_PER_GPU}, got {shown(text)}")
+    return value
+
+
 def non_negative_gib(text: str) -> float:
     """Parse a number of GiB that may be 0, at most ``MAX_GIB``."""
     return _number(

@@ -23,6 +23,8 @@ import heapq
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from pytest_ctresources.units import shown
+
 #: Duration assumed for a test with no learned duration, when no test has one.
 DEFAULT_DURATION_S = 1.0
 
@@ -486,13 +488,19 @@ def shard(
     ]
 
 
+#: The most jobs ``--ct-shard`` divides a suite among: more than any CI matrix runs.
+MAX_JOBS = 1024
+
+
 def parse_shard(text: str) -> tuple[int, int]:
     """``"2/5"`` -> (2, 5); ValueError naming what is wrong."""
     k_text, sep, n_text = text.partition("/")
     try:
         k, n = int(k_text), int(n_text)
     except ValueError:
-        raise ValueError(f"{text!r} is not K/N (e.g. 2/5)") from None
+        raise ValueError(f"{shown(text)} is not K/N (e.g. 2/5)") from None
     if not sep or n < 1 or not 1 <= k <= n:
-        raise ValueError(f"{text!r}: expected K/N with 1 <= K <= N")
+        raise ValueError(f"{shown(text)}: expected K/N with 1 <= K <= N")
+    if n > MAX_JOBS:
+        raise ValueError(f"{shown(text)}: at most {MAX_JOBS} jobs")
     return k, n

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pytest_ctresources.units import shown
 from pytest_ctresources.xdist.placement import (
     Demand,
     Dispatcher,
@@ -43,7 +44,10 @@ GPU_NAMES: Mapping[str, float] = {
     "T4": 16.0,
 }
 
-_COUNT = re.compile(r"^(\d+)\s*[xX*]\s*(.+)$")
+_COUNT = re.compile(r"^([0-9]+)\s*[xX*]\s*(.+)$")
+#: The most GPUs a plan or a shard's runners name: more than any matrix has, few enough
+#: that simulating them stays instant.
+MAX_GPUS = 1024
 
 
 @dataclass(frozen=True)
@@ -63,20 +67,24 @@ def parse_gpus(text: str) -> list[PlanGpu]:
         if not entry:
             continue
         match = _COUNT.match(entry)
-        count, what = (int(match.group(1)), match.group(2).strip()) if match else (1, entry)
+        digits, what = (match.group(1), match.group(2).strip()) if match else ("1", entry)
+        # Many digits are over MAX_GPUS anyway (and int() refuses more than 4300 of them).
+        count = int(digits) if len(digits) <= 6 else MAX_GPUS + 1
         if count < 1:
-            raise ValueError(f"{entry!r}: the count must be at least 1")
+            raise ValueError(f"{shown(entry)}: the count must be at least 1")
         name = what.upper()
         gib = GPU_NAMES.get(name) or _gib(what)
         if gib is None:
             known = ", ".join(GPU_NAMES)
             raise ValueError(
-                f"{entry!r} is neither GiB (e.g. 2x80) nor a GPU name; names known: {known}"
+                f"{shown(entry)} is neither GiB (e.g. 2x80) nor a GPU name; names known: {known}"
             )
         name = name if name in GPU_NAMES else f"{gib:g} GiB"
+        if len(out) + count > MAX_GPUS:
+            raise ValueError(f"{shown(text)} names more than {MAX_GPUS} GPUs")
         out.extend([PlanGpu(name, gib)] * count)
     if not out:
-        raise ValueError(f"{text!r} names no GPU (e.g. 2x80,4x24)")
+        raise ValueError(f"{shown(text)} names no GPU (e.g. 2x80,4x24)")
     return out
 
 

@@ -35,7 +35,8 @@ def detected_gpus(facts: GpuFacts, capacity_gib: float | None) -> list[PlanGpu]:
     out = []
     for gpu in facts.gpus:
         gib = gpu.total_gib if capacity_gib is None else min(capacity_gib, gpu.total_gib)
-        out.append(PlanGpu(gpu.name, round(gib, 3)))
+        # Rounded as the plan shows it, never to nothing (a capacity of 1e-4 GiB divided by 0).
+        out.append(PlanGpu(gpu.name, round(gib, 3) or gib))
     return out
 
 
