@@ -63,7 +63,7 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     count (``batch_size`` in a YAML file means ``BATCH_SIZE``)."""
     by_lower = {candidate.lower(): candidate for candidate in candidates}
     close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.6)
-    return f" (did you mean {by_lower[close[0]]}?)" if close else ""
+    return f" (did you mean {named(by_lower[close[0]])}?)" if close else ""
 
 
 def bytes_text(count: float) -> str:

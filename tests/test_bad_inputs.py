@@ -498,6 +498,11 @@ ROWS: list[Row] = [
     yaml("yaml-params-laughs-of-text", "PARAMS:\n" + TEXT_BOMB, "more than 16777216 characters"),
     yaml("yaml-params-recursive-alias", "PARAMS:\n  a: &a [1, *a]\n", "recursive alias"),
     yaml("yaml-notebook-not-a-path", "NOTEBOOK: 3\n", "NOTEBOOK must be a notebook path"),
+    yaml(
+        "yaml-notebook-escape-sequence",  # was the item's name, shown raw
+        'NOTEBOOK: "nope\\nFAKE PASSED\\e[2J.ipynb"\n',
+        "NOTEBOOK must be a notebook path, got 'nope\\nFAKE PASSED\\x1b[2J.ipynb'",
+    ),
     yaml("yaml-not-utf8", "BATCH_SIZE: \udcff\n", "not UTF-8 text"),
     # --- markers: the test that carries one fails alone, at setup ---------------------------
     marker("vram-inf", "vram(gib=float('inf'))", "at most 1024 GiB, got inf"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,21 @@ def test_yaml_values_params_and_sources(tmp_path: Path) -> None:
     assert cfg.params == {"LAYERS": [1, 2]}
     assert str(cfg.source_of("batch_size")) == f"BATCH_SIZE in {path}"
     assert cfg.source_of("offload").kind == "default"
+
+
+def test_params_with_keys_json_cannot_hold_are_in_the_report_as_text(tmp_path: Path) -> None:
+    """YAML keys may be dates, bytes or timestamps; the config's dict for the JSON report names
+    them as text (``json.dumps`` refused them, and the whole report was lost)."""
+    path = write(
+        tmp_path,
+        "PARAMS:\n  RUNS: {2024-01-01: base, !!binary aGk=: b, 7: c, null: d}\n  N: [{2024-01-02: 1}]\n",
+    )
+    cfg = load_experiment_yaml(path).apply(CircuitTracerConfig.defaults())
+    document = json.loads(json.dumps(cfg.to_dict(), default=str))
+    assert document["params"] == {
+        "RUNS": {"2024-01-01": "base", "b'hi'": "b", "7": "c", "null": "d"},
+        "N": [{"2024-01-02": 1}],
+    }
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ from pytest_ctresources.notebooks.params import (
     INJECTED_TAG,
     NotALiteral,
     check_params,
+    has_parameters_cell,
     inject_parameters,
     injected_values,
     notebook_metadata,
@@ -95,6 +96,18 @@ def test_injected_cell_goes_after_the_parameters_cell() -> None:
     cell = nb.cells[1]
     assert cell.metadata["tags"] == [INJECTED_TAG]
     assert "BATCH_SIZE = 64" in cell.source and "PROMPT = 'hi'" in cell.source
+
+
+@pytest.mark.parametrize("tags", [5, None, "parameters", {"parameters": 1}])
+def test_tags_that_are_not_a_list_are_no_tags(tags: object) -> None:
+    """A cell's ``tags`` that is not a list (nbmake alone runs such a notebook) once failed
+    the item with a TypeError traceback, or aborted the collection of a NOTEBOOK: config."""
+    nb = notebook("x = 1", parameters="BATCH_SIZE = 256")
+    for cell in nb.cells:
+        cell.metadata["tags"] = tags
+    assert not has_parameters_cell(nb)
+    assert inject_parameters(nb, {"BATCH_SIZE": 64}) == AT_TOP
+    assert len(nb.cells) == 3
 
 
 def test_without_parameters_cell_the_injected_cell_goes_first() -> None:

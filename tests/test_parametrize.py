@@ -90,6 +90,16 @@ def test_ids_are_short_safe_and_deterministic() -> None:
         ),
         ({}, "PROMPTS", ("prompt",), "exp.yaml: PARAMS has no key 'PROMPTS'; its keys: none"),
         (
+            # Keys are data: quoted escaped and short, the first ten listed (they were raw:
+            # a newline, an escape sequence and 5000 characters reached the terminal).
+            {"PROMPT\nS": 1, "x\x1b[31m": 2, "k" * 5000: 3, **{f"K{i}": i for i in range(10)}},
+            "PROMPTS",
+            ("prompt",),
+            "exp.yaml: PARAMS has no key 'PROMPTS' (did you mean 'PROMPT\\nS'?); its keys: "
+            f"'PROMPT\\nS', 'x\\x1b[31m', '{'k' * 17}...{'k' * 18}' (5000 characters), K0, K1, "
+            "K2, K3, K4, K5, K6 and 3 more",
+        ),
+        (
             {"PROMPT": "a"},
             "PROMPT",
             ("prompt",),

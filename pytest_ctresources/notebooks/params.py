@@ -184,9 +184,16 @@ def injected_source(values: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _tags(cell: Any) -> list[Any]:
+    """A cell's tags. Anything but a list (``5``, ``null``) is no tags, as nbmake, which
+    never reads them, runs such a notebook."""
+    tags = cell.get("metadata", {}).get("tags", [])
+    return tags if isinstance(tags, list) else []
+
+
 def has_parameters_cell(nb: NotebookNode) -> bool:
     """Whether ``nb`` has a cell tagged ``parameters``."""
-    return any(PARAMETERS_TAG in cell.get("metadata", {}).get("tags", []) for cell in nb.cells)
+    return any(PARAMETERS_TAG in _tags(cell) for cell in nb.cells)
 
 
 def inject_parameters(nb: NotebookNode, values: Mapping[str, Any]) -> str:
@@ -199,12 +206,10 @@ def inject_parameters(nb: NotebookNode, values: Mapping[str, Any]) -> str:
     """
     from nbformat.v4 import new_code_cell
 
-    nb.cells = [
-        cell for cell in nb.cells if INJECTED_TAG not in cell.get("metadata", {}).get("tags", [])
-    ]
+    nb.cells = [cell for cell in nb.cells if INJECTED_TAG not in _tags(cell)]
     cell = new_code_cell(injected_source(values), metadata={"tags": [INJECTED_TAG]})
     for index, existing in enumerate(nb.cells):
-        if PARAMETERS_TAG in existing.get("metadata", {}).get("tags", []):
+        if PARAMETERS_TAG in _tags(existing):
             nb.cells.insert(index + 1, cell)
             return AFTER_PARAMETERS
     nb.cells.insert(0, cell)

@@ -394,9 +394,24 @@ class CircuitTracerConfig:
             name: {"value": getattr(self, name), "source": str(self.source_of(name))}
             for name in FIELDS
         }
-        out["params"] = dict(self.params)
+        out["params"] = _json_keys(self.params)
         return out
 
     def describe(self) -> list[str]:
         """``name = value (source)`` lines, one per field."""
         return [f"{name} = {getattr(self, name)!r} ({self.source_of(name)})" for name in FIELDS]
+
+
+def _json_keys(value: Any) -> Any:
+    """``value`` with every mapping key one JSON can hold (a YAML key may be a date, bytes
+    or a tuple: ``json.dumps`` refuses those, and the whole JSON report was lost), as text."""
+    if isinstance(value, Mapping):
+        return {
+            key if isinstance(key, str | int | float | bool) or key is None else str(key): (
+                _json_keys(item)
+            )
+            for key, item in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [_json_keys(item) for item in value]
+    return value

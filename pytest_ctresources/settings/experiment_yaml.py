@@ -305,8 +305,10 @@ def _load(path: str, absolute: str, _mtime_ns: int) -> ExperimentFile:
             f"{type(data).__name__}"
         )
     notebook = data.pop(NOTEBOOK_KEY, None)
+    # Printable: the path names a test item, which a newline or an escape sequence in it
+    # would carry raw to the terminal (NUL included: no file system takes it).
     if notebook is not None and (
-        not isinstance(notebook, str) or not notebook.strip() or "\0" in notebook
+        not isinstance(notebook, str) or not notebook.strip() or not notebook.isprintable()
     ):
         raise ConfigError(
             f"{shown_path}: {NOTEBOOK_KEY} must be a notebook path, got {shown(notebook)}"

@@ -22,10 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pytest_ctresources.settings.config import did_you_mean, shown
+from pytest_ctresources.units import named
 
 #: The longest id made from one value; longer ones are cut and told apart by a digest.
 MAX_ID = 32
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.]+")
+#: How many of PARAMS' keys a missing key's message lists.
+_KEYS_LISTED = 10
 
 
 class ParametrizeError(Exception):
@@ -78,7 +81,10 @@ def parameter_sets(
     for a missing key, a value that is not a list, or an element that does not fit the names."""
     key, names = reference.key, reference.argnames
     if key not in params:
-        keys = ", ".join(str(name) for name in params) or "none"
+        # Keys are data: each quoted as a one-line message may show it, the first few only.
+        listed = [named(str(name)) for name in list(params)[:_KEYS_LISTED]]
+        more = len(params) - len(listed)
+        keys = ", ".join(listed) + (f" and {more} more" if more else "") if listed else "none"
         raise ParametrizeError(
             f"{config}: PARAMS has no key {shown(key)}{did_you_mean(key, map(str, params))}; "
             f"its keys: {keys}"
