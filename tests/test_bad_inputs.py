@@ -386,6 +386,7 @@ ROWS: list[Row] = [
     ini("ini-leak-1e300GiB", "ct_leak_threshold", "1e300GiB", "at most 1024GiB"),
     ini("ini-leak-1e400GiB", "ct_leak_threshold", "1e400GiB", "at most 1024GiB"),
     ini("ini-leak-negative", "ct_leak_threshold", "-1MiB", "a size such as"),
+    ini("ini-leak-spaced-digits", "ct_leak_threshold", "1 0", "a size such as"),  # not 10
     ini("ini-oom-retry-word", "ct_oom_retry", "perhaps", "true or false"),
     ini("ini-oom-retry-floor-zero", "ct_oom_retry_floor", "0", "positive integer"),
     ini("ini-oom-retry-floor-huge", "ct_oom_retry_floor", OVER_COUNT, "at most 2147483647"),

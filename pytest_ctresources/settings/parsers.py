@@ -181,9 +181,10 @@ days_or_off = _or_off(most=MAX_DAYS, unit=" days", what="a number of days")
 def byte_size(text: str) -> int:
     """Parse ``256MiB``, ``1GiB``, ``500MB`` or a bare number of MiB into bytes (at most
     ``MAX_GIB`` GiB)."""
-    cleaned = text.strip().lower().replace(" ", "")
-    number = cleaned.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = cleaned[len(number) :] or "mib"
+    cleaned = text.strip().lower()
+    unit = cleaned[len(cleaned.rstrip("abcdefghijklmnopqrstuvwxyz")) :]
+    number = cleaned.removesuffix(unit).rstrip()  # a space before the unit, none inside
+    unit = unit or "mib"
     try:
         value = float(number)
     except ValueError:
