@@ -104,6 +104,35 @@ def test_a_report_in_a_shared_place_stays_private(project: pytest.Pytester) -> N
     assert _mode(shared / "mine" / "p.png") == 0o600
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a link of another user's is made as root")
+def test_a_link_another_user_planted_in_a_shared_place_is_not_followed(
+    pytester: pytest.Pytester,
+) -> None:
+    """A link in a shared directory (sticky, anyone may write to it) made by another user who
+    does not own that directory leads nowhere the plugin writes (the kernel's
+    fs.protected_symlinks rule, kept where that is off): the report went into its target,
+    a directory of the victim's. The user's own link there is followed."""
+    shared, victim = pytester.path / "shared", pytester.path / "victim"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    victim.mkdir()
+    link = shared / "ci-reports"
+    link.symlink_to(victim)
+    os.lchown(link, 65534, 65534)
+    pytester.makepyfile(test_it="def test_one():\n    pass\n")
+    pytester.makeini("[pytest]\nct_cleanup = auto\n")
+    for option, value in (("--ct-report-json", "r.json"), ("--ct-snapshot-dir", "snaps")):
+        result = pytester.runpytest(option, f"{link}/{value}")
+        assert result.ret == pytest.ExitCode.USAGE_ERROR
+        result.stderr.fnmatch_lines(
+            [f"*{option}*ci-reports is a symbolic link that uid 65534 made in a shared dir*"]
+        )
+    assert list(victim.iterdir()) == []
+    os.lchown(link, os.geteuid(), os.getegid())
+    pytester.runpytest("--ct-report-json", f"{link}/r.json").assert_outcomes(passed=1)
+    assert (victim / "r.json").is_file()
+
+
 @pytest.mark.parametrize(
     ("name", "start"), [("p.png", PNG_MAGIC), ("p.svg", b"<?xml"), ("p.PDF", b"%PDF-")]
 )

@@ -164,6 +164,8 @@ def check_target(value: str, flag: str, invocation_dir: Path) -> Path:
         raise TargetError(f"cannot write {value}: {exc.strerror}") from None
     if mode is not None and not stat.S_ISREG(mode):
         raise TargetError(f"{value} is {file_kind(mode)}")
+    if (problem := planted_link(path)) is not None:
+        raise TargetError(f"cannot write {value}: {problem}")
     # Missing directories are created when the report is written, as --junitxml does.
     existing = existing_ancestor(path.parent)
     if not existing.is_dir():
@@ -183,6 +185,29 @@ def check_target(value: str, flag: str, invocation_dir: Path) -> Path:
     return path
 
 
+def planted_link(path: Path) -> str | None:
+    """Why a directory on the way to ``path`` may not be followed, or None: a symbolic link
+    in a shared directory (sticky, anyone may write to it: ``/tmp``) that another user made,
+    and that user does not own that directory. Linux follows no such link where
+    ``fs.protected_symlinks`` is on (the usual default); this holds where it is off, for
+    links planted before the run (a directory the plugin makes is never made over one)."""
+    for part in [*reversed(path.parents)][1:]:
+        try:
+            info = os.lstat(part)
+        except OSError:
+            return None  # what is missing is made by the plugin, never through a link
+        if not stat.S_ISLNK(info.st_mode) or info.st_uid == os.geteuid():
+            continue
+        parent = os.lstat(part.parent)
+        shared = parent.st_mode & stat.S_ISVTX and parent.st_mode & stat.S_IWOTH
+        if shared and info.st_uid != parent.st_uid:
+            return (
+                f"{named(str(part))} is a symbolic link that uid {info.st_uid} made in a shared "
+                "directory (it is not followed: name its target)"
+            )
+    return None
+
+
 def existing_ancestor(directory: Path) -> Path:
     """``directory`` or the nearest of its parents that exists (a link counts as existing)."""
     while not os.path.lexists(directory) and directory != directory.parent:
@@ -195,6 +220,8 @@ def check_directory(value: str, invocation_dir: Path) -> Path:
     private: ``report/files.py``'s ``private_directory``) or a directory, never a link.
     Raises :class:`TargetError`."""
     path = invocation_dir / value
+    if (problem := planted_link(path)) is not None:
+        raise TargetError(f"cannot write into {named(value)}: {problem}")
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
