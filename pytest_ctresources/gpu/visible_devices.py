@@ -77,7 +77,9 @@ def _strtoul(text: str) -> int | None:
 
     CUDA parses index entries this leniently (``"1gpu"`` counts as ``1``); torch's own
     CUDA_VISIBLE_DEVICES parser (``torch.cuda._parse_visible_devices``) mirrors this, and so
-    do we, so that all three agree on which GPUs a process gets.
+    do we, so that all three agree on which GPUs a process gets. Where torch's differs,
+    CUDA's reading wins: its digits are ASCII (torch's ``str.isdigit()`` also takes ``'²'``,
+    on which its ``int()`` raises), and a number past a C ``long`` is clamped.
     """
     end = 1 if text[:1] in ("+", "-") else 0
     while end < len(text) and text[end] in _ASCII_DIGITS:  # str.isdigit() takes '²' too
