@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import json
+import os
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from pytest_ctresources.session.progress import AttributionProbe, AttributionTiming
+from pytest_ctresources.session.progress_line import terminal_width
 from tests.conftest import TINY_YAML
 
 pytest_plugins = ["pytester"]
@@ -146,3 +148,22 @@ def test_the_slowest_attributions_are_in_the_summary_and_the_report(
     assert set(timings) == {"test_slow.py::test_attribution", "test_slow.py::test_two"}
     (one,) = timings["test_slow.py::test_two"]
     assert one["batch_size"] == 128 and one["batches_done"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("columns", "width"),
+    [("120", 120), ("\u0661\u0662\u0660", 120), ("\u00b2", 80), ("", 80), ("30", 80), ("x", 80)],
+)
+def test_the_terminal_width_is_read_as_pytest_reads_it(
+    monkeypatch: pytest.MonkeyPatch, columns: str, width: int
+) -> None:
+    """COLUMNS as ``shutil.get_terminal_size`` reads it (``int()``, else the terminal's, else
+    80; pytest's floor of 40): ``'²'`` passes ``str.isdigit()`` and failed the test from the
+    plugin's own ``int()``."""
+    monkeypatch.setenv("COLUMNS", columns)
+    read, write = os.pipe()  # not a terminal: no size of its own
+    try:
+        assert terminal_width(write) == width
+    finally:
+        os.close(read)
+        os.close(write)

@@ -68,8 +68,10 @@ def terminal_width(fd: int) -> int:
     """The width pytest's terminal writer uses (``_pytest._io.terminalwriter``'s
     ``get_terminal_width``, which is ``shutil.get_terminal_size``'s), of the terminal ``fd``
     is open on rather than of the captured stdout."""
-    columns = os.environ.get("COLUMNS", "")
-    width = int(columns) if columns.isdigit() else 0
+    try:  # as shutil.get_terminal_size reads it: '²' passes isdigit() and fails int()
+        width = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        width = 0
     if width <= 0:
         try:
             width = os.get_terminal_size(fd).columns
