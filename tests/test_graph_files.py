@@ -109,6 +109,8 @@ def test_graph_files_and_prune_after_a_real_attribution(pytester: pytest.Pyteste
 
 
 BAD_ARGUMENTS = r"""
+import os
+
 import pytest
 
 CALLS = {
@@ -121,11 +123,30 @@ CALLS = {
     "saved_graph": lambda s: s.graph_files("missing.pt", "capital", "out"),
     "prune_threshold": lambda s: s.prune(None, float("nan")),
     "prune_device": lambda s: s.prune(None, device="gpu"),
+    "huge_threshold": lambda s: s.graph_files(None, "capital", "out", node_threshold=10**400),
+    "index_slug": lambda s: s.graph_files(None, "graph-metadata", "out"),
+    "long_slug": lambda s: s.graph_files(None, "s" * 300, "out"),
+    "nul_in_path": lambda s: s.graph_files(None, "capital", "out\0x"),
+    "under_a_file": lambda s: s.graph_files(None, "capital", "taken/sub"),
+    "broken_link": lambda s: s.graph_files(None, "capital", "dangling"),
+    "link_at_the_file": lambda s: s.graph_files(None, "capital", "linked"),
+    "not_an_index": lambda s: s.graph_files(None, "capital", "indexed"),
+    "anyone_writes_the_graph": lambda s: s.prune("open.pt"),
 }
 
 @pytest.mark.parametrize("mistake", CALLS)
 def test_mistake(ct_session, mistake):
     open("taken", "w").close()
+    if not os.path.lexists("dangling"):
+        os.symlink("nowhere", "dangling")
+    os.makedirs("linked", exist_ok=True)
+    if not os.path.lexists("linked/capital.json"):
+        os.symlink("../victim", "linked/capital.json")
+    os.makedirs("indexed", exist_ok=True)
+    with open("indexed/graph-metadata.json", "w") as index:
+        index.write("[]")
+    open("open.pt", "w").close()
+    os.chmod("open.pt", 0o666)
     CALLS[mistake](ct_session)
 """
 
@@ -134,12 +155,24 @@ MISTAKES = [
     "E   ValueError: graph_files(node_threshold=...): must be a number from 0 to 1, got 1.5",
     "E   TypeError: graph_files(edge_threshold=...): must be a number from 0 to 1, got '0.9'",
     "E   TypeError: graph_files() got unexpected keyword argument(s) node_treshold; accepted: edge_threshold, node_threshold, scan",
-    "E   ValueError: graph_files(slug=...): must be a file name (the JSON file is <slug>.json in output_path), got '../up'",
+    "E   ValueError: graph_files(slug=...): must be a printable file name, not graph-metadata (the JSON file is <slug>.json in output_path, at most 255 bytes), got '../up'",
     "E   ValueError: graph_files(output_path=...): 'taken' exists and is not a directory",
     "E   TypeError: graph_files(graph=...): expected a circuit-tracer Graph (what attribute() returns) or the path of one saved with Graph.to_pt, got dict",
     "E   ValueError: graph_files(graph=...): no graph file 'missing.pt' (a path names a file written by Graph.to_pt)",
     "E   ValueError: prune(node_threshold=...): must be a number from 0 to 1, got nan",
     "E   ValueError: prune(device=...): not a torch device: 'gpu' (cpu, cuda, cuda:1)",
+    # Each of these was a traceback from inside (OverflowError, the index overwritten and a
+    # KeyError, OSError after the pruning ran, embedded null byte, NotADirectoryError,
+    # FileExistsError, TypeError), a write through a link, or an unpickled file anyone wrote.
+    "E   ValueError: graph_files(node_threshold=...): must be a number from 0 to 1, got an integer of about 401 digits",
+    "E   ValueError: graph_files(slug=...): * got 'graph-metadata'",
+    "E   ValueError: graph_files(slug=...): * got 'sss*' (300 characters)",
+    "E   ValueError: graph_files(output_path=...): must name a directory, got 'out\\x00x'",
+    "E   ValueError: graph_files(output_path=...): 'taken/sub' cannot be made: */taken is a file",
+    "E   ValueError: graph_files(output_path=...): 'dangling' exists and is not a directory",
+    "E   ValueError: graph_files(output_path=...): capital.json there is not a regular file (nothing is written through it)",
+    "E   ValueError: graph_files(output_path=...): graph-metadata.json there is not circuit-tracer's index of graphs (an object whose 'graphs' is a list); move it, or name another directory",
+    "E   ValueError: prune(graph=...): 'open.pt' can be written by anyone: not loaded (a graph file is a pickle, and loading one runs what it holds)",
 ]
 
 

@@ -26,17 +26,18 @@ import inspect
 import numbers
 import os
 import shlex
+import stat
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pytest_ctresources.bundled.builders import rewritten_own_tokenizer
 from pytest_ctresources.estimator.estimate import PRUNE_ADJACENCY_COPIES, prune_blocker
 from pytest_ctresources.gpu import oom
 from pytest_ctresources.session.progress import ProgressListener, PruningTiming
-from pytest_ctresources.units import bytes_text, shown
+from pytest_ctresources.units import bytes_text, named, shown
 
 if TYPE_CHECKING:
     import torch
@@ -166,10 +167,10 @@ def threshold(call: str, name: str, value: object) -> float:
     message = f"{call}({name}=...): must be a number from 0 to 1, got {shown(value)}"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(message)
-    number = float(value)
-    if not 0.0 <= number <= 1.0:  # NaN too
+    # Compared before float(): float() of an int (or a Fraction) over a float's range raises.
+    if not 0 <= cast(float, value) <= 1:  # NaN too
         raise ValueError(message)
-    return number
+    return float(value)
 
 
 def graph_of(call: str, graph: object) -> Any:
@@ -181,10 +182,16 @@ def graph_of(call: str, graph: object) -> Any:
         return graph
     if isinstance(graph, (str, os.PathLike)):
         path = os.fsdecode(graph)
-        if not os.path.isfile(path):
+        if "\0" in path or not os.path.isfile(path):
             raise ValueError(
                 f"{call}(graph=...): no graph file {shown(path)} (a path names a file "
                 "written by Graph.to_pt)"
+            )
+        problem = _not_loadable(path)
+        if problem is not None:
+            raise ValueError(
+                f"{call}(graph=...): {shown(path)} {problem}: not loaded (a graph file is a "
+                "pickle, and loading one runs what it holds)"
             )
         return Graph.from_pt(path)
     raise TypeError(
@@ -193,39 +200,115 @@ def graph_of(call: str, graph: object) -> Any:
     )
 
 
+def _not_loadable(path: str) -> str | None:
+    """Why the graph file at ``path`` is not one to unpickle: another user's, one anyone may
+    write, or reached through a link another user planted in a shared directory."""
+    from pytest_ctresources.settings.report_paths import planted_link
+
+    info = os.stat(path)
+    if info.st_uid != os.geteuid():
+        return f"belongs to uid {info.st_uid}, not to you"
+    if info.st_mode & stat.S_IWOTH:
+        return "can be written by anyone"
+    return planted_link(Path(os.path.abspath(path)))
+
+
+#: The viewer's index, which every ``graph_files`` call into a directory updates.
+METADATA_FILE = "graph-metadata.json"
+#: The longest file name, in bytes, of the usual file systems.
+MAX_NAME_BYTES = 255
+
+
 def slug_of(slug: object) -> str:
     """The graph's name, and its file's (``<slug>.json`` in the output directory)."""
     __tracebackhide__ = True
     if not isinstance(slug, str):
         raise TypeError(f"graph_files(slug=...): must be a string, got {type(slug).__name__}")
-    separators = {"/", os.sep, os.altsep or "/", "\0"}
-    if not slug or any(separator in slug for separator in separators):
+    separators = {"/", os.sep, os.altsep or "/"}
+    name = f"{slug}.json"
+    if (
+        not slug
+        or not slug.isprintable()  # NUL, a newline, a lone surrogate
+        or any(separator in slug for separator in separators)
+        or name == METADATA_FILE
+        or len(os.fsencode(name)) > MAX_NAME_BYTES
+    ):
         raise ValueError(
-            "graph_files(slug=...): must be a file name (the JSON file is <slug>.json in "
-            f"output_path), got {shown(slug)}"
+            "graph_files(slug=...): must be a printable file name, not graph-metadata (the "
+            f"JSON file is <slug>.json in output_path, at most {MAX_NAME_BYTES} bytes), got "
+            f"{shown(slug)}"
         )
     return slug
 
 
-def output_directory(output_path: object) -> str:
-    """Where the files go, absolute; created by ``create_graph_files`` if missing."""
+def output_directory(output_path: object, slug: str) -> str:
+    """Where the files go, absolute; created by ``create_graph_files`` if missing. Refuses,
+    before any pruning, what the files would be written through or over: a link another
+    user planted on the way, an entry at ``<slug>.json`` or the index that is not a regular
+    file of this user's, an index that is not circuit-tracer's."""
     __tracebackhide__ = True
+    from pytest_ctresources.settings.report_paths import existing_ancestor, planted_link
+
     if not isinstance(output_path, (str, os.PathLike)):
         raise TypeError(
             f"graph_files(output_path=...): must be a directory path, got "
             f"{type(output_path).__name__}"
         )
     given = os.fsdecode(output_path)
-    if not given:
-        raise ValueError("graph_files(output_path=...): must name a directory, got ''")
+    if not given or "\0" in given:
+        raise ValueError(f"graph_files(output_path=...): must name a directory, got {shown(given)}")
     # Absolute: create_graph_files's metadata writer asserts that the path's parent exists,
     # which a bare relative name ("graphs": its dirname is "") has not.
     directory = os.path.abspath(given)
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise ValueError(
-            f"graph_files(output_path=...): {shown(given)} exists and is not a directory"
-        )
+
+    def refuse(problem: str) -> ValueError:
+        return ValueError(f"graph_files(output_path=...): {problem}")
+
+    if (problem := planted_link(Path(directory, METADATA_FILE))) is not None:
+        raise refuse(problem)
+    if os.path.lexists(directory) and not os.path.isdir(directory):  # a broken link too
+        raise refuse(f"{shown(given)} exists and is not a directory")
+    if not os.path.isdir(directory):
+        existing = existing_ancestor(Path(directory))
+        if not existing.is_dir():
+            raise refuse(f"{shown(given)} cannot be made: {named(str(existing))} is a file")
+        return directory
+    for name in (f"{slug}.json", METADATA_FILE):
+        try:
+            info = os.lstat(os.path.join(directory, name))
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(info.st_mode):
+            raise refuse(f"{name} there is not a regular file (nothing is written through it)")
+        if info.st_uid != os.geteuid():
+            raise refuse(f"{name} there belongs to uid {info.st_uid}, not to you")
+    _check_index(os.path.join(directory, METADATA_FILE), refuse)
     return directory
+
+
+def _check_index(path: str, refuse: Callable[[str], ValueError]) -> None:
+    """The viewer's index, if there is one, is what ``create_graph_files`` adds to: an object
+    whose ``graphs`` is a list (anything else was a TypeError or KeyError from inside it)."""
+    __tracebackhide__ = True
+    import json
+
+    from pytest_ctresources.reading import Unreadable, read_regular
+
+    if not os.path.lexists(path):
+        return
+    try:
+        index = json.loads(read_regular(path, _MAX_INDEX_BYTES, follow_links=False))
+    except (Unreadable, ValueError, RecursionError):
+        index = None
+    if not isinstance(index, dict) or not isinstance(index.get("graphs"), list):
+        raise refuse(
+            f"{METADATA_FILE} there is not circuit-tracer's index of graphs (an object whose "
+            "'graphs' is a list); move it, or name another directory"
+        )
+
+
+#: The largest viewer index read (a few hundred bytes per graph).
+_MAX_INDEX_BYTES = 64 << 20
 
 
 def graph_files_extras(call: str, extras: Mapping[str, Any]) -> dict[str, Any]:

@@ -273,7 +273,7 @@ class CtSession:
         nodes = pruning.threshold("graph_files", "node_threshold", node_threshold)
         edges = pruning.threshold("graph_files", "edge_threshold", edge_threshold)
         name = pruning.slug_of(slug)
-        directory = pruning.output_directory(output_path)
+        directory = pruning.output_directory(output_path, name)
         loaded = pruning.graph_of("graph_files", graph)
         device = pruning.device_of("graph_files", None)  # where create_graph_files prunes
         run = pruning.PruningRun("graph_files", loaded, device, nodes, edges, self.progress)
