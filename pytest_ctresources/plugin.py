@@ -452,7 +452,11 @@ def pytest_report_to_serializable(
 def pytest_report_from_serializable(config: pytest.Config, data: dict[str, Any]) -> None:
     # The controller's side of the above, before pytest makes the report of ``data``.
     properties = data.get("user_properties")
-    if properties and any(isinstance(value, dict) for _name, value in properties):
+    # Any entry a project appended, pairs or not: only a pair holding a dict can be shipped.
+    if properties and any(
+        isinstance(entry, list | tuple) and len(entry) == 2 and isinstance(entry[1], dict)
+        for entry in properties
+    ):
         from pytest_ctresources.core.record import unshipped
 
         received = unshipped(properties)

@@ -1404,6 +1404,48 @@ def test_malformed_durations_are_left_out_and_saved_over(
     assert saved == ({"gone\ud800.py::test": 1.0} if case == "lone-surrogate-key" else {})
 
 
+OWN_PROPERTIES = """
+import pytest
+
+@pytest.mark.parametrize("name, value", [
+    ("ct_resident_model", "my-model"),
+    ("ct_own_settings", "abc"),
+    ("ct_own_settings", ["abc"]),
+    ("ct_peak_allocated_bytes", "x"),
+    ("ct_peak_increase", "x"),
+    ("ct_figures_closed", True),
+])
+def test_own_property(record_property, name, value):
+    record_property(name, value)
+
+def test_not_a_pair(request):
+    request.node.user_properties.append(("mine", 1, 2))
+
+def test_after():
+    pass
+"""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("-v", "-o", "ct_cleanup=auto"), ("-n", "2", "-o", "ct_cleanup=auto"), ("-n", "2")],
+    ids=["asking", "asking-xdist", "not-asking-xdist"],
+)
+def test_a_projects_own_properties_are_data(
+    pytester: pytest.Pytester, args: tuple[str, ...]
+) -> None:
+    """A test's own ``ct_*`` property of another type than the plugin's field (an
+    INTERNALERROR that ended the run, or a traceback in the summary) is not the plugin's
+    record, and an entry that is not a pair (pytest copes) crashed the run, or an xdist worker
+    of a project that never asked for the plugin."""
+    pytester.makepyfile(test_own=OWN_PROPERTIES)
+    result = pytester.runpytest("-p", "no:randomly", *args)
+    output = result.stdout.str() + result.stderr.str()
+    assert "INTERNALERROR" not in output and "Traceback" not in output, output
+    assert "node down" not in output and "crashed" not in output, output
+    result.assert_outcomes(passed=8)
+
+
 def test_a_node_id_with_a_bar_keeps_its_learned_need() -> None:
     """A key is a JSON array, not text joined by a separator: a parameter id holding a
     ``|`` (``test[a|b]``) once made its need stale, so it was pruned at every run and never

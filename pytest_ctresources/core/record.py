@@ -7,14 +7,18 @@ end of its teardown, as one flat ``ct_<field>`` property per field that has a va
 (:meth:`TestRecord.to_properties`), and read back on the controller from that report
 (:meth:`TestRecord.from_properties`). The field names are the one list both sides use: rename
 a field and both sides follow. Every field has a default, so a record from a worker of another
-version reads with what it has, and an unknown property is ignored.
+version reads with what it has, and an unknown property is ignored. The properties are data: a
+project's own test may set a ``ct_`` one, or an entry that is not a pair; only a pair whose
+value has its field's type is read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable
+import types
+import typing
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -159,21 +163,57 @@ class TestRecord:
     def from_properties(cls, properties: Iterable[tuple[str, object]]) -> TestRecord:
         """The record a teardown report's ``user_properties`` carry (the last of a name wins;
         properties that are not the plugin's are ignored)."""
-        names = {spec.name for spec in dataclasses.fields(cls)}
+        hints = _field_hints()
         values: dict[str, Any] = {}
-        for key, value in properties:
-            if isinstance(key, str) and key.startswith(PROPERTY_PREFIX):
+        for key, value in _pairs(properties):
+            if key.startswith(PROPERTY_PREFIX):
                 name = key[len(PROPERTY_PREFIX) :]
-                if name in names:
+                if name in hints and _fits(value, hints[name]):
                     values[name] = value
         return cls(**values)
 
     @staticmethod
     def carries(properties: Iterable[tuple[str, object]]) -> bool:
         """Whether any of ``properties`` is the plugin's."""
-        return any(
-            isinstance(key, str) and key.startswith(PROPERTY_PREFIX) for key, _value in properties
+        return any(key.startswith(PROPERTY_PREFIX) for key, _value in _pairs(properties))
+
+
+def _pairs(properties: Iterable[object]) -> Iterator[tuple[str, object]]:
+    """The ``(name, value)`` pairs among ``properties`` whose name is text (a project may
+    append anything to ``user_properties``; pytest's own reports and junit XML cope)."""
+    for entry in properties:
+        if isinstance(entry, tuple | list) and len(entry) == 2 and isinstance(entry[0], str):
+            yield entry[0], entry[1]
+
+
+@functools.cache
+def _field_hints() -> dict[str, Any]:
+    """Each field's type, resolved once."""
+    return typing.get_type_hints(TestRecord)
+
+
+def _fits(value: object, hint: Any) -> bool:
+    """Whether ``value`` has the type ``hint`` names (a record's field: scalars, optionals,
+    lists, dicts, the TypedDicts above; a dict's contents are the plugin's own)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, arg) for arg in args)
+    if hint is type(None):
+        return value is None
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if origin is list:
+        return isinstance(value, list) and all(_fits(item, args[0]) for item in value)
+    if typing.is_typeddict(hint):
+        keys = typing.get_type_hints(hint)
+        return isinstance(value, dict) and all(
+            key in value and _fits(value[key], kind) for key, kind in keys.items()
         )
+    return isinstance(value, origin or hint)
 
 
 #: The least int execnet (pytest-xdist's transport) can send: it writes any int up to
@@ -188,22 +228,26 @@ _SHIPPED_INT = "ct_int"
 def shipped(properties: list[tuple[str, object]]) -> list[tuple[str, object]] | None:
     """``properties`` as pytest-xdist can send them, or None where they can go as they are:
     the plugin's ints below what execnet sends, as text (:func:`unshipped` reads them)."""
-    if not any(_unsendable(name, value) for name, value in properties):
+    if not any(_unsendable(name, value) for name, value in _pairs(properties)):
         return None
-    return [
-        (name, {_SHIPPED_INT: str(value)}) if _unsendable(name, value) else (name, value)
-        for name, value in properties
-    ]
+    return [_sendable(entry) for entry in properties]
+
+
+def _sendable(entry: tuple[str, object]) -> tuple[str, object]:
+    for name, value in _pairs([entry]):  # (an entry that is not a pair goes as it is)
+        if _unsendable(name, value):
+            return name, {_SHIPPED_INT: str(value)}
+    return entry
 
 
 def unshipped(properties: list[Any]) -> list[Any] | None:
     """The properties :func:`shipped` sent, as they were (None: there was nothing to undo)."""
-    if not any(_shipped_int(name, value) is not None for name, value in properties):
+    if not any(_shipped_int(name, value) is not None for name, value in _pairs(properties)):
         return None
     out: list[Any] = []
-    for name, value in properties:
-        number = _shipped_int(name, value)
-        out.append((name, value if number is None else number))
+    for entry in properties:
+        number = next((_shipped_int(*pair) for pair in _pairs([entry])), None)
+        out.append(entry if number is None else (entry[0], number))
     return out
 
 
