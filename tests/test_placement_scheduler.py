@@ -58,6 +58,24 @@ class FakeChannel:
         return self.inbox.pop(0)
 
 
+def test_a_workers_needs_are_read_as_data() -> None:
+    """What a worker sends is data: an entry that is not a [node id, GiB] pair, or a need
+    no float holds, raised in execnet's receiver thread, which closed the channel and errored
+    every placed test. Such entries are left out, and a need out of range is no need."""
+    controller = PlacementController(lambda: {})
+    needs = [5, ["a", "b", "c"], [7, 1.0], ["t.py::big", 10**400], ["t.py::nan", float("nan")]]
+    needs += [["t.py::true", True], ["t.py::ok", 60], ("t.py::small", 0.5), ["t.py::none", None]]
+    controller._received("gw0", {"needs": needs})
+    assert controller.needs == {
+        "t.py::big": None,
+        "t.py::nan": None,
+        "t.py::true": None,
+        "t.py::ok": 60.0,
+        "t.py::small": 0.5,
+        "t.py::none": None,
+    }
+
+
 def scheduler(
     gpus: dict[str, float], needs: dict[str, float | None]
 ) -> tuple[VramScheduling, list[FakeNode]]:

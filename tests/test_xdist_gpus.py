@@ -45,6 +45,9 @@ def test_worker_number() -> None:
     assert worker_number("gw0") == 0
     assert worker_number("gw12") == 12
     assert worker_number("master") is None
+    # ASCII digits, and few: a 5000-digit id was a ValueError traceback at start-up.
+    assert worker_number("gw" + "9" * 5000) is None
+    assert worker_number("gw\u0661") is None
 
 
 def test_round_robin_respects_the_users_visible_devices() -> None:

@@ -26,7 +26,9 @@ from pytest_ctresources.xdist.roles import WORKER_ENV
 
 WORKER_COUNT_ENV = "PYTEST_XDIST_WORKER_COUNT"
 TESTRUN_ENV = "PYTEST_XDIST_TESTRUNUID"
-_WORKER_ID = re.compile(r"gw(\d+)$")
+#: xdist's worker ids, ``gw0`` to ...: ASCII digits, and few (a 5000-digit one was a
+#: traceback at start-up: int() reads at most 4300).
+_WORKER_ID = re.compile(r"gw([0-9]{1,9})$")
 
 
 @dataclass(frozen=True)

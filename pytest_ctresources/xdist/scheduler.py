@@ -18,11 +18,12 @@ channel; durations from earlier runs (:mod:`~pytest_ctresources.report.durations
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
 
+from pytest_ctresources.units import MAX_GIB
 from pytest_ctresources.xdist.exchange import (
     EVERY,
     NO_GPU,
@@ -74,10 +75,7 @@ class PlacementController:
                 self.gpus[worker] = WorkerGpu.from_message(data) if data else None
             needs = message.get("needs")
             if self.needs is None and isinstance(needs, list):
-                self.needs = {
-                    str(nodeid): (float(gib) if isinstance(gib, int | float) else None)
-                    for nodeid, gib in needs
-                }
+                self.needs = dict(_needs(needs))
 
     def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
         if config.getvalue("dist") != "load":
@@ -332,3 +330,16 @@ class VramScheduling:
                     )
                 )
         return same
+
+
+def _needs(entries: list[Any]) -> Iterator[tuple[str, float | None]]:
+    """A worker's ``needs`` message, read as data: ``[node id, GiB or None]`` pairs, a need
+    a float holds and no more than a GPU can (an entry that is not a pair, or a 400-digit
+    need, raised in execnet's receiver thread, which closed the channel: every placed test
+    errored). Anything else is no need."""
+    for entry in entries:
+        if not (isinstance(entry, list | tuple) and len(entry) == 2 and isinstance(entry[0], str)):
+            continue
+        nodeid, gib = entry
+        fits = isinstance(gib, int | float) and not isinstance(gib, bool) and 0 < gib <= MAX_GIB
+        yield nodeid, float(gib) if fits else None
