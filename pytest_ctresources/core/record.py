@@ -163,7 +163,7 @@ class TestRecord:
     def from_properties(cls, properties: Iterable[tuple[str, object]]) -> TestRecord:
         """The record a teardown report's ``user_properties`` carry (the last of a name wins;
         properties that are not the plugin's are ignored)."""
-        hints = _field_hints()
+        hints = _hints(cls)
         values: dict[str, Any] = {}
         for key, value in _pairs(properties):
             if key.startswith(PROPERTY_PREFIX):
@@ -187,9 +187,9 @@ def _pairs(properties: Iterable[object]) -> Iterator[tuple[str, object]]:
 
 
 @functools.cache
-def _field_hints() -> dict[str, Any]:
-    """Each field's type, resolved once."""
-    return typing.get_type_hints(TestRecord)
+def _hints(kind: Any) -> dict[str, Any]:
+    """The types of ``kind``'s fields (or a TypedDict's keys), resolved once."""
+    return typing.get_type_hints(kind)
 
 
 def _fits(value: object, hint: Any) -> bool:
@@ -209,9 +209,8 @@ def _fits(value: object, hint: Any) -> bool:
     if origin is list:
         return isinstance(value, list) and all(_fits(item, args[0]) for item in value)
     if typing.is_typeddict(hint):
-        keys = typing.get_type_hints(hint)
         return isinstance(value, dict) and all(
-            key in value and _fits(value[key], kind) for key, kind in keys.items()
+            key in value and _fits(value[key], kind) for key, kind in _hints(hint).items()
         )
     return isinstance(value, origin or hint)
 
