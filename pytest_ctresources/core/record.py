@@ -163,7 +163,7 @@ class TestRecord:
     def from_properties(cls, properties: Iterable[tuple[str, object]]) -> TestRecord:
         """The record a teardown report's ``user_properties`` carry (the last of a name wins;
         properties that are not the plugin's are ignored)."""
-        hints = _hints(cls)
+        hints = _field_types()
         values: dict[str, Any] = {}
         for key, value in _pairs(properties):
             if key.startswith(PROPERTY_PREFIX):
@@ -187,8 +187,14 @@ def _pairs(properties: Iterable[object]) -> Iterator[tuple[str, object]]:
 
 
 @functools.cache
-def _hints(kind: Any) -> dict[str, Any]:
-    """The types of ``kind``'s fields (or a TypedDict's keys), resolved once."""
+def _field_types() -> dict[str, Any]:
+    """The type of each of a record's fields, resolved once."""
+    return typing.get_type_hints(TestRecord)
+
+
+@functools.cache
+def _key_types(kind: Any) -> dict[str, Any]:
+    """The type of each of a TypedDict's keys, resolved once."""
     return typing.get_type_hints(kind)
 
 
@@ -210,7 +216,7 @@ def _fits(value: object, hint: Any) -> bool:
         return isinstance(value, list) and all(_fits(item, args[0]) for item in value)
     if typing.is_typeddict(hint):
         return isinstance(value, dict) and all(
-            key in value and _fits(value[key], kind) for key, kind in _hints(hint).items()
+            key in value and _fits(value[key], kind) for key, kind in _key_types(hint).items()
         )
     return isinstance(value, origin or hint)
 
