@@ -234,6 +234,7 @@ ROWS: list[Row] = [
     # 10**9 a MemoryError; 3,000,000 workers a hang; a 5000-character value quoted whole.)
     option("plan-10**20-gpus", "--ct-plan", f"{10**20}x80", message="more than 1024 GPUs"),
     option("plan-million-gpus", "--ct-plan", "1000000x80", message="more than 1024 GPUs"),
+    option("plan-2000-gib", "--ct-plan", "2000", message="at most 1024 GiB"),  # was taken
     option("plan-5000-characters", "--ct-plan", "x" * 5000, message="(5000 characters) is"),
     option(
         "runner-gpus-10**20",

@@ -24,6 +24,7 @@ import pytest
 
 from pytest_ctresources.settings.config import DEFAULT_AUTO_MARGIN, DEFAULT_PROMPT_TOKENS, FIELDS
 from pytest_ctresources.settings.parsers import (
+    MAX_WORKERS_PER_GPU,
     alloc_conf,
     binding_mode,
     boolean,
@@ -356,7 +357,7 @@ class Declared:
     )
     plan_workers = Setting(
         workers_per_gpu,
-        "workers per GPU in `--ct-plan`",
+        f"workers per GPU in `--ct-plan` (at most {MAX_WORKERS_PER_GPU})",
         metavar="N",
         ini=False,
         default="1",

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_ctresources.units import shown
+from pytest_ctresources.units import MAX_GIB, shown
 from pytest_ctresources.xdist.placement import (
     Demand,
     Dispatcher,
@@ -74,6 +74,8 @@ def parse_gpus(text: str) -> list[PlanGpu]:
             raise ValueError(f"{shown(entry)}: the count must be at least 1")
         name = what.upper()
         gib = GPU_NAMES.get(name) or _gib(what)
+        if gib is not None and not 0 < gib <= MAX_GIB:  # NaN too
+            raise ValueError(f"{shown(entry)}: a GPU of more than 0 and at most {MAX_GIB:g} GiB")
         if gib is None:
             known = ", ".join(GPU_NAMES)
             raise ValueError(
@@ -90,10 +92,9 @@ def parse_gpus(text: str) -> list[PlanGpu]:
 
 def _gib(text: str) -> float | None:
     try:
-        gib = float(text)
+        return float(text)
     except ValueError:
         return None
-    return gib if 0 < gib < 1e6 else None
 
 
 @dataclass(frozen=True)
