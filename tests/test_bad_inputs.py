@@ -1489,6 +1489,12 @@ _ALLOC_CONFS = (
     "roundup_power2_divisions:[",
     "backend:",
     "true\x00",
+    # Accepted once, and refused by torch at the first allocation (stoull, its minimum):
+    "max_split_size_mb:99999999999999999999999",
+    "large_segment_size_mb:5",
+    "max_split_size_mb:\uff15\uff11\uff12",
+    "garbage_collection_threshold:\u0660.\u0665",
+    "max_split_size_mb:\u00b2",  # was Python's own int() message
 )
 #: Each key or variable, what it must say, and the values it is given.
 SETTING_VALUES: tuple[tuple[str, str, tuple[str, ...]], ...] = (

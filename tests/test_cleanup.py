@@ -653,3 +653,19 @@ def test_safe_clean_cuda_without_cuda_says_so_in_one_line() -> None:
         with cleanup.safe_clean_cuda(model):
             pass
     assert next(model.parameters()).device.type == "cpu"  # untouched
+
+
+def test_a_stand_in_pyplot_is_no_figures(pytester: pytest.Pytester) -> None:
+    """A project that puts a stand-in for pyplot in ``sys.modules`` (a Mock, a module of its
+    own): the cleanup once errored every test from its own code (``get_fignums``)."""
+    pytester.makeconftest(
+        "import sys, types\nfrom unittest import mock\n"
+        "sys.modules['matplotlib.pyplot'] = mock.Mock()\n"
+    )
+    pytester.makepyfile(
+        test_it="import sys, types\n\ndef test_a():\n    pass\n\n"
+        "def test_b():\n    sys.modules['matplotlib.pyplot'] = types.ModuleType('pyplot')\n\n"
+        "def test_c():\n    pass\n"
+    )
+    pytester.makeini("[pytest]\nct_cleanup = auto\n")
+    pytester.runpytest("-p", "no:randomly").assert_outcomes(passed=3)

@@ -742,9 +742,11 @@ def test_failures_stay_contained(pytester: pytest.Pytester) -> None:
         notebook("x = 1", metadata={"marks": ["slowish"]}),
     )
     (pytester.path / "f_missing.yaml").write_text("NOTEBOOK: nothere.ipynb\n")
+    # pytest refuses a mark name starting with "_": it was an INTERNALERROR.
+    write(pytester.path / "g_private_mark.ipynb", notebook("x = 1", metadata={"marks": ["_p"]}))
     pytester.makeini("[pytest]\nct_notebook_configs =\n    d_bad.yaml\n    f_missing.yaml\n")
     result = pytester.runpytest("--nbmake", "-p", "no:randomly", "--strict-markers")
-    result.assert_outcomes(passed=1, failed=1, errors=4)
+    result.assert_outcomes(passed=1, failed=1, errors=5)
     result.stdout.fnmatch_lines(
         [
             "*a_bad_metadata.ipynb: metadata 'ctresources.vram_gib' must be a positive number, got 'lots'",
@@ -754,6 +756,9 @@ def test_failures_stay_contained(pytester: pytest.Pytester) -> None:
             "*f_missing.yaml: NOTEBOOK names nothere.ipynb, which is not a file",
             "*the kernel running *b_dies.ipynb died*",
         ]
+    )
+    result.stdout.fnmatch_lines(
+        ["*g_private_mark.ipynb: metadata 'ctresources.marks' must be a list of mark names, *"]
     )
     output = result.stdout.str()
     assert "INTERNAL ERROR" not in output and "Traceback" not in output

@@ -40,7 +40,7 @@ ALLOC_OPTIONS: Mapping[str, str | None] = {
     "expandable_segments_reserve_by_class": None,
     "garbage_collection_threshold": "a number between 0 and 1",
     "graph_capture_record_stream_reuse": _BOOL,
-    "large_segment_size_mb": _WHOLE,
+    "large_segment_size_mb": f"{_WHOLE} of at least 11",  # torch: "must be > 10 MB"
     "max_non_split_rounding_mb": "a whole number of at least 20",
     "max_split_size_mb": "a whole number of at least 20",
     "per_process_memory_fraction": "a number from 0 to 1",
@@ -62,19 +62,26 @@ ALLOC_OPTIONS: Mapping[str, str | None] = {
 def _value_fits(rule: str | None, value: str) -> bool:
     if rule is None:
         return bool(value)
-    if rule == _WHOLE:
-        return value.isdigit()
-    if rule.startswith("a whole number of at least "):
-        return value.isdigit() and int(value) >= int(rule.rsplit(" ", 1)[1])
+    if rule.startswith(_WHOLE):  # as C++'s stoull reads it: ASCII digits a size_t holds
+        if not (value.isascii() and value.isdigit() and len(value) <= _MAX_DIGITS):
+            return False
+        least = rule.removeprefix(_WHOLE).removeprefix(" of at least ")
+        return int(value) >= int(least or 0)
     if rule == "a power of 2 up to 128":
-        return value.isdigit() and 0 < int(value) <= 128 and int(value) & (int(value) - 1) == 0
+        return value in {str(1 << power) for power in range(8)}
     if rule.startswith("a number"):
+        if not value.isascii():  # stod reads no other digits
+            return False
         try:
             number = float(value)
         except ValueError:
             return False
         return 0 < number < 1 if "between" in rule else 0 <= number <= 1
     return value in rule.split("|")
+
+
+#: The most digits a whole value may have: 18 always fit the size_t torch parses into.
+_MAX_DIGITS = 18
 
 
 def check_alloc_conf(text: str) -> str:
