@@ -232,8 +232,8 @@ ROWS: list[Row] = [
     # --- --ct-plan, --ct-runner-gpus, --ct-shard, --ct-plan-workers: bounded, quoted short --
     # (10**20 GPUs was an OverflowError traceback, 10**6 a hang; 10**20 jobs an INTERNALERROR,
     # 10**9 a MemoryError; 3,000,000 workers a hang; a 5000-character value quoted whole.)
-    option("plan-10**20-gpus", "--ct-plan", f"{10**20}x80", message="more than 1024 GPUs"),
-    option("plan-million-gpus", "--ct-plan", "1000000x80", message="more than 1024 GPUs"),
+    option("plan-10**20-gpus", "--ct-plan", f"{10**20}x80", message="more than 256 GPUs"),
+    option("plan-million-gpus", "--ct-plan", "1000000x80", message="more than 256 GPUs"),
     option("plan-2000-gib", "--ct-plan", "2000", message="at most 1024 GiB"),  # was taken
     option("plan-5000-characters", "--ct-plan", "x" * 5000, message="(5000 characters) is"),
     option(
@@ -242,11 +242,11 @@ ROWS: list[Row] = [
         f"{10**20}x80",
         "--ct-shard",
         "1/2",
-        message="more than 1024 GPUs",
+        message="more than 256 GPUs",
     ),
     option("shard-10**20-jobs", "--ct-shard", f"1/{10**20}", message="at most 1024 jobs"),
     option("shard-5000-characters", "--ct-shard", "1/" + "x" * 5000, message="is not K/N"),
-    option("plan-workers-3000000", "--ct-plan-workers", "3000000", message="at most 64"),
+    option("plan-workers-3000000", "--ct-plan-workers", "3000000", message="at most 16"),
     option("fail-on-increase-word", "--ct-fail-on-increase", "lots", message="a percentage"),
     option(
         "fail-on-increase-1e400",
@@ -690,6 +690,23 @@ ROWS: list[Row] = [
         source="ct-resources: error: bad list",
     ),
     cli("cli-table-ceiling-zero", "table", "--ceiling", "0", message="positive integer"),
+    # A list of nothing printed a table with empty cells; 60,000 entries ran for minutes.
+    cli(
+        "cli-table-cards-none",
+        "table",
+        "--cards",
+        ",",
+        message="give 1 to 32 values",
+        source="ct-resources: error: bad list",
+    ),
+    cli(
+        "cli-table-cards-2000",
+        "table",
+        "--cards",
+        ",".join(["24"] * 2000),
+        message="give 1 to 32 values",
+        source="ct-resources: error: bad list",
+    ),
     cli(
         "cli-gpus-fake-gpus",
         "gpus",
@@ -1919,6 +1936,25 @@ def test_ct_resources_into_a_closed_pipe_ends_quietly(argv: list[str]) -> None:
         os.close(write_end)
     assert process.returncode == 1
     assert process.stderr == ""
+
+
+@pytest.mark.parametrize("closed", [False, True], ids=["full-disk", "closed-stdout"])
+def test_ct_resources_that_cannot_write_its_output_says_so_in_one_line(closed: bool) -> None:
+    """stdout on a full disk (/dev/full) or closed (``>&-``): a traceback from the write
+    (OSError, or an AttributeError on a None stdout), now one line."""
+    with open(os.devnull if closed else "/dev/full", "wb") as target:
+        process = subprocess.run(
+            [sys.executable, "-m", "pytest_ctresources.estimator.cli", "models"],
+            stdout=subprocess.DEVNULL if closed else target,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+            # The child's fd 1 closed before it starts: Python's sys.stdout is None.
+            preexec_fn=(lambda: os.close(1)) if closed else None,
+        )
+    assert process.returncode == 1
+    assert process.stderr.count("\n") == 1 and process.stderr.startswith("ct-resources: error:")
+    assert "Traceback" not in process.stderr
 
 
 XDIST_ROWS = (

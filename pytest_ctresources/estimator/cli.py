@@ -203,9 +203,17 @@ TABLE_PAIRS: Final = (
 )
 
 
+#: The most entries a ``table`` list takes: the table has a column per card and a row per
+#: pair, dtype and prompt length, each cell an estimate.
+MAX_LIST = 32
+
+
 def _csv(text: str, parse: Any) -> list[Any]:
+    parts = [part for part in text.split(",") if part.strip()]
+    if not 0 < len(parts) <= MAX_LIST:
+        raise CliError(f"bad list {shown(text)}: give 1 to {MAX_LIST} values, comma-separated")
     try:
-        return [parse(part) for part in text.split(",") if part.strip()]
+        return [parse(part) for part in parts]
     except (ValueError, argparse.ArgumentTypeError) as exc:
         raise CliError(f"bad list {shown(text)}: {exc}") from None
 
@@ -307,14 +315,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         # `ct-resources ... | head`: the reader has gone. Python's recipe (the signal module's
         # "Note on SIGPIPE"): point stdout at devnull so the flush at exit cannot raise again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _stdout_to_devnull()
         return 1
+    except AttributeError:
+        if sys.stdout is not None:
+            raise
+        parser.exit(1, "ct-resources: error: stdout is closed; nothing was written\n")
+    except OSError as exc:  # a full disk behind stdout, say (/dev/full)
+        _stdout_to_devnull()  # what is left in its buffer cannot be written at exit either
+        parser.exit(1, f"ct-resources: error: {exc.strerror or exc}\n")
     except CliError as exc:
         parser.exit(2, f"ct-resources: error: {exc}\n")
     except ValueError as exc:  # a malformed CT_FAKE_GPUS, say
         parser.exit(2, f"ct-resources: error: {exc}\n")
     return 0
+
+
+def _stdout_to_devnull() -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

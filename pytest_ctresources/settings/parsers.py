@@ -80,7 +80,7 @@ def positive_count(text: str) -> int:
 
 #: The most xdist workers ``--ct-plan`` puts on one GPU: more than a GPU's memory divides
 #: among, few enough that simulating them stays instant.
-MAX_WORKERS_PER_GPU = 64
+MAX_WORKERS_PER_GPU = 16
 
 
 def workers_per_gpu(text: str) -> int:

@@ -47,7 +47,7 @@ GPU_NAMES: Mapping[str, float] = {
 _COUNT = re.compile(r"^([0-9]+)\s*[xX*]\s*(.+)$")
 #: The most GPUs a plan or a shard's runners name: more than any matrix has, few enough
 #: that simulating them stays instant.
-MAX_GPUS = 1024
+MAX_GPUS = 256
 
 
 @dataclass(frozen=True)
