@@ -183,6 +183,7 @@ def test_exact_fake_uuid_beats_longer_prefix_match() -> None:
         ("0,GPU-ab", ["0"]),
         ("0gpu,1 2", ["0", "1"]),
         ("1," + "9" * 5000, ["1", str(2**63 - 1)]),
+        ("1," + "9" * 20, ["1", str(2**63 - 1)]),  # past a C long by a digit: clamped too
         ("-" + "9" * 30, []),
     ],
 )

@@ -178,12 +178,17 @@ class TestRecord:
         return any(key.startswith(PROPERTY_PREFIX) for key, _value in _pairs(properties))
 
 
+def _pair(entry: object) -> tuple[str, object] | None:
+    """``entry`` as a ``(name, value)`` pair whose name is text, or None (a project may append
+    anything to ``user_properties``; pytest's own reports and junit XML cope)."""
+    if isinstance(entry, tuple | list) and len(entry) == 2 and isinstance(entry[0], str):
+        return entry[0], entry[1]
+    return None
+
+
 def _pairs(properties: Iterable[object]) -> Iterator[tuple[str, object]]:
-    """The ``(name, value)`` pairs among ``properties`` whose name is text (a project may
-    append anything to ``user_properties``; pytest's own reports and junit XML cope)."""
-    for entry in properties:
-        if isinstance(entry, tuple | list) and len(entry) == 2 and isinstance(entry[0], str):
-            yield entry[0], entry[1]
+    """The entries of ``properties`` that are pairs (:func:`_pair`)."""
+    return (pair for entry in properties if (pair := _pair(entry)) is not None)
 
 
 @functools.cache
@@ -239,9 +244,9 @@ def shipped(properties: list[tuple[str, object]]) -> list[tuple[str, object]] | 
 
 
 def _sendable(entry: tuple[str, object]) -> tuple[str, object]:
-    for name, value in _pairs([entry]):  # (an entry that is not a pair goes as it is)
-        if _unsendable(name, value):
-            return name, {_SHIPPED_INT: str(value)}
+    pair = _pair(entry)  # (an entry that is not a pair goes as it is)
+    if pair is not None and _unsendable(*pair):
+        return pair[0], {_SHIPPED_INT: str(pair[1])}
     return entry
 
 
@@ -251,7 +256,8 @@ def unshipped(properties: list[Any]) -> list[Any] | None:
         return None
     out: list[Any] = []
     for entry in properties:
-        number = next((_shipped_int(*pair) for pair in _pairs([entry])), None)
+        pair = _pair(entry)
+        number = _shipped_int(*pair) if pair is not None else None
         out.append(entry if number is None else (entry[0], number))
     return out
 

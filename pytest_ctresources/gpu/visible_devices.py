@@ -87,13 +87,13 @@ def _strtoul(text: str) -> int | None:
     digits = text[:end]
     if not digits.lstrip("+-"):
         return None
-    if end > _LONG_DIGITS:  # beyond a C long: strtol clamps
+    if end > _LONG_DIGITS:  # surely past a C long (and more than int() may read)
         return -_LONG_MAX - 1 if digits.startswith("-") else _LONG_MAX
-    return int(digits)
+    return max(-_LONG_MAX - 1, min(int(digits), _LONG_MAX))  # strtol clamps
 
 
 _ASCII_DIGITS = "0123456789"
-#: The largest C ``long`` (64-bit), and the digits beyond which a number is surely over it.
+#: The largest C ``long`` (64-bit), and the characters beyond which a number is surely past it.
 _LONG_MAX = 2**63 - 1
 _LONG_DIGITS = 20
 
