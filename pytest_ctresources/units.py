@@ -1,11 +1,13 @@
-"""Units and quoting, said once: bytes in GiB and MiB, counts of parameters, and values and
-text as every message shows them (bounded ``repr``, escaped control characters, a did-you-mean)."""
+"""Units and quoting, said once: bytes in GiB and MiB, counts of parameters, and values,
+text and files as every message shows them (bounded ``repr``, escaped control characters, a
+did-you-mean, what a file is)."""
 
 from __future__ import annotations
 
 import difflib
 import math
 import reprlib
+import stat
 from collections.abc import Iterable
 from typing import Final
 
@@ -79,3 +81,19 @@ def count_text(count: float) -> str:
         if abs(count) >= size:
             return f"{count / size:.1f}{suffix}"
     return f"{count:.0f}"
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``mode`` (an ``st_mode``) is, as a message names it: ``a FIFO``."""
+    for test, kind in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a device node"),
+        (stat.S_ISBLK, "a device node"),
+    ):
+        if test(mode):
+            return kind
+    return "a special file"

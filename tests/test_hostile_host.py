@@ -997,14 +997,14 @@ LEDGER_ROWS = [
         "root-a-char-device",
         "root",
         _root_is(_node(0o020000, 1, 7)),
-        REFUSED_DIR.format("is not a directory but a character device"),
+        REFUSED_DIR.format("is not a directory but a device node"),
         root=True,
     ),
     LedgerRow(
         "root-a-block-device",
         "root",
         _root_is(_node(0o060000, 7, 0)),
-        REFUSED_DIR.format("is not a directory but a block device"),
+        REFUSED_DIR.format("is not a directory but a device node"),
         root=True,
     ),
     *[
@@ -1101,14 +1101,14 @@ LEDGER_ROWS = [
         "file-a-char-device",
         "file:GPU-0",
         _inside("GPU-0.ledger", _as(_node(0o020000, 1, 7))),
-        CANNOT_USE.format("character device, not a regular file"),
+        CANNOT_USE.format("device node, not a regular file"),
         root=True,
     ),
     LedgerRow(
         "file-a-block-device",
         "file:GPU-0",
         _inside("GPU-0.ledger", _as(_node(0o060000, 7, 0))),
-        CANNOT_USE.format("block device, not a regular file"),
+        CANNOT_USE.format("device node, not a regular file"),
         root=True,
     ),
     LedgerRow(

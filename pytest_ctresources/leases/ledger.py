@@ -70,7 +70,7 @@ from pathlib import Path
 from typing import ClassVar, TypeVar
 
 from pytest_ctresources.gpu.measure import cached_bytes
-from pytest_ctresources.units import GIB, named
+from pytest_ctresources.units import GIB, file_kind, named
 
 UNITS_PER_GIB = 16
 POLL_SECONDS = 0.05
@@ -183,23 +183,8 @@ def _what_is(path: Path, exc: OSError) -> str:
     if stat.S_ISLNK(info.st_mode):
         return f"is a symbolic link (to {os.readlink(path)!r})"
     if not stat.S_ISDIR(info.st_mode):
-        return f"is not a directory but a {_kind(info.st_mode)}"
+        return f"is not a directory but {file_kind(info.st_mode)}"
     return f"cannot be opened ({exc.strerror})"
-
-
-def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISREG, "regular file"),
-        (stat.S_ISLNK, "symbolic link"),
-        (stat.S_ISFIFO, "FIFO"),
-        (stat.S_ISSOCK, "socket"),
-        (stat.S_ISCHR, "character device"),
-        (stat.S_ISBLK, "block device"),
-        (stat.S_ISDIR, "directory"),
-    ):
-        if test(mode):
-            return name
-    return "special file"
 
 
 def ensure_root() -> Path:
@@ -227,7 +212,7 @@ def _open_lock_file(path: Path) -> int:
     if seen is not None and not (stat.S_ISREG(seen.st_mode) or stat.S_ISLNK(seen.st_mode)):
         # Refused before it is opened: opening a device node can have effects of its own.
         # (A link is refused by O_NOFOLLOW below, which names its target.)
-        raise _file_error(path, f"it is a {_kind(seen.st_mode)}, not a regular file; remove it")
+        raise _file_error(path, f"it is {file_kind(seen.st_mode)}, not a regular file; remove it")
     try:
         fd = os.open(path, flags, 0o600)
     except OSError as exc:
@@ -236,7 +221,7 @@ def _open_lock_file(path: Path) -> int:
     info = os.fstat(fd)
     problem = None
     if not stat.S_ISREG(info.st_mode):
-        problem = f"it is a {_kind(info.st_mode)}, not a regular file"
+        problem = f"it is {file_kind(info.st_mode)}, not a regular file"
     elif info.st_uid != _uid():
         problem = f"it belongs to uid {info.st_uid}, not to you (uid {_uid()})"
     if problem is not None:
@@ -258,7 +243,7 @@ def _what_is_file(path: Path, exc: OSError) -> str:
         return exc.strerror or type(exc).__name__
     if stat.S_ISLNK(info.st_mode):
         return f"it is a symbolic link (to {os.readlink(path)!r})"
-    return f"it is a {_kind(info.st_mode)} ({exc.strerror})"
+    return f"it is {file_kind(info.st_mode)} ({exc.strerror})"
 
 
 def prune_old_runs(current: str | None, max_age_s: float = 86400.0) -> list[str]:

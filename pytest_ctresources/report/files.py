@@ -37,10 +37,10 @@ from pytest_ctresources.settings.report_paths import (
     SCHEMA,
     TargetError,
     existing_ancestor,
-    file_kind,
     refusal,
+    refused_kind,
 )
-from pytest_ctresources.units import named
+from pytest_ctresources.units import file_kind, named
 
 if TYPE_CHECKING:
     from pytest_ctresources.core.runtime import Runtime
@@ -210,7 +210,7 @@ def write_file(path: Path, write: Callable[[IO[bytes]], None], flag: str) -> Non
         except FileNotFoundError:
             mode = stat.S_IFREG
         if not stat.S_ISREG(mode):
-            raise TargetError(f"{named(str(path))} is now {file_kind(mode)}; it is left alone")
+            raise TargetError(f"{named(str(path))} is now {refused_kind(mode)}; it is left alone")
         if (problem := refusal(path, named(str(path)), flag)) is not None:
             raise TargetError(f"{problem}; it is left alone")
         os.replace(temporary, path)

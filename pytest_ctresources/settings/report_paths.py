@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO
 
 from pytest_ctresources.settings.options import Declared
-from pytest_ctresources.units import named, shown
+from pytest_ctresources.units import file_kind, named, shown
 
 SCHEMA = "pytest-ctresources-report"
 #: The options that name the report files, as their declarations spell them.
@@ -58,18 +58,13 @@ class TargetError(ValueError):
     """A report path that the plugin will not write; the message is one line."""
 
 
-def file_kind(mode: int) -> str:
+def refused_kind(mode: int) -> str:
+    """What is at a report's path, when it is not a regular file, and why it is refused."""
     if stat.S_ISLNK(mode):
         return "a symbolic link (a report is never written through one: name its target)"
     if stat.S_ISDIR(mode):
         return "a directory, not a file path"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device node, not a regular file"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO, not a regular file"
-    if stat.S_ISSOCK(mode):
-        return "a socket, not a regular file"
-    return "not a regular file"
+    return f"{file_kind(mode)}, not a regular file"
 
 
 def _png_marked(head: bytes) -> bool:
@@ -124,7 +119,7 @@ def refusal(path: Path, value: str, flag: str) -> str | None:
     except FileNotFoundError:
         return None
     if not stat.S_ISREG(seen.st_mode):
-        return f"{value} is {file_kind(seen.st_mode)}"
+        return f"{value} is {refused_kind(seen.st_mode)}"
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         descriptor = os.open(path, flags)
@@ -163,7 +158,7 @@ def check_target(value: str, flag: str, invocation_dir: Path) -> Path:
     except OSError as exc:  # ENOTDIR (a component is a file), ENAMETOOLONG, ELOOP, EACCES
         raise TargetError(f"cannot write {value}: {exc.strerror}") from None
     if mode is not None and not stat.S_ISREG(mode):
-        raise TargetError(f"{value} is {file_kind(mode)}")
+        raise TargetError(f"{value} is {refused_kind(mode)}")
     if (problem := planted_link(path)) is not None:
         raise TargetError(f"cannot write {value}: {problem}")
     # Missing directories are created when the report is written, as --junitxml does.
@@ -233,8 +228,7 @@ def check_directory(value: str, invocation_dir: Path) -> Path:
             f"{named(value)} is a symbolic link (nothing is written through one: name its target)"
         )
     if not stat.S_ISDIR(mode):
-        what = "a file" if stat.S_ISREG(mode) else file_kind(mode).split(",")[0]
-        raise TargetError(f"{named(value)} is {what}, not a directory")
+        raise TargetError(f"{named(value)} is {file_kind(mode)}, not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
         raise TargetError(f"cannot write into {named(value)}: permission denied")
     return path
