@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
+from types import SimpleNamespace
 
 import pytest
 
+from pytest_ctresources.core.accounting import batch_size_advice, halving_summary
 from pytest_ctresources.core.learned import CACHE_KEY, memory_key
+from pytest_ctresources.gpu.oom import Halving
+from pytest_ctresources.settings.config import CircuitTracerConfig
+from pytest_ctresources.settings.sources import Source
 from tests.conftest import TINY_YAML
 from tests.fake_cuda import FAKE_CUDA_CONFTEST
 
@@ -353,7 +358,7 @@ def test_oom_is_explained(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyP
             "config in effect:",
             "  model_name = 'ctresources/tiny-gemma-2' (MODEL_NAME in exp.yaml)",
             "  batch_size = 96 (@pytest.mark.ct_config on test_o.py::test_oom)",
-            "next step: try `--ct-batch-size 48`, or `@pytest.mark.ct_config(batch_size=48)`",
+            "next step: try `@pytest.mark.ct_config(batch_size=48)`",
         ]
     )
 
@@ -392,9 +397,29 @@ def test_oom_retry_halves_and_reports(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(
         [
-            "  test_retry.py::test_halves: OOM at batch 128, passed at 32 — set BATCH_SIZE: 32 in exp.yaml"
+            "  test_retry.py::test_halves: OOM at batch 128, passed at 32 — use `BATCH_SIZE: 32` in exp.yaml"
         ]
     )
+
+
+@pytest.mark.parametrize(
+    ("source", "advice"),
+    [
+        (Source.marker("ct_config", "t.py::t"), "`@pytest.mark.ct_config(batch_size=32)`"),
+        (Source.yaml("exp.yaml", "BATCH_SIZE"), "`BATCH_SIZE: 32` in exp.yaml"),
+        (Source.option("--ct-batch-size"), "`--ct-batch-size 32`"),
+        (Source.env("CT_BATCH_SIZE"), "`--ct-batch-size 32`"),
+        (Source.default(), "`--ct-batch-size 32`"),
+    ],
+    ids=["marker", "yaml", "option", "env", "default"],
+)
+def test_the_batch_size_advice_names_the_layer_that_set_it(source: Source, advice: str) -> None:
+    # A lower layer loses to the one that set the batch size (a marker's over --ct-batch-size):
+    # the OOM's next step and the halving's summary name that layer, and only it.
+    cfg = CircuitTracerConfig.defaults().layered({"batch_size": 128}, source)
+    halved = SimpleNamespace(halvings=[Halving(128, 64), Halving(64, 32)], cfg=cfg)
+    assert batch_size_advice(cfg, 32) == advice
+    assert halving_summary(halved) == f"OOM at batch 128, passed at 32 — use {advice}"  # type: ignore[arg-type]
 
 
 def test_oom_retry_can_be_turned_off(pytester: pytest.Pytester) -> None:

@@ -267,7 +267,7 @@ def test_an_oom_while_pruning_is_explained_as_the_prunings(pytester: pytest.Pyte
     # The test caught the pruning's error; the one that failed it is its own.
     own = blocks["test_an_oom_of_its_own_after_one_caught"]
     assert "out of memory while pruning" not in own
-    assert "next step: try `--ct-batch-size 64`, or `BATCH_SIZE: 64` in exp.yaml" in own
+    assert "next step: try `BATCH_SIZE: 64` in exp.yaml" in own
 
 
 def test_a_builders_tokenizer_that_is_gone_is_written_again(tmp_path: Path) -> None:

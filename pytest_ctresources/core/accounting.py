@@ -372,14 +372,15 @@ def explain_oom(item: pytest.Item, runtime: Runtime, exc: BaseException) -> None
 
 
 def batch_size_advice(cfg: CircuitTracerConfig, batch_size: int) -> str:
-    """``--ct-batch-size N``, or ``BATCH_SIZE: N in file.yaml`` when a YAML set it."""
+    """Where to write ``batch_size`` so that it takes effect: in the layer that set the one in
+    force, since a lower layer loses to it (docs/configuration.md's precedence): the test's
+    ``ct_config`` marker, the experiment YAML that set it, else ``--ct-batch-size``."""
     source = cfg.source_of("batch_size")
-    advice = f"`--ct-batch-size {batch_size}`"
+    if source.kind == "marker":
+        return f"`@pytest.mark.ct_config(batch_size={batch_size})`"
     if source.path is not None:
-        advice += f", or `BATCH_SIZE: {batch_size}` in {source.path}"
-    elif source.kind == "marker":
-        advice += f", or `@pytest.mark.ct_config(batch_size={batch_size})`"
-    return advice
+        return f"`BATCH_SIZE: {batch_size}` in {source.path}"
+    return f"`--ct-batch-size {batch_size}`"
 
 
 def oom_section(
@@ -502,12 +503,7 @@ class IncreaseGate(_FailsPassedPhases):
 
 
 def halving_summary(session: CtSession) -> str:
-    """``OOM at batch 256, passed at 64 — set BATCH_SIZE: 64 in x.yaml``."""
+    """``OOM at batch 256, passed at 64 — use `BATCH_SIZE: 64` in x.yaml``."""
     first = session.halvings[0].failed_batch_size
     final = session.halvings[-1].next_batch_size
-    source = session.cfg.source_of("batch_size")
-    if source.path is not None:
-        advice = f"set BATCH_SIZE: {final} in {source.path}"
-    else:
-        advice = f"use --ct-batch-size {final} (or BATCH_SIZE: {final} in the experiment YAML)"
-    return f"OOM at batch {first}, passed at {final} — {advice}"
+    return f"OOM at batch {first}, passed at {final} — use {batch_size_advice(session.cfg, final)}"

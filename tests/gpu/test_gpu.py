@@ -354,7 +354,7 @@ def test_gemma_2_2b_oom_recovered_by_halving(pytester: pytest.Pytester) -> None:
     )
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(
-        ["  scenario_gemma_halving.py::*: OOM at batch 256, passed at * — use --ct-batch-size *"]
+        ["  scenario_gemma_halving.py::*: OOM at batch 256, passed at * — use `--ct-batch-size *`"]
     )
     report = json.loads((pytester.path / "gemma_halving.json").read_text())
     (record,) = report["tests"]
