@@ -30,6 +30,7 @@ from pytest_ctresources.settings.activation import (
     item_asks,
 )
 from pytest_ctresources.settings.options import Declared, add_options
+from pytest_ctresources.units import named_pair
 from pytest_ctresources.xdist.roles import runs_no_tests
 
 if TYPE_CHECKING:
@@ -452,9 +453,9 @@ def pytest_report_to_serializable(
 def pytest_report_from_serializable(config: pytest.Config, data: dict[str, Any]) -> None:
     # The controller's side of the above, before pytest makes the report of ``data``.
     properties = data.get("user_properties")
-    # Any entry a project appended, pairs or not: only a pair holding a dict can be shipped.
+    # Any entry a project appended, pairs or not: only a named pair holding a dict was shipped.
     if properties and any(
-        isinstance(entry, list | tuple) and len(entry) == 2 and isinstance(entry[1], dict)
+        (pair := named_pair(entry)) is not None and isinstance(pair[1], dict)
         for entry in properties
     ):
         from pytest_ctresources.core.record import unshipped

@@ -1,6 +1,7 @@
 """Units and quoting, said once: bytes in GiB and MiB, counts of parameters, and values,
 text and files as every message shows them (bounded ``repr``, escaped control characters, a
-did-you-mean, what a file is)."""
+did-you-mean, what a file is); and a named pair, as data another process or a project sent
+is read."""
 
 from __future__ import annotations
 
@@ -97,3 +98,12 @@ def file_kind(mode: int) -> str:
         if test(mode):
             return kind
     return "a special file"
+
+
+def named_pair(entry: object) -> tuple[str, object] | None:
+    """``entry`` as a ``(name, value)`` pair whose name is text, or None: how an entry of data
+    a project or another process sent is read (a test's ``user_properties``, to which a
+    project may append anything; an xdist worker's list of needs)."""
+    if isinstance(entry, tuple | list) and len(entry) == 2 and isinstance(entry[0], str):
+        return entry[0], entry[1]
+    return None

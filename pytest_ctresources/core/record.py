@@ -22,6 +22,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from pytest_ctresources.units import named_pair
+
 if TYPE_CHECKING:
     from pytest_ctresources.gpu.detect import GpuInfo
 
@@ -178,17 +180,9 @@ class TestRecord:
         return any(key.startswith(PROPERTY_PREFIX) for key, _value in _pairs(properties))
 
 
-def _pair(entry: object) -> tuple[str, object] | None:
-    """``entry`` as a ``(name, value)`` pair whose name is text, or None (a project may append
-    anything to ``user_properties``; pytest's own reports and junit XML cope)."""
-    if isinstance(entry, tuple | list) and len(entry) == 2 and isinstance(entry[0], str):
-        return entry[0], entry[1]
-    return None
-
-
 def _pairs(properties: Iterable[object]) -> Iterator[tuple[str, object]]:
-    """The entries of ``properties`` that are pairs (:func:`_pair`)."""
-    return (pair for entry in properties if (pair := _pair(entry)) is not None)
+    """The entries of ``properties`` that are named pairs (``units.named_pair``)."""
+    return (pair for entry in properties if (pair := named_pair(entry)) is not None)
 
 
 @functools.cache
@@ -244,7 +238,7 @@ def shipped(properties: list[tuple[str, object]]) -> list[tuple[str, object]] | 
 
 
 def _sendable(entry: tuple[str, object]) -> tuple[str, object]:
-    pair = _pair(entry)  # (an entry that is not a pair goes as it is)
+    pair = named_pair(entry)  # (an entry that is not a pair goes as it is)
     if pair is not None and _unsendable(*pair):
         return pair[0], {_SHIPPED_INT: str(pair[1])}
     return entry
@@ -256,7 +250,7 @@ def unshipped(properties: list[Any]) -> list[Any] | None:
         return None
     out: list[Any] = []
     for entry in properties:
-        pair = _pair(entry)
+        pair = named_pair(entry)
         number = _shipped_int(*pair) if pair is not None else None
         out.append(entry if number is None else (entry[0], number))
     return out

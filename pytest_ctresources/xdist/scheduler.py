@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from pytest_ctresources.units import MAX_GIB
+from pytest_ctresources.units import MAX_GIB, named_pair
 from pytest_ctresources.xdist.exchange import (
     EVERY,
     NO_GPU,
@@ -338,8 +338,10 @@ def _needs(entries: list[Any]) -> Iterator[tuple[str, float | None]]:
     need, raised in execnet's receiver thread, which closed the channel: every placed test
     errored). Anything else is no need."""
     for entry in entries:
-        if not (isinstance(entry, list | tuple) and len(entry) == 2 and isinstance(entry[0], str)):
+        if (pair := named_pair(entry)) is None:
             continue
-        nodeid, gib = entry
-        fits = isinstance(gib, int | float) and not isinstance(gib, bool) and 0 < gib <= MAX_GIB
-        yield nodeid, float(gib) if fits else None
+        nodeid, gib = pair
+        if isinstance(gib, int | float) and not isinstance(gib, bool) and 0 < gib <= MAX_GIB:
+            yield nodeid, float(gib)
+        else:
+            yield nodeid, None
